@@ -1,0 +1,87 @@
+"""The HTTP server: FastAPI routes over OpenAIServing, health/readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..async_engine import AsyncEngine, EngineDeadError
+from ..engine import LLMEngine
+from ..metrics import EngineMetrics
+from .errors import APIError, api_error_handler, validation_error_handler
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving import OpenAIServing
+
+log = logging.getLogger("sluice.api")
+
+
+def build_app(engine: LLMEngine) -> FastAPI:
+    async_engine = AsyncEngine(engine)
+    serving = OpenAIServing(async_engine, engine.served_model_name, engine.cfg.max_queue_len)
+    metrics = EngineMetrics(engine, async_engine)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="Sluice engine", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.async_engine = async_engine
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(500, str(exc), code="engine_dead").response()
+
+    async def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(await serving.completions(body, request.is_disconnected))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await respond(await serving.chat(body, request.is_disconnected))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": engine.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
+            "root": str(engine.model_dir), "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if async_engine.dead is not None:
+            return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=500)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        # The model is loaded before the app exists; ready means the engine loop is alive too.
+        if async_engine.dead is not None:
+            return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
+        return {"status": "ready", "model": engine.served_model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

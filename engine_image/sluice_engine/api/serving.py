@@ -1,0 +1,342 @@
+"""OpenAI completions and chat completions over the async engine: request -> prompts and sampling
+params -> engine streams -> response bodies or SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..async_engine import AsyncEngine
+from ..engine import RequestOutput, RequestRejected
+from ..sampler import TokenLogprobs
+from ..sampling_params import InvalidParam, SamplingParams
+from .errors import APIError, bad_request
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Accumulated state of one choice (one engine request)."""
+
+    index: int
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_queue_len: int):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_queue_len = max_queue_len
+
+    # -- shared checks -------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise bad_request(f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                              param="model", code="model_not_found")
+
+    def check_capacity(self, n_requests: int) -> None:
+        if self.engine.num_waiting + n_requests > self.max_queue_len:
+            raise APIError(503, f"server overloaded: {self.engine.num_waiting} requests waiting "
+                           f"(--max-queue-len {self.max_queue_len}); retry shortly",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def sampling_params(self, req, max_tokens: int | None, num_prompt_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must be non-empty", param="stop")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else
+                self.engine.engine.default_max_tokens(num_prompt_tokens),
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                min_p=req.min_p, seed=req.seed,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
+                ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except InvalidParam as e:
+            raise bad_request(str(e), param=e.param) from None
+
+    def _child_params(self, params: SamplingParams, i: int) -> SamplingParams:
+        if i == 0 and params.seed is None:
+            return params
+        # n > 1: each choice its own request; a seed is offset per choice so they differ yet repeat.
+        import dataclasses
+
+        return dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+
+    async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
+                           base_id: str) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come."""
+        choices = [_Choice(p_idx * n + i, ids) for p_idx, ids in enumerate(prompts) for i in range(n)]
+        gens = []
+        for ch in choices:
+            params = self._child_params(params_list[ch.index // n], ch.index % n)
+            try:
+                self.engine.engine.check_prompt(ch.prompt_ids, params)
+            except RequestRejected as e:
+                raise bad_request(str(e), param=e.param, code="context_length_exceeded") from None
+            gens.append(self.engine.generate(f"{base_id}-{ch.index}", ch.prompt_ids, params))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(ch: _Choice, gen: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in gen:
+                    await queue.put((ch, out))
+            except Exception as e:  # forwarded to the consumer, which raises it
+                await queue.put((ch, e))
+            finally:
+                await queue.put((ch, None))
+
+        tasks = [asyncio.create_task(pump(ch, g)) for ch, g in zip(choices, gens, strict=True)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                ch, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    if isinstance(item, ValueError):
+                        raise bad_request(str(item), param=getattr(item, "param", None))
+                    raise item
+                _accumulate(ch, item)
+                yield ch, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            # Cancelling a pump ends its engine stream, whose cleanup aborts the engine request.
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- completions ---------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.tokenizer.encode(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.tokenizer.encode(x) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            raise bad_request("prompt must be a non-empty string, list of strings, or list of token ids",
+                              param="prompt")
+        for ids in prompts:
+            if not ids:
+                raise bad_request("prompt is empty", param="prompt")
+        return prompts
+
+    async def completions(self, req: CompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        prompts = self.completion_prompts(req)
+        self.check_capacity(len(prompts) * req.n)
+        plp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            plp = max(req.logprobs, plp or 0)
+        params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, plp) for ids in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        choices_iter = self._run_choices(prompts, params, req.n, rid)
+        if req.stream:
+            return self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
+        choices = await _collect(choices_iter, is_disconnected)
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+            "choices": [self._completion_choice(ch, req) for ch in choices],
+            "usage": _usage(choices, req.n),
+        }
+
+    def _completion_choice(self, ch: _Choice, req: CompletionRequest) -> dict:
+        text = ch.text
+        logprobs = None
+        if req.logprobs is not None:
+            entries = list(ch.logprobs)
+            tokens = list(ch.token_ids)
+            first_none = False
+            if req.echo:
+                entries = (ch.prompt_logprobs or []) + entries
+                tokens = ch.prompt_ids + tokens
+                first_none = True
+            logprobs = self._completion_logprobs(tokens, entries, first_none, offset=0)
+        if req.echo:
+            text = self.tokenizer.decode(ch.prompt_ids, skip_special_tokens=False) + text
+        return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
+                "stop_reason": ch.stop_reason}
+
+    def _completion_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs], first_none: bool,
+                             offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset
+        for i, tid in enumerate(token_ids):
+            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+            j = i - 1 if first_none else i
+            if j < 0 or j >= len(entries):
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            lp, top = entries[j]
+            token_lps.append(lp)
+            tops.append({self.tokenizer.decode([t], skip_special_tokens=False): v for t, v in top} if top else {})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- chat ----------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+        try:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                                    **(req.chat_template_kwargs or {}))
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+        self.check_capacity(req.n)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, len(prompt_ids), lp, None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid)
+        if req.stream:
+            return self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True)
+        choices = await _collect(choices_iter, is_disconnected)
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+            "choices": [
+                {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                 "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs) if req.logprobs else None,
+                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                for ch in choices
+            ],
+            "usage": _usage(choices, req.n),
+        }
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict:
+        def item(tid: int, lp: float) -> dict:
+            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        content = []
+        for tid, (lp, top) in zip(token_ids, entries, strict=False):
+            content.append({**item(tid, lp), "top_logprobs": [item(t, v) for t, v in top]})
+        return {"content": content}
+
+    # -- streaming -----------------------------------------------------------------------------
+    async def _stream(self, rid: str, created: int, obj: str, choices_iter, req, is_chat: bool) -> AsyncIterator[str]:
+        # Errors found before the first engine output (e.g. a prompt too long) must still be a
+        # plain HTTP 400, so take the first delta before the response starts.
+        first = await anext(choices_iter, None)
+
+        async def events() -> AsyncIterator[str]:
+            seen: set[int] = set()
+            all_choices: dict[int, _Choice] = {}
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(choices: list[dict], usage: dict | None = None) -> str:
+                body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+                if include_usage:
+                    body["usage"] = usage
+                return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+            async def gen():
+                if first is not None:
+                    yield first
+                async for x in choices_iter:
+                    yield x
+
+            try:
+                async for ch, out in gen():
+                    all_choices[ch.index] = ch
+                    if is_chat:
+                        delta: dict = {}
+                        if ch.index not in seen:
+                            delta["role"] = "assistant"
+                            seen.add(ch.index)
+                        if out.new_text or not out.finished:
+                            delta["content"] = out.new_text
+                        c = {"index": ch.index, "delta": delta,
+                             "logprobs": self._chat_logprobs(out.new_token_ids, out.logprobs) if req.logprobs else None,
+                             "finish_reason": out.finish_reason}
+                    else:
+                        text = out.new_text
+                        if req.echo and ch.index not in seen:
+                            text = self.tokenizer.decode(ch.prompt_ids, skip_special_tokens=False) + text
+                        seen.add(ch.index)
+                        lp = None
+                        if req.logprobs is not None:
+                            lp = self._completion_logprobs(out.new_token_ids, out.logprobs, False,
+                                                           offset=len(ch.text) - len(out.new_text))
+                        c = {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                    if out.finished:
+                        c["stop_reason"] = out.stop_reason
+                    yield chunk([c])
+                if include_usage:
+                    yield chunk([], _usage(list(all_choices.values()), req.n))
+                yield "data: [DONE]\n\n"
+            except APIError as e:
+                yield e.sse()
+            finally:
+                await choices_iter.aclose()
+
+        return events()
+
+
+def _accumulate(ch: _Choice, out: RequestOutput) -> None:
+    ch.text += out.new_text
+    ch.token_ids.extend(out.new_token_ids)
+    ch.logprobs.extend(out.logprobs)
+    if out.prompt_logprobs is not None:
+        ch.prompt_logprobs = out.prompt_logprobs
+    ch.num_cached_tokens = out.num_cached_tokens
+    if out.finished:
+        ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def _collect(choices_iter, is_disconnected) -> list[_Choice]:
+    """Drains a non-streaming request, aborting it if the client goes away meanwhile."""
+    seen: dict[int, _Choice] = {}
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        async for ch, _ in choices_iter:
+            seen[ch.index] = ch
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await is_disconnected():
+                    raise APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        await choices_iter.aclose()
+    return [seen[i] for i in sorted(seen)]
+
+
+def _usage(choices: list[_Choice], n: int) -> dict:
+    # The prompt is counted once per distinct prompt, not per choice (OpenAI's convention for n > 1).
+    prompt = sum(len(ch.prompt_ids) for ch in choices if ch.index % n == 0)
+    cached = sum(ch.num_cached_tokens for ch in choices if ch.index % n == 0)
+    completion = sum(len(ch.token_ids) for ch in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,148 @@
+"""Runs the LLMEngine in its own thread so the API's event loop never waits on a forward pass.
+
+Commands (add, abort) reach the thread through a queue; each step's outputs go back to the event
+loop in one `call_soon_threadsafe`, into one asyncio.Queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from .engine import LLMEngine, RequestOutput
+from .request import LogitsProcessor
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("sluice.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    logits_processors: list[LogitsProcessor] | None
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pending_adds = 0  # submitted but not yet seen by the engine thread
+        self.dead: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._cmds.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # -- API side (event loop) -----------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting + self.pending_adds
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       logits_processors: list[LogitsProcessor] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields output deltas until the request finishes. Leaving early (client gone) aborts it."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        self.engine.check_prompt(prompt_token_ids, params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        self.pending_adds += 1
+        self._cmds.put(_Add(request_id, prompt_token_ids, params, logits_processors))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._cmds.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(_Abort(request_id))
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        for request_id, item in items:
+            q = self._streams.get(request_id)
+            if q is not None:
+                q.put_nowait(item)
+
+    def _deliver_threadsafe(self, items: list) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _dec_pending(self) -> None:
+        self.pending_adds -= 1
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        engine = self.engine
+        try:
+            while not self._stopped.is_set():
+                block = not engine.has_unfinished()
+                errors = self._drain(block)
+                self._deliver_threadsafe(errors)
+                if engine.has_unfinished():
+                    outs = engine.step()
+                    self._deliver_threadsafe([(o.request_id, o) for o in outs])
+        except BaseException as e:  # the loop must never die silently: fail every open request
+            log.exception("engine loop failed")
+            self.dead = e
+            err = EngineDeadError(f"engine loop died: {e!r}")
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))
+
+    def _drain(self, block: bool) -> list:
+        errors = []
+        while True:
+            try:
+                cmd = self._cmds.get(block=block, timeout=None)
+            except queue.Empty:
+                return errors
+            block = False
+            if cmd is None:
+                return errors
+            if isinstance(cmd, _Add):
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._dec_pending)
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.logits_processors)
+                except ValueError as e:
+                    errors.append((cmd.request_id, e))
+            else:
+                self.engine.abort_request(cmd.request_id)

@@ -1,0 +1,44 @@
+"""The interface every attention backend implements, and the choice between them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..forward_context import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Scatter this step's K/V rows ([T, Hkv, D]) into their cache slots."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of the new query rows ([T, Hq, D]) over each sequence's cached context
+        (which already includes this step's K/V). k/v are this step's rows, for backends that can use
+        them directly. Returns [T, Hq, D]."""
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        from .torch_paged import TorchPagedAttention
+
+        return TorchPagedAttention()
+    if name == "triton":
+        raise ValueError("--attention-backend triton is not available yet; use torch")
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _triton_available() -> bool:
+    try:
+        from . import triton_paged  # noqa: F401
+    except ImportError:
+        return False
+    return True

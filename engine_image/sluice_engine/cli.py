@@ -1,0 +1,80 @@
+"""`sluice` command line. Subcommands of other components register here as they land."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import EngineConfig, parse_size
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags. NOTE: these are a contract: the operator renders them into pod specs."""
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct, "
+                        "fetched and converted once into the user cache)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: from --model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV cache budget, e.g. 512MiB or 4GiB (default: 1GiB on CPU; on CUDA what "
+                        "--gpu-memory-utilization leaves after the weights)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step; longer prompts are prefilled in chunks")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="waiting requests beyond this are refused with 503 and Retry-After")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    fields = EngineConfig.__dataclass_fields__
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .api.server import build_app
+    from .engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    app = build_app(engine)
+    logging.getLogger("sluice").info("serving %r on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="LLM inference endpoints on Kubernetes")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the engine's OpenAI-compatible server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # configuration errors: one clear line, no traceback
+        print(f"sluice {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

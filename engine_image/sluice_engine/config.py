@@ -1,0 +1,55 @@
+"""Engine configuration: one slotted dataclass that checks its own invariants."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB', '2G', '1.5GiB', '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 2GiB, 4G or a number of bytes")
+    unit = (m.group(2) or "").lower()
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: derived from the device
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_queue_len: int = 1024
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_queue_len < 0:
+            raise ValueError("--max-queue-len must be >= 0")

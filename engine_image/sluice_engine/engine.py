@@ -1,0 +1,232 @@
+"""The synchronous engine: requests in, one step at a time, output deltas out.
+
+`LLMEngine.step()` schedules, runs one forward, appends sampled tokens, detokenizes, applies stop
+conditions and frees finished requests. The async server and the offline `LLM` both drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import KVCacheManager
+from .model_fetch import resolve_model
+from .model_runner import ModelRunner, StepResult
+from .request import FinishReason, LogitsProcessor, Request
+from .sampler import TokenLogprobs
+from .sampling_params import InvalidParam, SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("sluice.engine")
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (too long for the context or the KV cache)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta: what one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, on the first delta, when asked
+
+
+@dataclass(slots=True)
+class _OutputState:
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0  # chars of `text` already sent
+    prompt_logprobs_sent: bool = False
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model_dir: Path = resolve_model(cfg.model)
+        self.served_model_name = cfg.served_model_name or (cfg.model and Path(cfg.model).name) or "SmolLM2-135M-Instruct"
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.runner = ModelRunner(cfg, self.model_dir)
+        capacity = self.runner.num_blocks * cfg.block_size
+        if cfg.max_model_len is not None and cfg.max_model_len > capacity:
+            raise ValueError(
+                f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({capacity} tokens); "
+                "raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.max_model_len = min(self.runner.max_model_len, capacity)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
+        self.stats = EngineStats()
+        self._out: dict[str, _OutputState] = {}
+        log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
+                 self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
+
+    # -- requests ------------------------------------------------------------------------------
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        return max(1, self.max_model_len - num_prompt_tokens)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected if the request can never be served (a 400 at the API)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("prompt", "prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                "prompt", f"prompt has {n} tokens; this model's context window (max_model_len) is "
+                f"{self.max_model_len} tokens, leaving no room to generate",
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
+                f"of {self.max_model_len} tokens",
+            )
+        vocab = self.runner.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    logits_processors: list[LogitsProcessor] | None = None) -> Request:
+        self.check_prompt(prompt_token_ids, params)
+        if request_id in self._out:
+            raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                      logits_processors=list(logits_processors or []))
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device)
+            req.generator.manual_seed(params.seed)
+        self._out[request_id] = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        )
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req, FinishReason.ABORT)
+            self.stats.finished[FinishReason.ABORT.value] += 1
+        self._out.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        results = self.runner.execute(sched, self.kv)
+        self.stats.steps += 1
+        outputs = []
+        for res in results:
+            out = self._process(res)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _process(self, res: StepResult) -> RequestOutput | None:
+        req = res.request
+        state = self._out[req.request_id]
+        # The request's counter advances here: these tokens are now in the cache.
+        req.num_computed_tokens += res.num_scheduled
+        if res.prompt_logprobs:
+            req.prompt_logprobs.extend(res.prompt_logprobs)
+        if res.token_id is None:
+            return None
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.prompt_tokens += req.num_prompt_tokens
+        token = res.token_id
+        req.append_output_token(token)
+        self.stats.generation_tokens += 1
+        if res.logprobs is not None:
+            state.pending_logprobs.append(res.logprobs)
+
+        p = req.params
+        finish: FinishReason | None = None
+        stop_reason: int | str | None = None
+        is_stop_token = (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
+        if is_stop_token:
+            finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
+        if not is_stop_token or p.include_stop_str_in_output:
+            state.text += state.detok.step([token])
+        if finish is None and p.stop:
+            hit = _find_stop(state.text, p.stop, state.emitted)
+            if hit is not None:
+                idx, s = hit
+                state.text = state.text[: idx + len(s)] if p.include_stop_str_in_output else state.text[:idx]
+                finish, stop_reason = FinishReason.STOP, s
+        if finish is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            finish = FinishReason.LENGTH
+
+        if finish is not None:
+            self.scheduler.finish(req, finish)
+            req.stop_reason = stop_reason
+            self.stats.finished[finish.value] += 1
+            new_text = state.text[state.emitted :]
+        else:
+            # Hold back a tail that could still turn out to be the start of a stop string.
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            new_text = state.text[state.emitted : max(state.emitted, len(state.text) - hold)]
+        state.emitted += len(new_text)
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=new_text,
+            logprobs=state.pending_logprobs,
+            finished=finish is not None,
+            finish_reason=finish.value if finish else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        state.pending_logprobs = []
+        if not state.prompt_logprobs_sent and p.prompt_logprobs is not None:
+            out.prompt_logprobs = list(req.prompt_logprobs)
+            state.prompt_logprobs_sent = True
+        if finish is not None:
+            self._out.pop(req.request_id, None)
+        return out
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """The earliest stop string in text[start:], as (index, stop string)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

@@ -1,0 +1,58 @@
+"""Attention metadata for one forward pass, reachable from every attention layer without threading
+it through each layer's signature (as nano-vllm's context and vLLM's forward_context do)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # Ragged batch: sequence i owns query rows query_start_loc[i]:query_start_loc[i+1].
+    query_start_loc: torch.Tensor  # [B+1] int32, on device
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] int32; padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) per new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the CPU reference path does not sync with the device per sequence.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    global _context
+    prev, _context = _context, ctx
+    try:
+        yield
+    finally:
+        _context = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("attention called outside a forward context")
+    return _context

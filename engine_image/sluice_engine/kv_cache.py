@@ -1,0 +1,225 @@
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks with an O(1) LRU free list and a prefix
+cache keyed by chained block hashes, plus the per-request block tables built on top of it.
+
+The tensors themselves live in the model runner; this module only hands out block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .request import Request
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Hash of (parent block hash, this block's token ids) once the block is full and cached.
+    block_hash: int | None = None
+    # Links of the doubly linked free list (None when not in it).
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks. Front = least recently freed = evicted first.
+
+    NOTE: a free block can still hold cached KV; a prefix hit takes it out of the middle of the
+    queue, so removal must be O(1) -- hence links in the blocks rather than a deque.
+    """
+
+    def __init__(self, blocks: Sequence[KVBlock]):
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, "block not in free queue"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise RuntimeError("no free KV blocks")
+        self.remove(first)
+        return first
+
+
+def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
+    # NOTE: Python's hash of a tuple of ints is deterministic across processes (no salt) and 64-bit;
+    # chaining the parent makes a hit imply the whole prefix matched.
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free ones, including evictable cached ones)."""
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict its cached content (LRU: oldest freed first)
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks (a prefix hit); free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference; a block reaching zero goes to the back of the free queue, keeping its
+        cached content until it is evicted. Callers pass a request's blocks tail first so that the
+        end of a sequence is evicted before its (more shareable) beginning."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} released too often"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # Keep the first copy when two requests computed the same block; the second stays private.
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+
+
+class KVCacheManager:
+    """Block tables per request on top of the block pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
+        # Prefix-cache statistics in tokens (queries = prompt tokens looked up).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _block_hashes(self, request: Request, upto_tokens: int) -> list[int]:
+        """Hashes of the request's full blocks within its first `upto_tokens` tokens (memoised)."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= upto_tokens:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest chain of cached blocks matching the request's tokens.
+
+        At least one token is always left to compute: its logits are what the step samples from.
+        """
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []
+        hashes = self._block_hashes(request, request.num_tokens - 1)
+        hit: list[KVBlock] = []
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()) -> bool:
+        """Make room for `num_new_tokens` more computed tokens. Returns False (changing nothing) if
+        the pool cannot supply the blocks."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = []
+        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        total = num_computed + num_new_tokens
+        need = self.blocks_needed(total) - len(blocks) - len(cached_prefix)
+        # Cached blocks sitting in the free queue are not available for new allocations once touched.
+        evictable_hits = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            return False
+        if cached_prefix:
+            self.pool.touch(cached_prefix)
+            blocks.extend(cached_prefix)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        self.req_blocks[request.request_id] = blocks
+        if self.enable_prefix_caching:
+            # NOTE: the blocks filled by this step are registered now, before the forward writes
+            # them. That is safe: a request hitting them is batched into the same or a later step,
+            # and every layer writes the whole batch's K/V before any attention reads it.
+            hashes = self._block_hashes(request, total)
+            for block, h in zip(blocks, hashes, strict=False):
+                self.pool.cache_block(block, h)
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self.req_hashes.pop(request.request_id, None)
+        if blocks:
+            self.pool.release(reversed(blocks))
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks

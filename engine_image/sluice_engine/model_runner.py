@@ -1,0 +1,191 @@
+"""Turns a schedule into one forward pass: builds the batch tensors and the forward context, runs
+the model, samples. Owns the model weights and the KV cache tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .attention.backend import select_backend
+from .config import EngineConfig
+from .forward_context import AttentionMetadata, ForwardContext, forward_context
+from .kv_cache import KVCacheManager
+from .models.llama import LlamaForCausalLM
+from .models.model_config import ModelConfig
+from .request import Request
+from .sampler import Sampler, TokenLogprobs, top_logprobs
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger("sluice.engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: bf16 matmuls are several times slower for prefill on common x86 CPUs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward produced for one scheduled request."""
+
+    request: Request
+    num_scheduled: int
+    token_id: int | None  # None: a prompt chunk that did not reach the end of the prompt
+    logprobs: TokenLogprobs | None
+    prompt_logprobs: list[TokenLogprobs] | None
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_dir: Path):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        mc = self.model_config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        self.backend = select_backend(cfg.attention_backend, self.device)
+
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            model = LlamaForCausalLM(mc, self.backend, max_positions=max(self.max_model_len, mc.max_position_embeddings))
+        tensors = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            tensors.update(load_file(str(f), device=str(self.device)))
+        if not tensors:
+            raise ValueError(f"no *.safetensors weights in {model_dir}")
+        model.load_hf_weights(tensors)
+        del tensors
+        # Rotary tables stay fp32; everything else takes the serving dtype.
+        self.model = model.to(self.dtype).eval()
+        self.model.rotary.float()
+        log.info("loaded %s (%s, %.1fM params) on %s in %.1fs", model_dir, mc.architecture,
+                 sum(p.numel() for p in self.model.parameters()) / 1e6, self.device, time.perf_counter() - t0)
+
+        self.num_blocks = self._num_kv_blocks()
+        shape = (2, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.num_blocks, cfg.block_size,
+                 self.num_blocks * cfg.block_size, self.kv_cache_bytes / 2**20)
+        self.sampler = Sampler(self.device, cfg.seed)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.cfg.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+
+    def _num_kv_blocks(self) -> int:
+        per_block = self.cfg.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+        budget = self.cfg.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                # Leave headroom for activations of a full token budget (generous for small models).
+                budget = int(total * self.cfg.gpu_memory_utilization) - used - (1 << 30)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes is less than one block ({per_block} bytes)")
+        return int(blocks)
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[StepResult]:
+        bs = self.cfg.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []  # rows of the hidden states to project to logits
+        row_plan: list[tuple[int, int, bool]] = []  # per request: (first logits row, count, samples?)
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            block_ids = kv.block_ids(req.request_id)
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            base = query_start[-1]
+            query_start.append(base + n)
+            seq_lens.append(end)
+            tables.append(block_ids)
+            samples = end == req.num_tokens
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                first = len(logits_rows)
+                logits_rows.extend(range(base, base + n))
+                row_plan.append((first, n, samples))
+            else:
+                row_plan.append((len(logits_rows), 1, samples))
+                logits_rows.append(base + n - 1)
+
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        q_lens = [n for _, n in sched.scheduled]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table_tensor,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        with forward_context(ForwardContext(meta, self.kv_caches)):
+            hidden = self.model(ids_t, pos_t)
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+
+        sample_idx = [first + count - 1 for first, count, s in row_plan if s]
+        sample_reqs = [req for (req, _), (_, _, s) in zip(sched.scheduled, row_plan, strict=True) if s]
+        sampled = self.sampler(logits[sample_idx], sample_reqs) if sample_reqs else None
+
+        results: list[StepResult] = []
+        k = 0
+        for (req, n), (first, count, samples) in zip(sched.scheduled, row_plan, strict=True):
+            token = lp = None
+            if samples:
+                assert sampled is not None
+                token, lp = sampled.token_ids[k], sampled.logprobs[k]
+                k += 1
+            plp = None
+            if req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                plp = self._prompt_logprobs(req, logits[first : first + count], req.num_computed_tokens)
+            results.append(StepResult(req, n, token, lp, plp))
+        return results
+
+    def _prompt_logprobs(self, req: Request, rows: torch.Tensor, start: int) -> list[TokenLogprobs]:
+        """Logprobs of the prompt tokens that rows predict (row j predicts token start + j + 1)."""
+        lps = torch.log_softmax(rows, dim=-1)
+        out = []
+        for j in range(rows.shape[0]):
+            target_pos = start + j + 1
+            if target_pos >= req.num_prompt_tokens:
+                break
+            if target_pos <= len(req.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            out.append(top_logprobs(lps[j], req.all_token_ids[target_pos], req.params.prompt_logprobs or 0))
+        return out

@@ -1,0 +1,117 @@
+"""From the logits of each sampling row to one token, and logprobs when asked.
+
+Order (as users of vLLM expect): logits processors (e.g. grammar masks) -> penalties -> greedy argmax
+or temperature -> top-k -> top-p -> min-p -> sample. Reported logprobs are of the raw model
+distribution, before any of that processing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+# (logprob of the chosen token, [(token_id, logprob) for the top-k])
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+    chosen = float(logprobs_row[token_id])
+    if k <= 0:
+        return chosen, []
+    vals, ids = logprobs_row.topk(k)
+    return chosen, list(zip(ids.tolist(), vals.tolist(), strict=True))
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [B, V] float32, row i for requests[i]."""
+        raw = logits
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
+
+        logits = raw.clone() if any(r.logits_processors or r.params.needs_penalties for r in requests) else raw
+        for i, r in enumerate(requests):
+            for proc in r.logits_processors:
+                logits[i] = proc(r.output_token_ids, logits[i])
+            if r.params.needs_penalties:
+                _apply_penalties(logits[i], r)
+
+        greedy = [r.params.greedy for r in requests]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, greedy)
+        token_ids = tokens.tolist()
+
+        out_lp: list[TokenLogprobs | None] = [None] * len(requests)
+        if logprobs is not None:
+            for i, r in enumerate(requests):
+                if r.params.logprobs is not None:
+                    out_lp[i] = top_logprobs(logprobs[i], token_ids[i], r.params.logprobs)
+        return SamplerOutput(token_ids, out_lp)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(requests, greedy, strict=True)],
+                             device=dev)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in requests]
+        if any(k > 0 for k in top_k):
+            vocab = logits.shape[-1]
+            ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).clamp(max=vocab)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_p = torch.tensor([r.params.top_p for r in requests], device=dev)
+        if bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            # Drop a token when the mass before it already reaches top_p (the top token always stays).
+            drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in requests], device=dev)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # Exponential race (argmax p/q with q ~ Exp(1)) samples from p without a host sync; a seeded
+        # request draws its noise from its own generator so its tokens do not depend on the batch.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def _apply_penalties(row: torch.Tensor, r: Request) -> None:
+    p = r.params
+    dev = row.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.all_token_ids)), device=dev, dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        ids, counts = torch.tensor(r.output_token_ids, device=dev, dtype=torch.long).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

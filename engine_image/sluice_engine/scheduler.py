@@ -1,0 +1,128 @@
+"""Continuous batching with one token budget per step (vLLM V1 style).
+
+A step is `{request_id: number of tokens to compute}`. Running requests go first, then waiting ones,
+until `max_num_batched_tokens` is spent; a long prompt simply gets a chunk this step and the rest in
+later steps. When blocks run out, the most recently admitted running request is preempted by
+recompute: its blocks are freed and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVCacheManager
+from .request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests in batch order with the number of tokens each computes this step.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Finish a request (done, aborted or failed) and give its blocks back."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to do (cannot happen unless a step was skipped)
+                i += 1
+                continue
+            while not self.kv.allocate(req, num_new):
+                victim = self.running.pop()  # most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted; everything after it already was
+
+        # Admit waiting requests only if nobody was preempted this step (they would thrash).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate(req, num_new, cached):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission: report prefix-cache use once
+                req.num_cached_tokens = num_cached
+                self.kv.prefix_queries += req.num_prompt_tokens
+                self.kv.prefix_hits += num_cached
+            req.num_computed_tokens += num_cached
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
