@@ -179,18 +179,21 @@ class OpenAIServing:
                 entries = (ch.prompt_logprobs or []) + entries
                 tokens = ch.prompt_ids + tokens
                 first_none = True
-            logprobs = self._completion_logprobs(tokens, entries, first_none, offset=0)
+            logprobs = self._completion_logprobs(tokens, entries, first_none, 0, req.return_tokens_as_token_ids)
         if req.echo:
             text = self.tokenizer.decode(ch.prompt_ids, skip_special_tokens=False) + text
         return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
                 "stop_reason": ch.stop_reason}
 
+    def _token_str(self, token_id: int, as_id: bool) -> str:
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _completion_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs], first_none: bool,
-                             offset: int) -> dict:
+                             offset: int, as_ids: bool) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
         for i, tid in enumerate(token_ids):
-            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            s = self._token_str(tid, as_ids)
             tokens.append(s)
             offsets.append(pos)
             pos += len(s)
@@ -201,7 +204,7 @@ class OpenAIServing:
                 continue
             lp, top = entries[j]
             token_lps.append(lp)
-            tops.append({self.tokenizer.decode([t], skip_special_tokens=False): v for t, v in top} if top else {})
+            tops.append({self._token_str(t, as_ids): v for t, v in top} if top else {})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # -- chat ----------------------------------------------------------------------------------
@@ -229,16 +232,16 @@ class OpenAIServing:
             "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
             "choices": [
                 {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                 "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs) if req.logprobs else None,
+                 "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs, req.return_tokens_as_token_ids) if req.logprobs else None,
                  "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
                 for ch in choices
             ],
             "usage": _usage(choices, req.n),
         }
 
-    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict:
+    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs], as_ids: bool) -> dict:
         def item(tid: int, lp: float) -> dict:
-            s = self.tokenizer.decode([tid], skip_special_tokens=False)
+            s = self._token_str(tid, as_ids)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
         content = []
@@ -280,7 +283,8 @@ class OpenAIServing:
                         if out.new_text or not out.finished:
                             delta["content"] = out.new_text
                         c = {"index": ch.index, "delta": delta,
-                             "logprobs": self._chat_logprobs(out.new_token_ids, out.logprobs) if req.logprobs else None,
+                             "logprobs": self._chat_logprobs(out.new_token_ids, out.logprobs,
+                                                            req.return_tokens_as_token_ids) if req.logprobs else None,
                              "finish_reason": out.finish_reason}
                     else:
                         text = out.new_text
@@ -290,7 +294,8 @@ class OpenAIServing:
                         lp = None
                         if req.logprobs is not None:
                             lp = self._completion_logprobs(out.new_token_ids, out.logprobs, False,
-                                                           offset=len(ch.text) - len(out.new_text))
+                                                           len(ch.text) - len(out.new_text),
+                                                           req.return_tokens_as_token_ids)
                         c = {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
                     if out.finished:
                         c["stop_reason"] = out.stop_reason

@@ -1,0 +1,100 @@
+"""Shared pytest fixtures."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice_engine.model_fetch import resolve_model
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The bundled default model as an HF directory (downloaded and converted on first use, ~1 min)."""
+    return resolve_model(None)
+
+
+# -- a real `sluice serve` process ---------------------------------------------------------------
+SERVED_NAME = "smollm2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.model = SERVED_NAME
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice_engine.cli", "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sluice serve exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"sluice serve not ready after {timeout}s:\n{self.log_path.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Scalar metric samples by name (labels dropped; one model per server)."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                out[name_labels.split("{")[0]] = out.get(name_labels.split("{")[0], 0.0) + float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def start_server(model_dir: Path, tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """Factory: start_server(*flags) -> a ready `sluice serve` on a free port, stopped at session end."""
+    started: list[ServerProcess] = []
+
+    def start(*flags: str) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "serve.log"
+        server = ServerProcess(["--model", str(model_dir), "--served-model-name", SERVED_NAME, *flags], log)
+        started.append(server)
+        server.wait_ready()
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path):
+    """HF transformers on the same weights, fp32: the numerical reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,0 +1,77 @@
+"""The scheduler as counter arithmetic: chunked prefill, the token budget, preemption by recompute."""
+
+from sluice_engine.kv_cache import KVCacheManager
+from sluice_engine.request import FinishReason, Request, RequestStatus
+from sluice_engine.sampling_params import SamplingParams
+from sluice_engine.scheduler import Scheduler
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=16, caching=True):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(kv, max_seqs, budget, max_model_len=1024), kv
+
+
+def run_step(s: Scheduler, token=7):
+    """Plays the model runner: advances counters; a request caught up with its tokens samples one."""
+    out = s.schedule()
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_output_token(token)
+            if req.num_output_tokens >= req.params.max_tokens:
+                s.finish(req, FinishReason.LENGTH)
+    return out
+
+
+def test_long_prompt_is_chunked_within_budget():
+    s, _ = make(budget=16)
+    r = Request("a", list(range(40)), SamplingParams(max_tokens=2))
+    s.add(r)
+    sizes = [run_step(s).num_tokens for _ in range(3)]
+    assert sizes == [16, 16, 8]
+    assert r.num_output_tokens == 1  # sampled only when the prompt was fully computed
+
+
+def test_running_first_then_waiting_and_max_num_seqs():
+    s, _ = make(budget=100, max_seqs=2)
+    reqs = [Request(f"r{i}", list(range(5)), SamplingParams(max_tokens=3)) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    out = run_step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 1), ("r1", 1)]
+    run_step(s)  # r0, r1 finish
+    out = run_step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["r2"]
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # 4 blocks of 4 tokens; two requests of 7 prompt tokens each need 2 blocks, then grow.
+    s, kv = make(num_blocks=4, block_size=4, budget=64, caching=False)
+    a = Request("a", list(range(7)), SamplingParams(max_tokens=6))
+    b = Request("b", list(range(100, 107)), SamplingParams(max_tokens=6))
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled (7 tokens, 2 blocks each): the pool is full
+    run_step(s)  # position 7 still fits in the second block
+    out = run_step(s)  # both need a third block: only a can have one -> b (admitted last) is preempted
+    assert b in out.preempted and b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert s.waiting[0] is b and s.num_preemptions == 1
+    while s.has_work():
+        run_step(s)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
+    assert kv.num_free_blocks() == 4
+
+
+def test_finish_frees_blocks_and_abort_of_waiting():
+    s, kv = make()
+    a = Request("a", list(range(9)), SamplingParams(max_tokens=4))
+    b = Request("b", list(range(9)), SamplingParams(max_tokens=4))
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    s.finish(a, FinishReason.ABORT)
+    s.finish(b, FinishReason.ABORT)
+    assert not s.has_work() and kv.num_free_blocks() == kv.num_blocks
+    assert a.finish_reason is FinishReason.ABORT
