@@ -182,14 +182,16 @@ class LLMEngine:
             finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
         if not is_stop_token or p.include_stop_str_in_output:
             state.text += state.detok.step([token])
-        if finish is None and p.stop:
+        if finish is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            state.text += state.detok.flush()  # a character still split across bytes, if any
+        if p.stop and finish is not FinishReason.STOP:
             hit = _find_stop(state.text, p.stop, state.emitted)
             if hit is not None:
                 idx, s = hit
                 state.text = state.text[: idx + len(s)] if p.include_stop_str_in_output else state.text[:idx]
                 finish, stop_reason = FinishReason.STOP, s
-        if finish is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            finish = FinishReason.LENGTH
 
         if finish is not None:
             self.scheduler.finish(req, finish)

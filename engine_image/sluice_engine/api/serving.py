@@ -160,7 +160,7 @@ class OpenAIServing:
         created = int(time.time())
         choices_iter = self._run_choices(prompts, params, req.n, rid)
         if req.stream:
-            return self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
+            return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter, is_disconnected)
         return {
             "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -226,7 +226,7 @@ class OpenAIServing:
         created = int(time.time())
         choices_iter = self._run_choices([prompt_ids], [params], req.n, rid)
         if req.stream:
-            return self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True)
+            return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True)
         choices = await _collect(choices_iter, is_disconnected)
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
