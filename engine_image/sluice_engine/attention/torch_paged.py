@@ -47,10 +47,11 @@ class TorchPagedAttention:
         b = meta.num_seqs
         block_size = kv_cache.shape[2]
         max_blocks = -(-meta.max_seq_len // block_size)
-        tables = meta.block_tables[:, :max_blocks]
+        # index_select with flat int64 ids is several times faster on CPU than tensor[int32 table].
+        ids = meta.block_tables[:, :max_blocks].reshape(-1).long()
         length = max_blocks * block_size
-        keys = kv_cache[0][tables].reshape(b, length, *kv_cache.shape[3:]).transpose(1, 2)
-        values = kv_cache[1][tables].reshape(b, length, *kv_cache.shape[3:]).transpose(1, 2)
+        keys = kv_cache[0].index_select(0, ids).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
+        values = kv_cache[1].index_select(0, ids).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
         mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[:, None]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :],
@@ -63,7 +64,7 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     """K and V of one sequence as [Hkv, seq_len, D]."""
     block_size = kv_cache.shape[2]
     n = -(-seq_len // block_size)
-    ids = block_table[:n]
-    k = kv_cache[0][ids].flatten(0, 1)[:seq_len].transpose(0, 1)
-    v = kv_cache[1][ids].flatten(0, 1)[:seq_len].transpose(0, 1)
+    ids = block_table[:n].long()
+    k = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1)
+    v = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1)
     return k, v
