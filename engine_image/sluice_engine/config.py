@@ -51,5 +51,5 @@ class EngineConfig:
             raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-        if self.max_queue_len < 0:
-            raise ValueError("--max-queue-len must be >= 0")
+        if self.max_queue_len < 1:
+            raise ValueError("--max-queue-len must be >= 1")

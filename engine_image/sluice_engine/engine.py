@@ -30,9 +30,10 @@ log = logging.getLogger("sluice.engine")
 class RequestRejected(ValueError):
     """The request can never be served as asked (too long for the context or the KV cache)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -99,16 +100,16 @@ class LLMEngine:
         """Raise RequestRejected if the request can never be served (a 400 at the API)."""
         n = len(prompt_token_ids)
         if n == 0:
-            raise RequestRejected("prompt", "prompt is empty")
+            raise RequestRejected("prompt", "prompt is empty", "empty_prompt")
         if n >= self.max_model_len:
             raise RequestRejected(
                 "prompt", f"prompt has {n} tokens; this model's context window (max_model_len) is "
-                f"{self.max_model_len} tokens, leaving no room to generate",
+                f"{self.max_model_len} tokens, leaving no room to generate", "context_length_exceeded",
             )
         if n + params.max_tokens > self.max_model_len:
             raise RequestRejected(
                 "max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
-                f"of {self.max_model_len} tokens",
+                f"of {self.max_model_len} tokens", "context_length_exceeded",
             )
         vocab = self.runner.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)

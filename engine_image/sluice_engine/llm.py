@@ -34,6 +34,8 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         encoded = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        for toks in encoded:  # refuse the whole call before any request enters the engine
+            self.engine.check_prompt(toks, params)
         ids = []
         results: dict[str, Completion] = {}
         for toks in encoded:

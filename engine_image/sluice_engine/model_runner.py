@@ -60,12 +60,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model_config = ModelConfig.from_dir(model_dir)
         mc = self.model_config
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        self.max_model_len = self._max_model_len(cfg, mc)
         self.backend = select_backend(cfg.attention_backend, self.device)
 
         t0 = time.perf_counter()
-        with torch.device(self.device):
-            model = LlamaForCausalLM(mc, self.backend, max_positions=max(self.max_model_len, mc.max_position_embeddings))
+        # Build directly in the serving dtype on the device: no fp32 copy of the weights ever exists.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(mc, self.backend, max_positions=self.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
         tensors = {}
         for f in sorted(Path(model_dir).glob("*.safetensors")):
             tensors.update(load_file(str(f), device=str(self.device)))
@@ -73,9 +79,7 @@ class ModelRunner:
             raise ValueError(f"no *.safetensors weights in {model_dir}")
         model.load_hf_weights(tensors)
         del tensors
-        # Rotary tables stay fp32; everything else takes the serving dtype.
-        self.model = model.to(self.dtype).eval()
-        self.model.rotary.float()
+        self.model = model.eval()
         log.info("loaded %s (%s, %.1fM params) on %s in %.1fs", model_dir, mc.architecture,
                  sum(p.numel() for p in self.model.parameters()) / 1e6, self.device, time.perf_counter() - t0)
 
@@ -86,6 +90,17 @@ class ModelRunner:
                  self.num_blocks * cfg.block_size, self.kv_cache_bytes / 2**20)
         self.sampler = Sampler(self.device, cfg.seed)
 
+    @staticmethod
+    def _max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            log.warning("sliding-window attention is not implemented: context capped to the window (%d)",
+                        mc.sliding_window)
+            limit = mc.sliding_window
+        if cfg.max_model_len is not None and cfg.max_model_len > limit:
+            raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds what this model supports ({limit} tokens)")
+        return cfg.max_model_len or limit
+
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.cfg.block_size * self.model_config.kv_bytes_per_token(self.dtype.itemsize)
@@ -95,6 +110,7 @@ class ModelRunner:
         budget = self.cfg.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # memory the allocator holds but does not use is free for the KV cache
                 free, total = torch.cuda.mem_get_info(self.device)
                 used = total - free
                 # Leave headroom for activations of a full token budget (generous for small models).

@@ -36,7 +36,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # written so that NaN fails too
             raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
@@ -50,7 +50,7 @@ class SamplingParams:
             raise InvalidParam(
                 "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
             )
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             raise InvalidParam(
                 "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"
             )

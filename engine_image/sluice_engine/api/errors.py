@@ -43,7 +43,8 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json").response()
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Drop the body prefix and the type tags pydantic adds inside unions ('str', 'list[int]', ...).
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") == "missing":
@@ -51,3 +52,10 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
     elif param:
         msg = f"invalid value for '{param}': {msg}"
     return bad_request(msg, param=param, code="invalid_value").response()
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"}
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)

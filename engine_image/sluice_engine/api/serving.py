@@ -49,6 +49,9 @@ class OpenAIServing:
                               param="model", code="model_not_found")
 
     def check_capacity(self, n_requests: int) -> None:
+        if n_requests > self.max_queue_len:
+            raise bad_request(f"this request needs {n_requests} sequences (prompts x n) but at most "
+                              f"{self.max_queue_len} may wait (--max-queue-len)", param="n")
         if self.engine.num_waiting + n_requests > self.max_queue_len:
             raise APIError(503, f"server overloaded: {self.engine.num_waiting} requests waiting "
                            f"(--max-queue-len {self.max_queue_len}); retry shortly",
@@ -74,7 +77,9 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
             )
         except InvalidParam as e:
-            raise bad_request(str(e), param=e.param) from None
+            # Chat names the top-k count top_logprobs; completions calls it logprobs.
+            param = "top_logprobs" if e.param == "logprobs" and hasattr(req, "top_logprobs") else e.param
+            raise bad_request(str(e).replace(e.param, param, 1), param=param) from None
 
     def _child_params(self, params: SamplingParams, i: int) -> SamplingParams:
         if i == 0 and params.seed is None:
@@ -94,7 +99,7 @@ class OpenAIServing:
             try:
                 self.engine.engine.check_prompt(ch.prompt_ids, params)
             except RequestRejected as e:
-                raise bad_request(str(e), param=e.param, code="context_length_exceeded") from None
+                raise bad_request(str(e), param=e.param, code=e.code) from None
             gens.append(self.engine.generate(f"{base_id}-{ch.index}", ch.prompt_ids, params))
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -182,8 +187,22 @@ class OpenAIServing:
             logprobs = self._completion_logprobs(tokens, entries, first_none, 0, req.return_tokens_as_token_ids)
         if req.echo:
             text = self.tokenizer.decode(ch.prompt_ids, skip_special_tokens=False) + text
-        return {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
-                "stop_reason": ch.stop_reason}
+        choice = {"index": ch.index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
+                  "stop_reason": ch.stop_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(ch)
+        return choice
+
+    def _prompt_logprobs(self, ch: _Choice) -> list[dict | None]:
+        """vLLM's shape: per prompt token, {token_id: {logprob, decoded_token}} for the token itself and
+        the top-k; None for the first token, which nothing predicts."""
+        out: list[dict | None] = [None]
+        for tid, (lp, top) in zip(ch.prompt_ids[1:], ch.prompt_logprobs or [], strict=False):
+            entry = {t: v for t, v in top}
+            entry[tid] = lp
+            out.append({str(t): {"logprob": v, "decoded_token": self.tokenizer.decode([t], skip_special_tokens=False)}
+                        for t, v in entry.items()})
+        return out
 
     def _token_str(self, token_id: int, as_id: bool) -> str:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -193,10 +212,9 @@ class OpenAIServing:
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
         for i, tid in enumerate(token_ids):
-            s = self._token_str(tid, as_ids)
-            tokens.append(s)
+            tokens.append(self._token_str(tid, as_ids))
             offsets.append(pos)
-            pos += len(s)
+            pos += len(self.tokenizer.decode([tid], skip_special_tokens=False))
             j = i - 1 if first_none else i
             if j < 0 or j >= len(entries):
                 token_lps.append(None)
@@ -210,6 +228,11 @@ class OpenAIServing:
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than 'text' (structured output) is not supported yet",
+                              param="response_format")
+        if req.tools and req.tool_choice != "none":
+            raise bad_request("tool calling is not supported yet", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
         try:
@@ -305,6 +328,8 @@ class OpenAIServing:
                 yield "data: [DONE]\n\n"
             except APIError as e:
                 yield e.sse()
+            except Exception as e:  # e.g. the engine loop died mid-stream: tell the client, do not just hang up
+                yield APIError(500, f"generation failed: {e}", code="internal_error").sse()
             finally:
                 await choices_iter.aclose()
 

@@ -32,6 +32,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     rope_scaling: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention (Mistral v0.1, some Qwen2): not implemented, so the context is capped to it.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -73,6 +75,7 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             rope_scaling=dict(scaling),
             eos_token_ids=eos_ids,
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None,
         )
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
