@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ class Completion:
     finish_reason: str | None
     logprobs: list[TokenLogprobs]
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt tokens 1.., when asked
 
 
 class LLM:
@@ -29,7 +31,8 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | None = None) -> list[Completion]:
-        """Runs all prompts through continuous batching; returns completions in prompt order."""
+        """Runs all prompts through continuous batching; returns completions in prompt order
+        (with n > 1, the n completions of each prompt in a row)."""
         params = params or SamplingParams()
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -39,10 +42,12 @@ class LLM:
         ids = []
         results: dict[str, Completion] = {}
         for toks in encoded:
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, toks, params)
-            ids.append(rid)
-            results[rid] = Completion(toks, "", [], None, [], 0)
+            for i in range(params.n):
+                rid = f"offline-{next(self._ids)}"
+                seed = None if params.seed is None else params.seed + i  # choices differ, yet repeat
+                self.engine.add_request(rid, toks, dataclasses.replace(params, seed=seed, n=1))
+                ids.append(rid)
+                results[rid] = Completion(toks, "", [], None, [], 0)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 c = results[out.request_id]
@@ -50,6 +55,8 @@ class LLM:
                 c.token_ids.extend(out.new_token_ids)
                 c.logprobs.extend(out.logprobs)
                 c.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     c.finish_reason = out.finish_reason
         return [results[r] for r in ids]

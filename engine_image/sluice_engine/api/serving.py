@@ -4,6 +4,7 @@ params -> engine streams -> response bodies or SSE chunks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -85,8 +86,6 @@ class OpenAIServing:
         if i == 0 and params.seed is None:
             return params
         # n > 1: each choice its own request; a seed is offset per choice so they differ yet repeat.
-        import dataclasses
-
         return dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
 
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
