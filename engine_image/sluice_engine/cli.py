@@ -52,6 +52,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_render(args: argparse.Namespace) -> int:
+    from sluice_operator.render import run  # the operator's; imported only when rendering
+
+    return run(args.filename, args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference endpoints on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
+    render = sub.add_parser("render", help="print the Kubernetes objects the operator creates for an "
+                                           "InferenceEndpoint (offline)")
+    render.add_argument("-f", "--filename", required=True, help="InferenceEndpoint YAML file, or - for stdin")
+    render.add_argument("-o", "--output", default="yaml", choices=["yaml", "json"])
+    render.set_defaults(func=cmd_render)
     return parser
 
 

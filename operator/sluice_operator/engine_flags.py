@@ -1,0 +1,94 @@
+"""The engine flags an InferenceEndpoint may pass through `spec.engine.args`.
+
+NOTE: this mirrors `add_engine_args` in engine_image/sluice_engine/cli.py (a contract, docs/engine-flags.md)
+instead of importing it, so the operator never needs the engine (or torch) installed. A test compares the two.
+"""
+
+from __future__ import annotations
+
+# Flags the operator renders itself from dedicated spec fields; `engine.args` may not set them.
+OPERATOR_OWNED_FLAGS: dict[str, str] = {
+    "model": "model.uri",
+    "served-model-name": "model.servedName",
+    "dtype": "engine.dtype",
+    "max-model-len": "engine.maxModelLen",
+    "device": "accelerator.type",
+    "host": "(always 0.0.0.0 in a pod)",
+    "port": "(always 8000 in a pod)",
+}
+
+# flag (without the leading dashes) -> the value type it takes, or the tuple of its choices.
+# `bool` marks a switch: "true" renders the bare flag, "false" leaves it out.
+PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
+    "block-size": int,
+    "kv-cache-memory": str,
+    "gpu-memory-utilization": float,
+    "max-num-seqs": int,
+    "max-num-batched-tokens": int,
+    "no-prefix-caching": bool,
+    "max-queue-len": int,
+    "attention-backend": ("auto", "torch", "triton"),
+    "seed": int,
+    "log-level": ("debug", "info", "warning", "error"),
+}
+
+# What the CRD can type-check and CEL can read: x-kubernetes-int-or-string. So a float is written as a
+# string ("0.85") and a switch as "true" or "false", as they would be on a command line.
+ArgValue = int | str
+
+
+def _is_int(value: ArgValue) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    try:
+        int(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_number(value: ArgValue) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def check_arg(flag: str, value: object) -> None:
+    """Raise ValueError (naming the flag) unless `flag: value` is a valid `engine.args` entry."""
+    if flag in OPERATOR_OWNED_FLAGS:
+        raise ValueError(f"{flag!r} is set by the operator from {OPERATOR_OWNED_FLAGS[flag]}; set it there")
+    if flag not in PASSTHROUGH_FLAGS:
+        raise ValueError(f"{flag!r} is not an engine flag; known: {', '.join(PASSTHROUGH_FLAGS)}")
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{flag!r}: values are integers or strings; quote it: \"{str(value).lower()}\"")
+    kind = PASSTHROUGH_FLAGS[flag]
+    if isinstance(kind, tuple):
+        ok, want = value in kind, "one of " + ", ".join(kind)
+    elif kind is bool:
+        ok, want = value in ("true", "false"), 'a switch: "true" or "false"'
+    elif kind is int:
+        ok, want = _is_int(value), "an integer"
+    elif kind is float:
+        ok, want = _is_number(value), 'a number (quote a fraction: "0.85")'
+    else:
+        ok, want = True, "a string"
+    if not ok:
+        raise ValueError(f"{flag!r} takes {want}, not {value!r}")
+
+
+def render_args(args: dict[str, ArgValue]) -> list[str]:
+    """`engine.args` as command-line arguments, in the map's order."""
+    out: list[str] = []
+    for flag, value in args.items():
+        if PASSTHROUGH_FLAGS.get(flag) is bool:
+            if value == "true":
+                out.append(f"--{flag}")
+        else:
+            out += [f"--{flag}", str(value)]
+    return out

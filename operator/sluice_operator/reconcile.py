@@ -1,0 +1,105 @@
+"""reconcile: one InferenceEndpoint -> the list of objects that serve it. Pure: no I/O, no clock.
+
+The kopf handlers apply exactly this list (server-side apply, one field manager); `sluice render` prints it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from .autoscaling import scaled_object
+from .config import OperatorConfig
+from .layout import Layout, plan_layout
+from .meta import ENDPOINT_LABEL, POOL_LABEL, SERVES_LABEL, object_meta
+from .model_source import FETCH_HF_SCRIPT
+from .spec import InferenceEndpoint
+from .workload import serve_args, workload
+
+SERVICE_PORT = 80
+
+
+def layout_of(ep: InferenceEndpoint) -> Layout:
+    acc, par = ep.spec.accelerator, ep.spec.parallelism
+    return plan_layout(par.tensor, par.pipeline, acc.gpus_per_node, cpu=acc.type == "cpu")
+
+
+def service_url(ep: InferenceEndpoint, cfg: OperatorConfig) -> str:
+    return f"http://{ep.name}.{ep.namespace}.svc.{cfg.cluster_domain}/v1"
+
+
+def config_map(ep: InferenceEndpoint, name: str) -> dict[str, Any]:
+    data = {"served-model-name": ep.spec.model.name, "model-uri": ep.spec.model.uri}
+    if ep.spec.model.scheme == "hf":
+        data["fetch-hf.py"] = FETCH_HF_SCRIPT
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(ep, name, "config"), "data": data}
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def service(ep: InferenceEndpoint) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(ep, ep.name, "server"),
+        "spec": {
+            "type": "ClusterIP",
+            # Serving and warm-pool pods alike; LWS workers (pipeline stages) do not answer.
+            "selector": {ENDPOINT_LABEL: ep.name, SERVES_LABEL: "true"},
+            "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(ep: InferenceEndpoint) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(ep, ep.name, "server"),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, POOL_LABEL: "serving"}},
+            # A pod still loading (not Ready) protects nothing; let drains evict it.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def service_monitor(ep: InferenceEndpoint) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": object_meta(ep, ep.name, "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, "app.kubernetes.io/component": "server"}},
+            "namespaceSelector": {"matchNames": [ep.namespace]},
+            "targetLabels": [ENDPOINT_LABEL],  # becomes sluice_dev_endpoint: the autoscaler's query uses it
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}],
+        },
+    }
+
+
+def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[dict[str, Any]]:
+    """Every object the endpoint owns, in apply order (config before the pods that mount it)."""
+    cfg = cfg or OperatorConfig()
+    layout = layout_of(ep)
+    cm = config_map(ep, f"{ep.name}-engine")
+    # Pods roll when what they read from the ConfigMap or their flags change.
+    config_hash = _hash([cm["data"], serve_args(ep, "")])
+    scaling = ep.spec.scaling
+    serving = workload(ep, layout, cfg, name=ep.name, pool="serving", replicas=ep.spec.fixed_replicas,
+                       config_map=cm["metadata"]["name"], config_hash=config_hash)
+    out = [cm, serving]
+    if scaling and scaling.warm_pool and scaling.warm_pool.replicas > 0:
+        out.append(workload(ep, layout, cfg, name=f"{ep.name}-warm", pool="standby",
+                            replicas=scaling.warm_pool.replicas, config_map=cm["metadata"]["name"],
+                            config_hash=config_hash))
+    out += [service(ep), pod_disruption_budget(ep)]
+    if scaling:
+        out.append(scaled_object(ep, cfg, serving))
+    out.append(service_monitor(ep))
+    # A JSON round trip: plain data with no shared sub-objects, so callers may mutate one manifest freely.
+    return json.loads(json.dumps(out))

@@ -1,0 +1,52 @@
+"""`sluice render`: print the objects the operator would apply for InferenceEndpoint documents, offline."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from .reconcile import reconcile
+from .spec import SpecError, parse_endpoint
+
+
+def load_documents(text: str, source: str) -> list[Any]:
+    try:
+        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as e:
+        raise SpecError(f"{source}: not valid YAML: {e}") from None
+
+
+def render_text(text: str, source: str = "<stdin>") -> list[dict[str, Any]]:
+    """All manifests for every InferenceEndpoint in a YAML stream; SpecError names the bad field."""
+    docs = load_documents(text, source)
+    if not docs:
+        raise SpecError(f"{source}: no InferenceEndpoint found")
+    manifests: list[dict[str, Any]] = []
+    for doc in docs:
+        manifests += reconcile(parse_endpoint(doc))
+    return manifests
+
+
+def dump(manifests: list[dict[str, Any]], output: str, out: TextIO) -> None:
+    if output == "json":
+        json.dump({"apiVersion": "v1", "kind": "List", "items": manifests}, out, indent=2)
+        out.write("\n")
+    else:
+        yaml.safe_dump_all(manifests, out, sort_keys=False, width=110)
+
+
+def run(filename: str, output: str = "yaml", out: TextIO | None = None) -> int:
+    """Entry of `sluice render -f FILE [-o yaml|json]` (`-` reads stdin). Errors raise SpecError."""
+    if filename == "-":
+        text, source = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text, source = Path(filename).read_text(), filename
+        except OSError as e:
+            raise SpecError(f"cannot read {filename}: {e.strerror}") from None
+    dump(render_text(text, source), output, out or sys.stdout)
+    return 0

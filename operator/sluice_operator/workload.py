@@ -1,0 +1,176 @@
+"""The serving workload: the engine pod template, as a Deployment or (multi-node) a LeaderWorkerSet."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .config import OperatorConfig
+from .engine_flags import render_args
+from .layout import Layout, ceil_div
+from .meta import ENDPOINT_LABEL, POOL_LABEL, SERVES_LABEL, labels, object_meta
+from .model_source import CACHE_DIR, cache_volume, credentials_env_from, model_mount
+from .spec import InferenceEndpoint
+
+PORT = 8000
+RUN_AS = 10001  # the engine image's non-root user (engine_image/Dockerfile)
+STARTUP_PERIOD_S = 10
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
+    """`sluice serve` flags (docs/engine-flags.md) for this endpoint."""
+    spec = ep.spec
+    args = ["--model", model_path, "--served-model-name", spec.model.name,
+            "--device", "cpu" if spec.accelerator.type == "cpu" else "cuda",
+            "--dtype", spec.engine.dtype]
+    if spec.engine.max_model_len is not None:
+        args += ["--max-model-len", str(spec.engine.max_model_len)]
+    args += ["--host", "0.0.0.0", "--port", str(PORT)]
+    return args + render_args(spec.engine.args)
+
+
+def probes(ep: InferenceEndpoint) -> dict[str, Any]:
+    http = {"port": "http", "scheme": "HTTP"}
+    return {
+        # The server listens only once the model is loaded: the startup probe is the load-time budget.
+        "startupProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": STARTUP_PERIOD_S,
+                         "timeoutSeconds": 5,
+                         "failureThreshold": ceil_div(ep.spec.startup_grace_seconds, STARTUP_PERIOD_S)},
+        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5, "timeoutSeconds": 3,
+                           "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 3},
+    }
+
+
+def resources(ep: InferenceEndpoint, layout: Layout) -> dict[str, Any]:
+    out = copy.deepcopy(ep.spec.pod.resources or {})
+    if layout.gpus_per_pod:
+        gpu = ep.spec.accelerator.resource_name
+        for kind in ("limits", "requests"):  # extended resources: requests must equal limits
+            out.setdefault(kind, {})[gpu] = layout.gpus_per_pod
+    return out
+
+
+def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, pool: str, serves: bool,
+                 config_map: str, config_hash: str) -> dict[str, Any]:
+    spec, pod = ep.spec, ep.spec.pod
+    mount = model_mount(ep, cfg, CONTAINER_SECURITY, config_map)
+    gpu = layout.gpus_per_pod > 0
+    env = [
+        {"name": "SLUICE_CACHE_DIR", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "HOME", "value": "/tmp"},
+        *copy.deepcopy(pod.env),
+    ]
+    mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+              *mount.engine_mounts]
+    volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(ep), *mount.volumes]
+    if gpu:  # NCCL and torch's CUDA IPC need more shared memory than the container default
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    engine: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.engine.image or cfg.engine_image,
+        "command": ["sluice", "serve"],
+        "args": serve_args(ep, mount.model_path),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": env,
+        "volumeMounts": mounts,
+        "securityContext": CONTAINER_SECURITY,
+        **probes(ep),
+    }
+    if spec.model.credentials_secret_ref:
+        engine["envFrom"] = credentials_env_from(ep)
+    res = resources(ep, layout)
+    if res:
+        engine["resources"] = res
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [engine],
+        "volumes": volumes,
+    }
+    if mount.init_containers:
+        pod_spec["initContainers"] = mount.init_containers
+    node_selector = dict(pod.node_selector)
+    if spec.accelerator.product:
+        node_selector[spec.accelerator.product_label] = spec.accelerator.product
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    tolerations = copy.deepcopy(pod.tolerations)
+    if gpu:  # GPU nodes are commonly tainted with their resource name
+        tolerations.insert(0, {"key": spec.accelerator.resource_name, "operator": "Exists",
+                               "effect": "NoSchedule"})
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if pod.affinity:
+        pod_spec["affinity"] = copy.deepcopy(pod.affinity)
+    if pod.priority_class_name:
+        pod_spec["priorityClassName"] = pod.priority_class_name
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pod.image_pull_secrets]
+    component = "server" if pool == "serving" else "standby"
+    return {
+        "metadata": {
+            "labels": {**labels(ep, component), POOL_LABEL: pool, SERVES_LABEL: "true" if serves else "false"},
+            "annotations": {"sluice.dev/config-hash": config_hash},
+        },
+        "spec": pod_spec,
+    }
+
+
+def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name: str, pool: str,
+             replicas: int | None, config_map: str, config_hash: str) -> dict[str, Any]:
+    """A Deployment (one pod per replica) or a LeaderWorkerSet (a group of pods per replica).
+
+    `replicas=None` leaves the count to the autoscaler: the field stays out of what the operator applies,
+    so server-side apply never fights KEDA's HPA over it.
+    """
+    component = "server" if pool == "serving" else "standby"
+    meta = object_meta(ep, name, component)
+    meta["labels"][POOL_LABEL] = pool
+
+    def template(serves: bool) -> dict[str, Any]:
+        return pod_template(ep, layout, cfg, pool=pool, serves=serves, config_map=config_map,
+                            config_hash=config_hash)
+
+    if not layout.multi_node:
+        spec: dict[str, Any] = {
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, POOL_LABEL: pool}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": ep.spec.startup_grace_seconds + 600,
+            "template": template(serves=True),
+        }
+        if replicas is not None:
+            spec = {"replicas": replicas, **spec}
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec}
+
+    worker = template(serves=False)
+    # Workers hold pipeline stages; the leader answers requests and reports the group's readiness.
+    worker["spec"]["containers"][0].pop("readinessProbe")
+    spec = {
+        "leaderWorkerTemplate": {
+            "size": layout.pods_per_replica,
+            "restartPolicy": "RecreateGroupOnPodRestart",  # a group is only useful whole
+            "leaderTemplate": template(serves=True),
+            "workerTemplate": worker,
+        },
+        "rolloutStrategy": {"type": "RollingUpdate",
+                            "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1}},
+        "startupPolicy": "LeaderCreated",
+    }
+    if replicas is not None:
+        spec = {"replicas": replicas, **spec}
+    return {"apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "metadata": meta, "spec": spec}

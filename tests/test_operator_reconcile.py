@@ -1,0 +1,324 @@
+"""reconcile(): every manifest for every example is valid Kubernetes, and the layout invariants hold."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from operator_schemas import EXAMPLES, crd_schema, load_yaml, reference_crd, schema_errors
+
+from sluice_operator.config import OperatorConfig
+from sluice_operator.meta import PLACEHOLDER_UID
+from sluice_operator.reconcile import layout_of, reconcile, service_url
+from sluice_operator.spec import parse_endpoint
+
+K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
+CUSTOM_KINDS = {  # kind -> (reference CRD file, version)
+    "ScaledObject": ("keda.sh_scaledobjects.yaml", "v1alpha1"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io_leaderworkersets.yaml", "v1"),
+    "ServiceMonitor": ("monitoring.coreos.com_servicemonitors.yaml", "v1"),
+}
+BUILTIN_KINDS = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
+
+
+def rendered(name: str, **spec_changes: Any) -> tuple[Any, list[dict[str, Any]]]:
+    doc = load_yaml(next(p for p in EXAMPLES if p.name == name))
+    doc["metadata"]["uid"] = "4f9a51c6-8f0e-4a44-9c1e-2b8d3c1d0e11"
+    doc["spec"].update(copy.deepcopy(spec_changes))
+    ep = parse_endpoint(doc)
+    return ep, reconcile(ep)
+
+
+def by_kind(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def one(manifests: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (m,) = by_kind(manifests, kind)
+    return m
+
+
+def pod_templates(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    if workload["kind"] == "Deployment":
+        return [workload["spec"]["template"]]
+    lwt = workload["spec"]["leaderWorkerTemplate"]
+    return [lwt["leaderTemplate"], lwt["workerTemplate"]]
+
+
+def workloads(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] in ("Deployment", "LeaderWorkerSet")]
+
+
+ALL = [(path.name, m) for path in EXAMPLES for m in reconcile(parse_endpoint(load_yaml(path)))]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(("example", "manifest"), [a for a in ALL if a[1]["kind"] in BUILTIN_KINDS],
+                         ids=lambda v: v if isinstance(v, str) else v["kind"])
+def test_builtin_manifests_validate_strictly(example, manifest, version):
+    kubernetes_validate.validate(manifest, version, strict=True)
+
+
+@pytest.mark.parametrize(("example", "manifest"), [a for a in ALL if a[1]["kind"] in CUSTOM_KINDS],
+                         ids=lambda v: v if isinstance(v, str) else v["kind"])
+def test_custom_resources_validate_against_reference_crds(example, manifest):
+    filename, version = CUSTOM_KINDS[manifest["kind"]]
+    reference = reference_crd(filename)
+    assert manifest["apiVersion"] == f"{reference['spec']['group']}/{version}"
+    assert schema_errors(crd_schema(reference, version), manifest) == []
+    if manifest["kind"] == "LeaderWorkerSet":  # its pod templates, as strictly as a Deployment's
+        lwt = manifest["spec"]["leaderWorkerTemplate"]
+        for role in ("leaderTemplate", "workerTemplate"):
+            as_pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                               "metadata": {"name": f"{manifest['metadata']['name']}-{role}"}, "template": lwt[role]}
+            for k8s in K8S_VERSIONS:
+                kubernetes_validate.validate(as_pod_template, k8s, strict=True)
+
+
+def test_every_kind_is_covered():
+    kinds = {m["kind"] for _, m in ALL}
+    assert kinds == BUILTIN_KINDS | set(CUSTOM_KINDS)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_ownership_labels_and_names(path):
+    ep = parse_endpoint(load_yaml(path))
+    manifests = reconcile(ep)
+    keys = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    assert len(keys) == len(manifests)
+    for m in manifests:
+        meta = m["metadata"]
+        assert meta["namespace"] == ep.namespace
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "sluice.dev/v1alpha1", "kind": "InferenceEndpoint", "name": ep.name,
+            "uid": PLACEHOLDER_UID, "controller": True, "blockOwnerDeletion": True}]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "sluice"
+        assert labels["app.kubernetes.io/instance"] == ep.name
+        assert labels["app.kubernetes.io/managed-by"] == "sluice-operator"
+        assert labels["sluice.dev/endpoint"] == ep.name
+        assert labels["app.kubernetes.io/component"]
+        assert len(meta["name"]) <= 63
+
+
+def test_uid_flows_into_owner_references():
+    ep, manifests = rendered("gpu-8b.yaml")
+    assert {m["metadata"]["ownerReferences"][0]["uid"] for m in manifests} == {ep.metadata.uid}
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_pods_are_hardened_probed_and_wired(path):
+    ep = parse_endpoint(load_yaml(path))
+    manifests = reconcile(ep)
+    layout = layout_of(ep)
+    service = one(manifests, "Service")
+    for wl in workloads(manifests):
+        for template in pod_templates(wl):
+            pod = template["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert pod["securityContext"]["runAsUser"] != 0
+            (engine,) = pod["containers"]
+            for c in [engine, *pod.get("initContainers", [])]:
+                assert c["securityContext"]["readOnlyRootFilesystem"] is True
+                assert c["securityContext"]["allowPrivilegeEscalation"] is False
+                mounts = {m["mountPath"] for m in c["volumeMounts"]}
+                assert {"/tmp", "/models-cache"} <= mounts
+            env = {e["name"]: e.get("value") for e in engine["env"]}
+            assert env["SLUICE_CACHE_DIR"] == "/models-cache"
+            volumes = {v["name"] for v in pod["volumes"]}
+            for c in [engine, *pod.get("initContainers", [])]:
+                assert {m["name"] for m in c["volumeMounts"]} <= volumes
+            # probes
+            startup = engine["startupProbe"]
+            assert startup["httpGet"]["path"] == "/health"
+            budget = startup["periodSeconds"] * startup["failureThreshold"]
+            assert ep.spec.startup_grace_seconds <= budget < ep.spec.startup_grace_seconds + startup["periodSeconds"]
+            assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+            serves = template["metadata"]["labels"]["sluice.dev/serves"] == "true"
+            if serves:
+                assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+            assert _selects(service["spec"]["selector"], template["metadata"]["labels"]) == serves
+            # flags
+            args = engine["args"]
+            flag = dict(zip(args[::2], args[1::2], strict=False))
+            assert engine["command"] == ["sluice", "serve"]
+            assert flag["--host"] == "0.0.0.0" and flag["--port"] == "8000"
+            assert flag["--served-model-name"] == ep.spec.model.name
+            assert flag["--dtype"] == ep.spec.engine.dtype
+            assert flag["--device"] == ("cpu" if ep.spec.accelerator.type == "cpu" else "cuda")
+            if ep.spec.engine.max_model_len:
+                assert flag["--max-model-len"] == str(ep.spec.engine.max_model_len)
+            for name, value in ep.spec.engine.args.items():
+                assert flag[f"--{name}"] == str(value)
+            # GPUs
+            gpu = ep.spec.accelerator.resource_name
+            limits = engine.get("resources", {}).get("limits", {})
+            if layout.gpus_per_pod:
+                assert limits[gpu] == layout.gpus_per_pod
+                assert engine["resources"]["requests"][gpu] == layout.gpus_per_pod
+                assert {"key": gpu, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+                if ep.spec.accelerator.product:
+                    assert pod["nodeSelector"][ep.spec.accelerator.product_label] == ep.spec.accelerator.product
+            else:
+                assert gpu not in limits and "tolerations" not in pod
+
+
+def test_cpu_example():
+    ep, manifests = rendered("cpu-smollm2.yaml")
+    (deployment,) = workloads(manifests)
+    assert deployment["kind"] == "Deployment" and deployment["spec"]["replicas"] == 1
+    assert not by_kind(manifests, "ScaledObject")
+    engine = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert engine["args"][:8] == ["--model", "/models-cache/hub/HuggingFaceTB/SmolLM2-135M-Instruct/main",
+                                  "--served-model-name", "smollm2", "--device", "cpu", "--dtype", "float32"]
+    assert engine["resources"] == {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "4Gi"}}
+    (fetch,) = deployment["spec"]["template"]["spec"]["initContainers"]
+    assert fetch["command"] == ["python", "/etc/sluice/fetch-hf.py"]
+    cm = one(manifests, "ConfigMap")
+    assert "snapshot_download" in cm["data"]["fetch-hf.py"]
+    assert service_url(ep, OperatorConfig()) == "http://smollm2.default.svc.cluster.local/v1"
+
+
+def test_single_gpu_example():
+    ep, manifests = rendered("gpu-8b.yaml")
+    (deployment,) = workloads(manifests)
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert pod["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
+    pdb = one(manifests, "PodDisruptionBudget")
+    assert _selects(pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+    assert _selects(deployment["spec"]["selector"]["matchLabels"],
+                    deployment["spec"]["template"]["metadata"]["labels"])
+
+
+def test_multinode_example_is_a_leaderworkerset_of_two():
+    ep, manifests = rendered("multinode-70b.yaml")
+    (lws,) = workloads(manifests)
+    assert lws["kind"] == "LeaderWorkerSet"
+    assert "replicas" not in lws["spec"]  # the autoscaler owns the count
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    for template in pod_templates(lws):
+        engine = template["spec"]["containers"][0]
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert template["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert template["spec"]["priorityClassName"] == "inference-high"
+        assert "--model" in engine["args"] and "/models/Llama-3.1-70B-Instruct" in engine["args"]
+        assert "initContainers" not in template["spec"]  # pvc:// is mounted, not fetched
+    so = one(manifests, "ScaledObject")
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1",
+                                            "kind": "LeaderWorkerSet", "name": "llama-70b"}
+    assert so["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 2, "behavior": "currentReplicasIfHigher"}
+
+
+def test_scale_to_zero_example():
+    ep, manifests = rendered("scale-to-zero.yaml")
+    serving, warm = workloads(manifests)
+    assert serving["metadata"]["name"] == "qwen-7b" and "replicas" not in serving["spec"]
+    assert warm["metadata"]["name"] == "qwen-7b-warm" and warm["spec"]["replicas"] == 1
+    assert warm["spec"]["template"]["metadata"]["labels"]["sluice.dev/pool"] == "standby"
+    assert not _selects(serving["spec"]["selector"]["matchLabels"], warm["spec"]["template"]["metadata"]["labels"])
+    service = one(manifests, "Service")
+    for wl in (serving, warm):  # the warm pool answers while serving replicas are cold
+        assert _selects(service["spec"]["selector"], wl["spec"]["template"]["metadata"]["labels"])
+    so = one(manifests, "ScaledObject")["spec"]
+    assert so["minReplicaCount"] == 0 and so["maxReplicaCount"] == 4
+    assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen-7b"}
+    assert so["initialCooldownPeriod"] == 600 and so["cooldownPeriod"] == 600
+    assert so["fallback"]["replicas"] == 1  # max(minReplicas, 1) without onMetricsOutage
+    behavior = so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 600
+    (trigger,) = so["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "4"
+    assert trigger["metadata"]["query"] == (
+        'sum(sluice_num_requests_waiting{namespace="inference",sluice_dev_endpoint="qwen-7b"})')
+    fetch = serving["spec"]["template"]["spec"]["initContainers"][0]
+    assert fetch["command"][:3] == ["aws", "s3", "sync"]
+    assert "s3://models/qwen2.5-7b-instruct/" in fetch["command"]
+    monitor = one(manifests, "ServiceMonitor")["spec"]
+    assert _selects(monitor["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert monitor["targetLabels"] == ["sluice.dev/endpoint"]  # -> the query's sluice_dev_endpoint
+
+
+def test_replica_counts_follow_the_spec():
+    for replicas in (0, 1, 5):
+        _, manifests = rendered("gpu-8b.yaml", replicas=replicas)
+        assert workloads(manifests)[0]["spec"]["replicas"] == replicas
+    _, manifests = rendered("gpu-8b.yaml", replicas=None, scaling={"minReplicas": 2, "maxReplicas": 6})
+    assert "replicas" not in workloads(manifests)[0]["spec"]
+    assert one(manifests, "ScaledObject")["spec"]["minReplicaCount"] == 2
+
+
+def test_startup_probe_scales_with_grace():
+    for grace in (10, 95, 3600):
+        _, manifests = rendered("gpu-8b.yaml", startupGraceSeconds=grace)
+        probe = workloads(manifests)[0]["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        assert probe["failureThreshold"] == math.ceil(grace / probe["periodSeconds"])
+
+
+def test_pods_roll_when_flags_change_and_only_then():
+    def config_hash(**changes: Any) -> str:
+        _, manifests = rendered("gpu-8b.yaml", **changes)
+        return workloads(manifests)[0]["spec"]["template"]["metadata"]["annotations"]["sluice.dev/config-hash"]
+
+    assert config_hash() == config_hash()
+    assert config_hash() != config_hash(engine={"args": {"max-num-seqs": 64}})
+    assert config_hash() == config_hash(replicas=7)
+
+
+def test_reconcile_is_pure():
+    ep = parse_endpoint(load_yaml(EXAMPLES[0]))
+    before = ep.model_dump()
+    first = reconcile(ep)
+    first[1]["spec"]["template"]["spec"]["containers"][0]["args"].append("--mutated")
+    assert reconcile(ep) != first and ep.model_dump() == before
+
+
+def test_pod_escape_hatches_pass_through():
+    _, manifests = rendered("gpu-8b.yaml", pod={
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "spot", "operator": "Exists"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+        "priorityClassName": "high",
+        "env": [{"name": "LOG_FORMAT", "value": "json"}],
+        "imagePullSecrets": [{"name": "registry"}],
+        "resources": {"limits": {"memory": "40Gi", "nvidia.com/gpu": 4}},
+    })
+    (deployment,) = workloads(manifests)
+    pod = deployment["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    assert pod["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-L40S"}
+    assert {"key": "spot", "operator": "Exists"} in pod["tolerations"]
+    assert pod["affinity"]["nodeAffinity"]
+    assert pod["priorityClassName"] == "high" and pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert {"name": "LOG_FORMAT", "value": "json"} in engine["env"]
+    assert engine["resources"]["limits"] == {"memory": "40Gi", "nvidia.com/gpu": 1}  # the layout decides GPUs
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(deployment, version, strict=True)
+
+
+def test_validators_catch_mistakes():
+    """Controls: the validators above do reject an unknown field, so their passing means something."""
+    _, manifests = rendered("multinode-70b.yaml")
+    deployment = copy.deepcopy(one(rendered("gpu-8b.yaml")[1], "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSecond"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+    so = copy.deepcopy(one(manifests, "ScaledObject"))
+    so["spec"]["fallback"]["behaviour"] = "static"
+    assert schema_errors(crd_schema(reference_crd("keda.sh_scaledobjects.yaml"), "v1alpha1"), so)
+    lws = copy.deepcopy(one(manifests, "LeaderWorkerSet"))
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagePolicy"] = "Always"
+    assert schema_errors(crd_schema(reference_crd("leaderworkerset.x-k8s.io_leaderworkersets.yaml"), "v1"), lws)

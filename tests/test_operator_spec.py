@@ -1,0 +1,217 @@
+"""InferenceEndpoint validation: pydantic (what `sluice render` and the operator check) and the CRD (schema
++ CEL, what the API server checks) accept the same endpoints and reject bad ones with the intended message."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+from typing import Any
+
+import pytest
+from operator_schemas import CRD_FILE, EXAMPLES, api_server_errors, crd_schema, load_yaml
+
+from sluice_operator.engine_flags import OPERATOR_OWNED_FLAGS, PASSTHROUGH_FLAGS, check_arg, render_args
+from sluice_operator.layout import LayoutError, plan_layout
+from sluice_operator.spec import SpecError, parse_endpoint
+
+BASE = {
+    "apiVersion": "sluice.dev/v1alpha1",
+    "kind": "InferenceEndpoint",
+    "metadata": {"name": "demo", "namespace": "ml"},
+    "spec": {"model": {"uri": "hf://org/model"}},
+}
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    return crd_schema(load_yaml(CRD_FILE))
+
+
+def with_spec(**spec: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(BASE)
+    doc["spec"].update(spec)
+    return doc
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid_everywhere(path, schema):
+    doc = load_yaml(path)
+    parse_endpoint(doc)
+    assert api_server_errors(schema, doc) == []
+
+
+def test_defaults():
+    ep = parse_endpoint(BASE)
+    s = ep.spec
+    assert s.fixed_replicas == 1 and s.scaling is None
+    assert s.accelerator.type == "gpu" and s.accelerator.resource_name == "nvidia.com/gpu"
+    assert (s.parallelism.tensor, s.parallelism.pipeline) == (1, 1)
+    assert s.engine.dtype == "auto" and s.engine.args == {}
+    assert s.model.cache.type == "emptyDir" and s.model.name == "model"
+    assert s.startup_grace_seconds == 600
+    scaled = parse_endpoint(with_spec(scaling={"maxReplicas": 3})).spec
+    assert scaled.fixed_replicas is None and scaled.scaling.min_replicas == 1
+    assert scaled.scaling.target_queue_depth == 4 and scaled.scaling.scale_down_delay_seconds == 300
+
+
+# (document, what pydantic says, what the API server says)
+INVALID = [
+    pytest.param(with_spec(replicas=2, scaling={"maxReplicas": 3}),
+                 "spec: set either replicas (a fixed count) or scaling (autoscaling), not both",
+                 "set either replicas (a fixed count) or scaling (autoscaling), not both", id="replicas-xor-scaling"),
+    pytest.param(with_spec(scaling={"minReplicas": 4, "maxReplicas": 3}),
+                 "spec.scaling: scaling.minReplicas must not exceed scaling.maxReplicas",
+                 "scaling.minReplicas must not exceed scaling.maxReplicas", id="min-above-max"),
+    pytest.param(with_spec(scaling={"minReplicas": 0, "maxReplicas": 2, "warmPool": {"replicas": 3}}),
+                 "spec.scaling: scaling.warmPool.replicas must not exceed scaling.maxReplicas",
+                 "scaling.warmPool.replicas must not exceed scaling.maxReplicas", id="warm-pool-above-max"),
+    pytest.param(with_spec(scaling={"maxReplicas": 2, "onMetricsOutage": {"replicas": 5}}),
+                 "scaling.onMetricsOutage.replicas must not exceed scaling.maxReplicas",
+                 "scaling.onMetricsOutage.replicas must not exceed scaling.maxReplicas", id="outage-above-max"),
+    pytest.param(with_spec(scaling={"minReplicas": 0}),
+                 "spec.scaling.maxReplicas: Field required", "maxReplicas", id="max-required"),
+    pytest.param(with_spec(scaling={"maxReplicas": 0}),
+                 "spec.scaling.maxReplicas: Input should be greater than or equal to 1",
+                 "0 is less than the minimum of 1", id="max-zero"),
+    pytest.param(with_spec(model={"uri": "https://example.com/model"}),
+                 "spec.model: model.uri must be hf://<org>/<name>, pvc://<claim>/<path> or s3://<bucket>/<prefix>",
+                 "model.uri must be hf://<org>/<name>, pvc://<claim>/<path> or s3://<bucket>/<prefix>", id="bad-uri"),
+    pytest.param(with_spec(model={"uri": "hf://just-a-name"}), "model.uri must be hf://<org>/<name>",
+                 "model.uri must be hf://<org>/<name>", id="hf-uri-needs-org"),
+    pytest.param(with_spec(model={"uri": "s3://bucket/m", "revision": "v2"}),
+                 "model.revision applies to hf:// models only", "model.revision applies to hf:// models only",
+                 id="revision-not-hf"),
+    pytest.param(with_spec(model={"uri": "pvc://claim/x", "cache": {"type": "pvc"}}),
+                 "spec.model.cache: model.cache.claimName is required when model.cache.type is pvc",
+                 "model.cache.claimName is required when model.cache.type is pvc", id="pvc-cache-claim"),
+    pytest.param(with_spec(model={"uri": "pvc://claim/x", "cache": {"type": "hostPath"}}),
+                 "model.cache.path is required when model.cache.type is hostPath",
+                 "model.cache.path is required when model.cache.type is hostPath", id="hostpath-cache-path"),
+    pytest.param(with_spec(accelerator={"gpusPerNode": 8}, parallelism={"tensor": 16}),
+                 "spec: parallelism.tensor must not exceed accelerator.gpusPerNode",
+                 "parallelism.tensor must not exceed accelerator.gpusPerNode", id="tensor-spans-nodes"),
+    pytest.param(with_spec(accelerator={"gpusPerNode": 8}, parallelism={"tensor": 4, "pipeline": 3}),
+                 "spec: parallelism.pipeline must split evenly",
+                 "parallelism.pipeline must split evenly", id="uneven-pipeline"),
+    pytest.param(with_spec(accelerator={"type": "cpu"}, parallelism={"tensor": 2}),
+                 "a CPU-only endpoint (accelerator.type: cpu) runs on one device",
+                 "a CPU-only endpoint (accelerator.type: cpu) runs on one device", id="cpu-parallel"),
+    pytest.param(with_spec(accelerator={"type": "cpu", "product": "NVIDIA-L4"}),
+                 "spec.accelerator: accelerator.product and accelerator.gpusPerNode apply to GPUs only",
+                 "accelerator.product and accelerator.gpusPerNode apply to GPUs only", id="cpu-product"),
+    pytest.param(with_spec(engine={"args": {"tensor-parallel-size": 2}}),
+                 "spec.engine.args: 'tensor-parallel-size' is not an engine flag",
+                 "engine.args keys must be engine flags", id="unknown-flag"),
+    pytest.param(with_spec(engine={"args": {"--max-num-seqs": 2}}),
+                 "'--max-num-seqs' is not an engine flag", "engine.args keys must be engine flags", id="dashed-flag"),
+    pytest.param(with_spec(engine={"args": {"served-model-name": "x"}}),
+                 "'served-model-name' is set by the operator from model.servedName",
+                 "engine.args keys must be engine flags", id="owned-flag"),
+    pytest.param(with_spec(engine={"args": {"gpu-memory-utilization": 0.8}}),
+                 "quote it", "is not valid under any of the given schemas", id="unquoted-fraction"),
+    pytest.param(with_spec(engine={"args": {"no-prefix-caching": True}}),
+                 "quote it", "is not valid under any of the given schemas", id="unquoted-switch"),
+    pytest.param(with_spec(engine={"dtype": "fp8"}), "spec.engine.dtype: Input should be 'auto'",
+                 "'fp8' is not one of", id="bad-dtype"),
+    pytest.param(with_spec(replicass=2), "spec.replicass: Extra inputs are not permitted",
+                 "Additional properties are not allowed ('replicass' was unexpected)", id="unknown-field"),
+    pytest.param({**BASE, "spec": {}}, "spec.model: Field required", "'model' is a required property",
+                 id="model-required"),
+    pytest.param({**BASE, "metadata": {"name": "a" * 41}}, "metadata.name must be at most 40 characters",
+                 "metadata.name must be at most 40 characters", id="long-name"),
+    pytest.param({**BASE, "metadata": {"name": "Llama"}}, "metadata.name must start with a lowercase letter",
+                 "metadata.name must start with a lowercase letter", id="uppercase-name"),
+]
+
+
+@pytest.mark.parametrize(("doc", "python_message", "server_message"), INVALID)
+def test_invalid_is_rejected_with_its_message(doc, python_message, server_message, schema):
+    with pytest.raises(SpecError) as err:
+        parse_endpoint(doc)
+    assert python_message in str(err.value)
+    errors = api_server_errors(schema, doc)
+    assert any(server_message in e for e in errors), errors
+
+
+def test_errors_name_every_field():
+    doc = with_spec(scaling={"maxReplicas": 0, "targetQueueDepth": 0}, engine={"dtype": "x"})
+    with pytest.raises(SpecError) as err:
+        parse_endpoint(doc)
+    text = str(err.value)
+    assert text.startswith("invalid InferenceEndpoint 'demo':")
+    for field in ("spec.engine.dtype:", "spec.scaling.maxReplicas:", "spec.scaling.targetQueueDepth:"):
+        assert field in text
+
+
+def _layout_doc(tensor: int, pipeline: int, gpus_per_node: int | None, cpu: bool) -> dict[str, Any]:
+    accelerator: dict[str, Any] = {"type": "cpu"} if cpu else {}
+    if gpus_per_node is not None:
+        accelerator["gpusPerNode"] = gpus_per_node
+    return with_spec(accelerator=accelerator, parallelism={"tensor": tensor, "pipeline": pipeline})
+
+
+def test_layout_rules_agree_with_layout_maths(schema):
+    """The CEL rules, their Python twins and plan_layout accept exactly the same layouts."""
+    cases = itertools.product(range(1, 9), range(1, 5), [None, 1, 2, 4, 6, 8], [False, True])
+    seen = {True: 0, False: 0}
+    for tensor, pipeline, gpn, cpu in cases:
+        if cpu and gpn is not None:
+            continue  # rejected for another reason (gpusPerNode on a CPU endpoint)
+        doc = _layout_doc(tensor, pipeline, gpn, cpu)
+        try:
+            plan_layout(tensor, pipeline, gpn, cpu=cpu)
+            placeable = True
+        except LayoutError:
+            placeable = False
+        try:
+            parse_endpoint(doc)
+            python_ok = True
+        except SpecError:
+            python_ok = False
+        server_ok = api_server_errors(schema, doc) == []
+        assert placeable == python_ok == server_ok, (tensor, pipeline, gpn, cpu, placeable, python_ok, server_ok)
+        seen[placeable] += 1
+    assert seen[True] > 30 and seen[False] > 30
+
+
+def test_engine_flags_match_the_engine():
+    """PASSTHROUGH_FLAGS + OPERATOR_OWNED_FLAGS are exactly `sluice serve`'s flags, with matching types."""
+    from sluice_engine.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    flags = {}
+    for action in serve._actions:
+        long = [o for o in action.option_strings if o.startswith("--")]
+        if long and long[0] != "--help":
+            flags[long[0][2:]] = action
+    assert set(flags) == set(PASSTHROUGH_FLAGS) | set(OPERATOR_OWNED_FLAGS)
+    for name, kind in PASSTHROUGH_FLAGS.items():
+        action = flags[name]
+        if isinstance(kind, tuple):
+            assert tuple(action.choices) == kind, name
+        elif kind is bool:
+            assert action.nargs == 0, name
+        elif kind in (int, float):
+            assert action.type is kind, name
+        else:
+            assert action.type not in (int, float) and action.nargs is None, name
+
+
+def test_engine_args_values_and_rendering():
+    check_arg("max-num-seqs", 8)
+    check_arg("max-num-seqs", "8")
+    check_arg("gpu-memory-utilization", "0.85")
+    check_arg("kv-cache-memory", "4GiB")
+    check_arg("attention-backend", "torch")
+    for flag, value, why in [("max-num-seqs", "many", "takes an integer"),
+                             ("attention-backend", "flash", "one of auto, torch, triton"),
+                             ("no-prefix-caching", "yes", 'a switch: "true" or "false"'),
+                             ("seed", 1.5, "quote it")]:
+        with pytest.raises(ValueError, match=why):
+            check_arg(flag, value)
+    assert render_args({"max-num-seqs": 8, "no-prefix-caching": "true", "kv-cache-memory": "1GiB"}) == [
+        "--max-num-seqs", "8", "--no-prefix-caching", "--kv-cache-memory", "1GiB"]
+    assert render_args({"no-prefix-caching": "false"}) == []
