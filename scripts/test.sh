@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/get-helm.sh
 . .venv/bin/activate
 ruff check .
 python -m pytest "$@"

@@ -58,6 +58,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     return run(args.filename, args.output)
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    from sluice_operator.main import run  # kopf is imported only when the operator runs
+
+    return run(args.namespace, resync_seconds=args.resync_seconds, liveness=args.liveness)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference endpoints on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-f", "--filename", required=True, help="InferenceEndpoint YAML file, or - for stdin")
     render.add_argument("-o", "--output", default="yaml", choices=["yaml", "json"])
     render.set_defaults(func=cmd_render)
+    op = sub.add_parser("operator", help="run the operator: keeps InferenceEndpoints and their objects converged")
+    scope = op.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="watch this namespace (repeatable); default: all namespaces")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    op.add_argument("--resync-seconds", type=float, default=60.0,
+                    help="re-apply every endpoint's objects this often (recreates deleted ones, undoes drift)")
+    op.add_argument("--liveness", metavar="URL", default=None,
+                    help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    op.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    op.set_defaults(func=cmd_operator)
     return parser
 
 

@@ -1,0 +1,88 @@
+{{/* Names, labels and the RBAC rules shared by the templates. */}}
+
+{{- define "sluice.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sluice.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sluice.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "sluice.labels" -}}
+{{ include "sluice.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "sluice.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "sluice.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sluice.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "v%s" .Chart.AppVersion) .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The namespace served when scope is "namespace". */}}
+{{- define "sluice.watchNamespace" -}}
+{{- default .Release.Namespace .Values.watchNamespace -}}
+{{- end -}}
+
+{{/*
+What the operator does inside the namespaces it serves (least privilege: only what it manages).
+- InferenceEndpoints: watched; kopf patches annotations/finalizers on the object and writes status through
+  the status subresource. The operator never writes spec.
+- inferenceendpoints/finalizers update: children's ownerReferences set blockOwnerDeletion, which the
+  OwnerReferencesPermissionEnforcement admission plugin allows only to whoever can update this.
+- Children, applied server-side (field manager sluice-operator) and watched for their status.
+- Events: kopf posts core v1 Events about handler progress; the operator on phase transitions.
+*/}}
+{{- define "sluice.namespacedRules" -}}
+- apiGroups: [sluice.dev]
+  resources: [inferenceendpoints]
+  verbs: [get, list, watch, patch]
+- apiGroups: [sluice.dev]
+  resources: [inferenceendpoints/status]
+  verbs: [get, patch, update]
+- apiGroups: [sluice.dev]
+  resources: [inferenceendpoints/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- with .Values.rbac.extraRules }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}

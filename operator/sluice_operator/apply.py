@@ -1,0 +1,166 @@
+"""A small async Kubernetes client for the loop: server-side apply, list, delete, status.
+
+It talks to the API server with the credentials kopf logged in with (a `kopf.ConnectionInfo`), so the
+operator has one login path. Only what the loop needs: every child is namespaced.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+
+from .spec import API_VERSION, PLURAL
+
+FIELD_MANAGER = "sluice-operator"
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the body is plain JSON
+MERGE_CONTENT_TYPE = "application/merge-patch+json"
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+
+
+# Every kind reconcile() can produce: the prune pass lists these by the endpoint label.
+CHILD_KINDS = (
+    Kind("v1", "ConfigMap", "configmaps"),
+    Kind("apps/v1", "Deployment", "deployments"),
+    Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
+    Kind("v1", "Service", "services"),
+    Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+    Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+)
+KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
+ENDPOINT_KIND = Kind(API_VERSION, "InferenceEndpoint", PLURAL)
+
+
+def collection_path(api_version: str, plural: str, namespace: str) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def kind_of(manifest: dict[str, Any]) -> Kind:
+    try:
+        return KINDS[manifest["apiVersion"], manifest["kind"]]
+    except KeyError:
+        raise ValueError(f"no API path known for {manifest['apiVersion']} {manifest['kind']}") from None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, method: str, path: str, message: str):
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
+
+
+class KubeApi:
+    """`async with KubeApi(info) as api:` one aiohttp session per reconcile pass."""
+
+    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0):
+        self._info = info
+        self._server = info.server.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> KubeApi:
+        ssl: Any = False if self._info.insecure else self._info.as_ssl_context()
+        self._session = aiohttp.ClientSession(
+            headers=self._info.as_http_headers(), timeout=self._timeout,
+            connector=aiohttp.TCPConnector(ssl=ssl), trust_env=self._info.trust_env)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._session is not None
+        await self._session.close()
+
+    async def _request(self, method: str, path: str, *, params: dict[str, str] | None = None,
+                       body: Any = None, content_type: str = "application/json") -> dict[str, Any]:
+        assert self._session is not None, "use `async with KubeApi(...)`"
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        async with self._session.request(method, self._server + path, params=params, data=data,
+                                         headers=headers) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                try:
+                    message = json.loads(text).get("message", text)
+                except (ValueError, AttributeError):
+                    message = text
+                raise ApiError(resp.status, method, path, str(message)[:500])
+            return json.loads(text) if text else {}
+
+    # -- children ---------------------------------------------------------------------------------
+    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply (force, one field manager); returns the live object."""
+        kind, meta = kind_of(manifest), manifest["metadata"]
+        base = collection_path(kind.api_version, kind.plural, meta["namespace"])
+        try:
+            return await self._request("PATCH", f"{base}/{meta['name']}", body=manifest,
+                                       params={"fieldManager": FIELD_MANAGER, "force": "true"},
+                                       content_type=APPLY_CONTENT_TYPE)
+        except ApiError as e:
+            if e.status != 404:
+                raise
+        # NOTE: a real API server's apply creates a missing object and never answers 404 for it; a 404
+        # there means the resource type or the namespace is missing, and this POST gets 404 as well. In-memory
+        # emulators (kmock) answer 404 to a PATCH of a missing object, and treat any PATCH as a JSON merge
+        # (fields this manager dropped are not removed): this create is the fallback for them.
+        return await self._request("POST", base, body=manifest, params={"fieldManager": FIELD_MANAGER})
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._request("GET", f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}")
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def list(self, kind: Kind, namespace: str, label: str, value: str) -> list[dict[str, Any]] | None:
+        """Objects labelled label=value; None when the cluster does not serve the kind (CRD missing)."""
+        try:
+            out = await self._request("GET", collection_path(kind.api_version, kind.plural, namespace),
+                                      params={"labelSelector": f"{label}={value}"})
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        # Filter again: a selector is a request, and a wrong delete costs more than a second look.
+        items = [i for i in out.get("items", []) if (i.get("metadata", {}).get("labels") or {}).get(label) == value]
+        for item in items:  # list items carry no apiVersion/kind
+            item.setdefault("apiVersion", kind.api_version)
+            item.setdefault("kind", kind.kind)
+        return items
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        path = f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}"
+        try:
+            await self._request("DELETE", path, body={"kind": "DeleteOptions", "apiVersion": "v1",
+                                                      "propagationPolicy": "Background"})
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+    # -- the endpoint -----------------------------------------------------------------------------
+    async def list_endpoints(self, namespaces: list[str]) -> list[dict[str, Any]]:
+        """Every InferenceEndpoint in the namespaces (no namespaces: the whole cluster)."""
+        prefix = f"/apis/{ENDPOINT_KIND.api_version}"
+        paths = [f"{prefix}/namespaces/{ns}/{PLURAL}" for ns in namespaces] or [f"{prefix}/{PLURAL}"]
+        items = []
+        for path in paths:
+            items += (await self._request("GET", path)).get("items", [])
+        for item in items:
+            item.setdefault("apiVersion", ENDPOINT_KIND.api_version)
+            item.setdefault("kind", ENDPOINT_KIND.kind)
+        return items
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch the status subresource; the loop never writes an endpoint's spec."""
+        base = collection_path(ENDPOINT_KIND.api_version, ENDPOINT_KIND.plural, namespace)
+        return await self._request("PATCH", f"{base}/{name}/status", body={"status": status},
+                                   content_type=MERGE_CONTENT_TYPE)

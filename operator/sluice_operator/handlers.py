@@ -1,0 +1,221 @@
+"""The kopf loop: thin handlers over reconcile() (manifests) and endpoint_status() (status).
+
+One pass (`Loop.converge`): parse the endpoint, server-side apply every child, prune the children the spec no
+longer produces, fold the children's status into the endpoint's. It runs on create/update/resume, on a periodic resync
+(so deleted children come back and drift is undone), and on every event of a child workload (a deleted one
+is re-applied at once; a status change is folded into the endpoint's status). Deletion is left to the
+garbage collector: every child has a controller ownerReference, so the loop needs no finalizer.
+
+NOTE: the periodic resync is one operator-wide task, not a `@kopf.timer`: kopf makes a finalizer mandatory
+for any resource with timers or daemons (it must stop them before the object goes), and a finalizer would
+make a stopped operator block every `kubectl delete ie`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from .apply import CHILD_KINDS, ENDPOINT_KIND, KubeApi, kind_of
+from .config import OperatorConfig
+from .meta import ENDPOINT_LABEL
+from .reconcile import reconcile
+from .spec import GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
+from .status import changed, endpoint_status, invalid_status
+from .workload import LWS_API_VERSION
+
+Object = dict[str, Any]
+LoginFn = Callable[..., Any]  # a kopf login handler: returns a kopf.ConnectionInfo (or None), maybe awaitable
+
+
+class InvalidEndpoint(Exception):
+    """The endpoint's spec does not validate; its status already says why."""
+
+
+def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the service account. Elsewhere: the kubeconfig (static credentials only)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _plain(body: Any) -> Object:
+    """kopf's body views as plain JSON data."""
+    return json.loads(json.dumps(body, default=dict))
+
+
+def _owned_by(obj: Object, uid: str) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("controller") and r.get("uid") == uid for r in refs)
+
+
+@dataclass
+class Loop:
+    cfg: OperatorConfig = field(default_factory=OperatorConfig)
+    credentials: kopf.ConnectionInfo | None = None  # set by the login handler
+    resync_task: asyncio.Task[None] | None = None
+    _locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+
+    def api(self) -> KubeApi:
+        if self.credentials is None:
+            raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+        return KubeApi(self.credentials)
+
+    async def converge(self, api: KubeApi, body: Any, logger: logging.Logger | logging.LoggerAdapter,
+                       apply: bool = True) -> Object:
+        """One pass; returns the status written. `apply=False` only folds the children's status."""
+        doc = _plain(body)
+        meta = doc["metadata"]
+        async with self._locks[meta.get("namespace") or "default", meta["name"]]:
+            previous = doc.get("status") or {}
+            try:
+                ep = parse_endpoint({k: doc.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
+            except SpecError as e:
+                status = invalid_status(meta.get("generation"), str(e), previous, _now())
+                await self._write_status(api, body, meta, status, previous)
+                raise InvalidEndpoint(str(e)) from None
+            manifests = reconcile(ep, self.cfg)
+            if apply:
+                for manifest in manifests:
+                    await api.apply(manifest)
+                await self._prune(api, ep, manifests, logger)
+            status = await self._fold(api, ep, manifests, previous)
+            await self._write_status(api, body, meta, status, previous)
+            return status
+
+    async def _prune(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object],
+                     logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Delete the children this endpoint owns that the spec no longer produces."""
+        if not ep.metadata.uid:  # nothing could prove ownership
+            return
+        wanted = {(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in manifests}
+        for kind in CHILD_KINDS:
+            for obj in await api.list(kind, ep.namespace, ENDPOINT_LABEL, ep.name) or []:
+                name = obj["metadata"]["name"]
+                if (kind.api_version, kind.kind, name) not in wanted and _owned_by(obj, ep.metadata.uid):
+                    logger.info("pruning %s %s: the spec no longer produces it", kind.kind, name)
+                    await api.delete(kind, ep.namespace, name)
+
+    async def _fold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object], previous: Object) -> Object:
+        async def live(name: str, kinds: tuple[str, ...]) -> Object | None:
+            m = next((m for m in manifests if m["kind"] in kinds and m["metadata"]["name"] == name), None)
+            return None if m is None else await api.get(kind_of(m), ep.namespace, name)
+
+        workloads = ("Deployment", "LeaderWorkerSet")
+        return endpoint_status(
+            ep, serving=await live(ep.name, workloads), standby=await live(f"{ep.name}-warm", workloads),
+            scaled_object=await live(ep.name, ("ScaledObject",)), previous=previous, now=_now(), cfg=self.cfg)
+
+    async def _write_status(self, api: KubeApi, body: Any, meta: Object, status: Object, previous: Object) -> None:
+        if not changed(status, previous):
+            return
+        await api.patch_status(meta.get("namespace") or "default", meta["name"], status)
+        if status["phase"] != previous.get("phase"):
+            ready = status["conditions"][0]
+            kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
+            kopf.event(body, type=kind, reason=status["phase"], message=ready.get("message") or ready["reason"])
+
+
+def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: LoginFn = default_login,
+                   resync_seconds: float = 60.0, retry_seconds: float = 10.0) -> kopf.OperatorRegistry:
+    """All handlers, in a registry of their own (tests run several operators in one process)."""
+    registry = kopf.OperatorRegistry()
+    endpoint = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    async def sluice_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = login(**kwargs)
+        if inspect.isawaitable(info):
+            info = await info
+        loop.credentials = info or loop.credentials
+        return info
+
+    async def converge(body: Any, logger: Any, apply: bool = True) -> None:
+        try:
+            async with loop.api() as api:
+                await loop.converge(api, body, logger, apply=apply)
+        except InvalidEndpoint as e:
+            raise kopf.PermanentError(str(e)) from None
+        # Anything else (API errors, timeouts) is retried by kopf after `backoff` seconds.
+
+    @kopf.on.resume(*endpoint, registry=registry, backoff=retry_seconds)
+    @kopf.on.create(*endpoint, registry=registry, backoff=retry_seconds)
+    @kopf.on.update(*endpoint, registry=registry, backoff=retry_seconds)
+    async def endpoint_changed(body: kopf.Body, logger: Any, **_: Any) -> None:
+        await converge(body, logger)
+
+    async def resync_forever(logger: Any) -> None:
+        while True:
+            await asyncio.sleep(resync_seconds)
+            try:
+                async with loop.api() as api:
+                    for body in await api.list_endpoints(list(namespaces or [])):
+                        if body["metadata"].get("deletionTimestamp"):
+                            continue
+                        try:
+                            await loop.converge(api, body, logger)
+                        except InvalidEndpoint:
+                            pass  # the status says why; the next spec change gets a fresh try
+                        except Exception:  # one endpoint's trouble must not stop the others' resync
+                            logger.exception("resync of %s failed", body["metadata"]["name"])
+            except Exception:
+                logger.exception("resync failed; next try in %s s", resync_seconds)
+
+    @kopf.on.startup(registry=registry)
+    async def start_resync(logger: Any, **_: Any) -> None:
+        loop.resync_task = asyncio.create_task(resync_forever(logger))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_resync(**_: Any) -> None:
+        if loop.resync_task is not None:
+            loop.resync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop.resync_task
+
+    async def child_event(type: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
+        owner = next((r for r in body.metadata.get("ownerReferences") or []
+                      if r.get("kind") == KIND and r.get("controller")), None)
+        if owner is None:
+            return
+        async with loop.api() as api:
+            parent = await api.get(ENDPOINT_KIND, body.metadata.namespace, owner["name"])
+            if parent is None or parent["metadata"].get("deletionTimestamp"):
+                return  # the garbage collector is taking the children away
+            if parent["metadata"].get("uid") != owner.get("uid"):
+                return  # a child of an earlier endpoint of the same name
+            try:
+                # A deleted child is applied again at once; anything else only moves the status.
+                await loop.converge(api, parent, logger, apply=type == "DELETED")
+            except InvalidEndpoint:
+                pass
+
+    children = {ENDPOINT_LABEL: kopf.PRESENT}
+    kopf.on.event("apps", "v1", "deployments", labels=children, registry=registry)(child_event)
+    group, version = LWS_API_VERSION.split("/")
+    kopf.on.event(group, version, "leaderworkersets", labels=children, registry=registry,
+                  id="lws_event")(child_event)
+    return registry
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.posting.reporting_component = "sluice-operator"
+    # Resources are resolved once at start: no CRD or namespace watches, so no RBAC for them.
+    settings.scanning.disabled = True
+    # Long-lived watches die silently behind some load balancers: make the server end them, and reconnect.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    return settings
