@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import EngineConfig, parse_size
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
+    except BrokenPipeError:  # e.g. `sluice render ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ValueError as e:  # configuration errors: one clear line, no traceback
         print(f"sluice {args.command}: error: {e}", file=sys.stderr)
         return 2
