@@ -8,7 +8,7 @@ from sluice_engine.scheduler import Scheduler
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=16, caching=True):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_seqs, budget, max_model_len=1024), kv
+    return Scheduler(kv, max_seqs, budget), kv
 
 
 def run_step(s: Scheduler, token=7):

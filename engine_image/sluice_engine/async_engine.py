@@ -69,10 +69,10 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        logits_processors: list[LogitsProcessor] | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields output deltas until the request finishes. Leaving early (client gone) aborts it."""
+        """Yields output deltas until the request finishes. Leaving early (client gone) aborts it.
+        A request the engine refuses (LLMEngine.add_request) ends the stream with its ValueError."""
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
-        self.engine.check_prompt(prompt_token_ids, params)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         self.pending_adds += 1
