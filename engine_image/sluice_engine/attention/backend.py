@@ -25,6 +25,7 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on CUDA when triton imports, the torch reference elsewhere."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
@@ -32,7 +33,11 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return TorchPagedAttention()
     if name == "triton":
-        raise ValueError("--attention-backend triton is not available yet; use torch")
+        try:
+            from .triton_paged import TritonPagedAttention
+        except ImportError as e:
+            raise ValueError(f"--attention-backend triton needs the triton package ({e})") from e
+        return TritonPagedAttention(device)
     raise ValueError(f"unknown attention backend {name!r}")
 
 

@@ -8,6 +8,10 @@ import torch.nn.functional as F
 
 from ..forward_context import AttentionMetadata
 
+# Batches whose longest query is at most this many tokens take the padded single-call path; longer
+# (prefill chunks) loop over sequences, where padding would waste more than the loop costs.
+SHORT_QUERY_LEN = 8
+
 
 class TorchPagedAttention:
     name = "torch"
@@ -18,8 +22,8 @@ class TorchPagedAttention:
         kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.decode_only:
-            return self._decode(q, kv_cache, meta, scale)
+        if meta.max_query_len <= SHORT_QUERY_LEN:
+            return self._short_queries(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
@@ -41,10 +45,11 @@ class TorchPagedAttention:
             start = end
         return out
 
-    def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # One query per sequence: gather every sequence's blocks into a padded [B, Hkv, L, D] batch
-        # and mask the padding, so the whole batch is one SDPA call.
-        b = meta.num_seqs
+    def _short_queries(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # A few queries per sequence (decode, speculative verification): gather every sequence's
+        # blocks into a padded [B, Hkv, L, D] batch, pad the queries to [B, Hq, max_q, D], and mask
+        # both, so the whole batch is one SDPA call instead of a loop over sequences.
+        b, max_q = meta.num_seqs, meta.max_query_len
         block_size = kv_cache.shape[2]
         max_blocks = -(-meta.max_seq_len // block_size)
         # index_select with flat int64 ids is several times faster on CPU than tensor[int32 table].
@@ -52,12 +57,28 @@ class TorchPagedAttention:
         length = max_blocks * block_size
         keys = kv_cache[0].index_select(0, ids).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
         values = kv_cache[1].index_select(0, ids).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
-        mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[:, None]
+        key_pos = torch.arange(length, device=q.device)
+        if max_q == 1:
+            mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True,
+            )
+            return out.squeeze(2)
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        seq_of_row = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens, output_size=q.shape[0])
+        row_in_seq = torch.arange(q.shape[0], device=q.device) - meta.query_start_loc[seq_of_row]
+        flat = seq_of_row * max_q + row_in_seq
+        q_pad = q.new_zeros(b * max_q, *q.shape[1:])
+        q_pad[flat] = q
+        # Query j of sequence i sits at absolute position seq_len - q_len + j and sees keys up to it
+        # (padding rows see the whole sequence: harmless, and no row is fully masked).
+        q_pos = (meta.seq_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < meta.seq_lens[:, None, None])
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :],
-            scale=scale, enable_gqa=True,
+            q_pad.view(b, max_q, *q.shape[1:]).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+            attn_mask=mask[:, None], scale=scale, enable_gqa=True,
         )
-        return out.squeeze(2)
+        return out.transpose(1, 2).reshape(b * max_q, *q.shape[1:])[flat]
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,268 @@
+"""Triton kernels over the paged KV cache, and thin wrappers that check shapes and strides, then launch.
+
+- `store_kv`: scatter this step's K/V rows into their cache slots (block id * block size + offset).
+- `paged_attention`: one kernel for a ragged batch of query rows (prefill, chunked prefill, prefix hits,
+  decode, or any mix): each sequence's new rows attend causally to its whole context, read from the
+  cache through its block table. A program owns one KV head and a tile of query rows, and packs every
+  query head of that KV head's group into the tile's rows (GQA: K/V is read once per group). The key
+  range can be split across programs (flash-decoding); each split then writes an fp32 partial output and
+  its log-sum-exp, and `_merge_splits_kernel` combines them.
+
+fp16/bf16 Q, K and V go to the dots as they are (tensor cores) and accumulate in fp32; the softmax and the
+running output are fp32. fp32 inputs use IEEE fp32 dots (no TF32). The module imports only torch and
+triton, so it also runs in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors -- where bf16
+arithmetic is wrong, so there bf16 inputs are upcast to fp32 right after loading.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+LOG2E = 1.4426950408889634
+# Dots need every dimension >= 16 on tensor cores.
+MIN_DOT = 16
+# Elements per merge program (heads x splits x head_dim): all heads of a row when they fit.
+MERGE_TILE = 4096
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,  # cache: block, offset in block, head (head_dim is contiguous)
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # a padding row (no slot): nothing to write
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
+    dst = block * stride_cb + offset * stride_co + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    query_start_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    stride_qt, stride_qh,
+    stride_cb, stride_co, stride_ch,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_mt, stride_mh, stride_ms,  # mid_o [T, Hq, S, D]; mid_lse [T, Hq, S] shares the first three
+    stride_lt, stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    TOKENS_PER_TILE: tl.constexpr,  # query tokens per program: BLOCK_M // GROUP
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,  # dots in fp32 (fp32 inputs, or bf16 in the interpreter)
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * TOKENS_PER_TILE >= q_len:  # the grid covers the longest query; this sequence is shorter
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # tokens cached before this step
+
+    # Row r of the tile is query token tile*TOKENS_PER_TILE + r // GROUP, head kv_head*GROUP + r % GROUP.
+    r = tl.arange(0, BLOCK_M)
+    tok = tile * TOKENS_PER_TILE + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    row = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    # Key position row_limit and before are visible to a row (causal over prefix + new tokens).
+    row_limit = prefix + tok
+
+    # Keys this tile needs, [0, kv_end), split into NUM_SPLITS chunks aligned to BLOCK_N.
+    kv_end = prefix + tl.minimum((tile + 1) * TOKENS_PER_TILE, q_len)
+    chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+
+    # A finite floor for the running max keeps fully masked rows free of inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + n
+        pos_ok = pos < kv_hi
+        page = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = pos_ok[None, :] & (pos[None, :] <= row_limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # A split that saw no key (l == 0) gets lse = -inf: zero weight in the merge.
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        mid = row * stride_mt + head * stride_mh + split * stride_ms
+        tl.store(mid_o_ptr + mid[:, None] + d[None, :], acc, mask=out_mask)
+        tl.store(mid_lse_ptr + row * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program merges BLOCK_H heads of one query row: out = sum_s 2^lse_s o_s / sum_s 2^lse_s."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < NUM_HEADS
+    hs_ok = h_ok[:, None] & (s[None, :] < NUM_SPLITS)
+    lse = tl.load(mid_lse_ptr + t * stride_lt + h[:, None] * stride_lh + s[None, :], mask=hs_ok,
+                  other=float("-inf"))
+    # Split 0 always holds key 0, which every query sees: the max of a real head is finite.
+    m = tl.where(h_ok, tl.max(lse, 1), 0.0)
+    w = tl.exp2(lse - m[:, None])  # [H, S]
+    o_off = h[:, None, None] * stride_mh + s[None, :, None] * stride_ms + d[None, None, :]
+    o_mask = hs_ok[:, :, None] & (d[None, None, :] < HEAD_DIM)
+    o = tl.load(mid_o_ptr + t * stride_mt + o_off, mask=o_mask, other=0.0)  # [H, S, D]
+    w_sum = tl.where(h_ok, tl.sum(w, 1), 1.0)
+    out = tl.sum(w[:, :, None] * o, 1) / w_sum[:, None]
+    out_mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=out_mask)
+
+
+# Triton picks interpreter or compiler as each function is decorated. Kernels decorated under
+# TRITON_INTERPRET=1 also call triton.language's own library (tl.sum, tl.max, ...), which is interpreted
+# only if triton itself was first imported with the variable set.
+INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
+INTERPRETER_READY = INTERPRETED and isinstance(tl.sum, InterpretedFunction)
+
+
+# -- wrappers ----------------------------------------------------------------------------------------
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] (-1: skip)."""
+    t, h, d = k.shape
+    assert v.shape == k.shape and slot_mapping.shape == (t,), (k.shape, v.shape, slot_mapping.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (h, d), (k_cache.shape, k.shape)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k.stride(2) == 1 and v.stride(2) == 1
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    max_query_len: int, scale: float, num_splits: int = 1,
+    block_m: int | None = None, block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch of query rows over each sequence's paged context.
+
+    q: [T, Hq, D], sequence i's rows at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts its
+    cached tokens plus its new ones, whose K/V must already be in the cache. k_cache, v_cache:
+    [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
+    """
+    t, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    b = seq_lens.shape[0]
+    assert hq % hkv == 0, f"{hq} query heads are not a multiple of {hkv} KV heads"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == d, (k_cache.shape, q.shape)
+    assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
+    assert query_start_loc.shape == (b + 1,) and block_tables.shape[0] == b
+    assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
+    assert num_splits >= 1
+    group = hq // hkv
+    # Decode (one token per sequence) fills the rows with the group's heads; prefill wants longer tiles.
+    block_m = block_m or max(MIN_DOT, triton.next_power_of_2(group), 16 if max_query_len == 1 else 64)
+    block_n = block_n or 64
+    assert block_m >= group and block_m >= MIN_DOT and block_n >= MIN_DOT
+    tokens_per_tile = block_m // group
+    block_d = max(MIN_DOT, triton.next_power_of_2(d))
+
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    if num_splits > 1:
+        mid_o = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:  # unused: the kernel writes the output directly
+        mid_o = mid_lse = out
+    upcast = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
+    tiles = triton.cdiv(max_query_len, tokens_per_tile)
+    _paged_attention_kernel[(b, hkv, tiles * num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_lse,
+        query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
+        mid_lse.stride(0), mid_lse.stride(1),
+        NUM_SPLITS=num_splits, GROUP=group, TOKENS_PER_TILE=tokens_per_tile,
+        HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=4 if block_m * block_d <= 64 * 64 else 8, num_stages=2,
+    )
+    if num_splits > 1:
+        block_s = triton.next_power_of_2(num_splits)
+        block_h = min(triton.next_power_of_2(hq), max(1, MERGE_TILE // (block_s * block_d)))
+        _merge_splits_kernel[(t, triton.cdiv(hq, block_h))](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_HEADS=hq, NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,299 @@
+"""The Triton paged-attention kernels against the torch reference (TorchPagedAttention).
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors: this module sets TRITON_INTERPRET=1
+before triton is first imported (see `_import_kernels`). On a CUDA machine the same tests run the
+compiled kernels on the GPU.
+
+The interpreter gets bf16 arithmetic wrong (the kernels upcast bf16 to fp32 there), so the numbers are
+checked in fp32 (<= 1e-5) and fp16 (<= 1e-3) against the reference in fp32 on the same inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice_engine.attention.backend import select_backend
+from sluice_engine.attention.torch_paged import TorchPagedAttention
+from sluice_engine.forward_context import AttentionMetadata
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}  # bf16: an 8-bit mantissa
+
+
+def _import_kernels():
+    if not CUDA:
+        # Triton reads the variable when a kernel is decorated, when triton.language is first imported,
+        # and again during launches (lazy imports, constexpr functions), so it stays set for the rest of
+        # this process. Without a GPU nothing else can run Triton code anyway. Pytest imports every test
+        # module before running any test, and no other module imports triton at import time.
+        os.environ["TRITON_INTERPRET"] = "1"
+    mod = importlib.import_module("sluice_engine.attention.triton_kernels")
+    if not CUDA and not mod.INTERPRETER_READY:
+        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set; run these "
+                           "tests with TRITON_INTERPRET=1 in the environment")
+    return mod
+
+
+tk = _import_kernels()
+from sluice_engine.attention.triton_paged import (  # noqa: E402
+    TritonPagedAttention,
+    choose_num_splits,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # The interpreter runs numpy on tiny tiles: extra threads only add overhead on a shared CPU.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- a ragged batch over a paged cache -------------------------------------------------------------
+class Batch:
+    """Sequences given as (cached prefix, new tokens), their K/V already in shuffled cache blocks."""
+
+    def __init__(self, seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, block_size: int,
+                 dtype: torch.dtype, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+
+        def rand(*shape):  # uniform in [-1, 1]: outputs stay below 1, where an fp16 ulp is < 1e-3
+            return (torch.rand(*shape, generator=g) * 2 - 1).to(dtype)
+
+        lens = [p + n for p, n in seqs]
+        blocks_per_seq = [-(-seq_len // block_size) for seq_len in lens]
+        num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
+        order = torch.randperm(num_blocks, generator=g).tolist()
+        self.cache = rand(2, num_blocks, block_size, hkv, d)  # garbage everywhere until written
+        flat = self.cache.view(2, num_blocks * block_size, hkv, d)
+        tables, slots, qs, ks, vs, starts = [], [], [], [], [], [0]
+        for (prefix, new), seq_len, nb in zip(seqs, lens, blocks_per_seq, strict=True):
+            table = [order.pop() for _ in range(nb)]
+            seq_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
+            k, v = rand(seq_len, hkv, d), rand(seq_len, hkv, d)
+            flat[0, seq_slots], flat[1, seq_slots] = k, v
+            tables.append(table)
+            slots.append(seq_slots[prefix:])
+            ks.append(k[prefix:])
+            vs.append(v[prefix:])
+            qs.append(rand(new, hq, d))
+            starts.append(starts[-1] + new)
+        width = max(blocks_per_seq)
+        q_lens = [n for _, n in seqs]
+        self.q, self.k, self.v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            slot_mapping=torch.cat(slots).long(),
+            max_query_len=max(q_lens), max_seq_len=max(lens),
+            query_lens_cpu=q_lens, seq_lens_cpu=lens, block_size=block_size,
+        )
+        self.scale = d**-0.5
+
+    def reference(self) -> torch.Tensor:
+        """The torch backend on fp32 copies of the same numbers."""
+        return TorchPagedAttention().attend(self.q.float(), self.k.float(), self.v.float(), self.cache.float(),
+                                            self.meta, self.scale)
+
+    def on(self, device: torch.device):
+        m = self.meta
+        meta = AttentionMetadata(m.query_start_loc.to(device), m.seq_lens.to(device), m.block_tables.to(device),
+                                 m.slot_mapping.to(device), m.max_query_len, m.max_seq_len, m.query_lens_cpu,
+                                 m.seq_lens_cpu, m.block_size)
+        return self.q.to(device), self.cache.to(device), meta
+
+    def triton(self, num_splits: int = 1, **kw) -> torch.Tensor:
+        q, cache, meta = self.on(DEVICE)
+        out = tk.paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                 meta.max_query_len, self.scale, num_splits=num_splits, **kw)
+        assert out.dtype == q.dtype and out.shape == q.shape
+        return out.float().cpu()
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# -- cache write ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_store_kv_scatters_rows_into_their_slots(dtype, cache_dtype):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, block_size, hkv, d, t = 6, 16, 3, 64, 19
+    # K and V as the model makes them: column slices of one fused projection (rows are strided).
+    qkv = torch.randn(t, 5 * hkv * d, generator=g).to(dtype)
+    k = qkv[:, hkv * d : 2 * hkv * d].view(t, hkv, d)
+    v = qkv[:, 3 * hkv * d : 4 * hkv * d].view(t, hkv, d)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(cache_dtype)
+    expected = cache.clone()
+    meta = Batch([(0, 1)], 1, 1, 16, 16, torch.float32).meta  # only slot_mapping is read
+    meta.slot_mapping = slots
+    TorchPagedAttention().write_kv(expected, k, v, meta)
+    padded = torch.cat([slots, torch.tensor([-1])])  # a padding row with no slot writes nothing
+    dev_cache = cache.to(DEVICE)
+    pad_row = torch.full((1, hkv, d), 7.0, dtype=dtype)
+    tk.store_kv(torch.cat([k, pad_row]).to(DEVICE), torch.cat([v, pad_row]).to(DEVICE),
+                dev_cache[0], dev_cache[1], padded.to(DEVICE))
+    assert torch.equal(dev_cache.cpu(), expected)
+
+
+# -- decode: one query per sequence, split-KV ----------------------------------------------------------
+DECODE_LENGTHS = [1, 15, 16, 17, 300]
+
+
+@pytest.mark.parametrize("hq, hkv, block_size, d, splits, dtype", [
+    (4, 4, 16, 64, 1, torch.float32),    # GQA ratio 1
+    (6, 2, 16, 64, 3, torch.float32),    # ratio 3
+    (8, 1, 16, 128, 4, torch.float16),   # ratio 8
+    (6, 2, 8, 128, 2, torch.float16),
+    (8, 1, 32, 80, 7, torch.float32),    # head_dim not a power of two; more splits than some sequences need
+    (6, 2, 16, 64, 3, torch.bfloat16),
+], ids=lambda x: str(x).removeprefix("torch."))
+def test_decode_matches_reference(hq, hkv, block_size, d, splits, dtype):
+    batch = Batch([(n - 1, 1) for n in DECODE_LENGTHS], hq, hkv, d, block_size, dtype, seed=splits)
+    assert max_err(batch.triton(splits), batch.reference()) <= TOL[dtype]
+
+
+# -- prefill and extend: ragged new tokens over cached prefixes ------------------------------------------
+MIXED = [(0, 17), (16, 15), (0, 1), (280, 5), (14, 1), (3, 40)]  # prefill, prefix hits, decode rows
+
+
+@pytest.mark.parametrize("hq, hkv, block_size, d, dtype, block_m", [
+    (4, 4, 16, 64, torch.float32, None),
+    (6, 2, 16, 64, torch.float16, None),
+    (8, 1, 16, 128, torch.float32, None),
+    (6, 2, 32, 64, torch.float32, 16),  # 16 rows hold 5 tokens x 3 heads: one row idle per tile
+    (8, 1, 8, 64, torch.float16, 32),
+], ids=lambda x: str(x).removeprefix("torch."))
+def test_prefill_and_extend_match_reference(hq, hkv, block_size, d, dtype, block_m):
+    batch = Batch(MIXED, hq, hkv, d, block_size, dtype, seed=hq)
+    assert max_err(batch.triton(block_m=block_m), batch.reference()) <= TOL[dtype]
+
+
+def test_splits_also_merge_multi_token_queries():
+    """Speculative verification splits too: rows of one tile see different key ranges per split."""
+    batch = Batch([(20, 5), (0, 3), (40, 1)], 6, 2, 64, 16, torch.float32)
+    assert max_err(batch.triton(num_splits=3, block_n=16), batch.reference()) <= 1e-5
+
+
+# -- the backend ---------------------------------------------------------------------------------
+def test_backend_writes_then_attends_like_the_torch_backend():
+    batch = Batch([(30, 1), (0, 9), (17, 4)], 6, 2, 64, 16, torch.float32)
+    q, cache, meta = batch.on(DEVICE)
+    stale = cache.clone()
+    stale.view(2, -1, 2, 64)[:, meta.slot_mapping] = 0.0  # the new rows are not in the cache yet
+    backend = select_backend("triton", DEVICE)
+    assert isinstance(backend, TritonPagedAttention)
+    k, v = batch.k.to(DEVICE), batch.v.to(DEVICE)
+    backend.write_kv(stale, k, v, meta)
+    assert torch.equal(stale, cache)
+    out = backend.attend(q, k, v, stale, meta, batch.scale)
+    assert max_err(out.cpu(), batch.reference()) <= 1e-5
+
+
+def test_num_splits_fill_the_gpu_and_stay_long():
+    assert choose_num_splits(1, 8, 4096, num_sms=132) == 16  # 4096 / 256: chunks no shorter than 256
+    assert choose_num_splits(1, 8, 100_000, num_sms=132) == 32  # capped
+    assert choose_num_splits(4, 8, 4096, num_sms=132) == 9  # ~2 waves of 132
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # the batch fills the GPU already
+    assert choose_num_splits(1, 8, 200, num_sms=132) == 1  # too short to split
+
+
+def test_auto_is_torch_on_cpu():
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_triton_off_cuda_without_the_interpreter_names_the_flag(monkeypatch):
+    monkeypatch.setattr(tk, "INTERPRETER_READY", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_backend("triton", torch.device("cpu"))
+
+
+# -- end to end: the engine's greedy tokens do not depend on the backend ------------------------------------
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A 2-layer Llama (6 query heads over 2 KV heads) with random weights, as an HF directory."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    hidden, inter, heads, kv_heads, head_dim, layers = 96, 128, 6, 2, 16, 2
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=hidden,
+                  intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    (root / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape, std=0.2):  # wide enough that a random model does not repeat one token
+        return torch.randn(*shape, generator=g) * std
+
+    tensors = {"model.embed_tokens.weight": w(VOCAB, hidden), "lm_head.weight": w(VOCAB, hidden),
+               "model.norm.weight": 1 + w(hidden, std=0.1)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": 1 + w(hidden, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + w(hidden, std=0.1),
+        }
+    save_file(tensors, str(root / "model.safetensors"))
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama):
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+    first = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 23)] + [shared + [1, 2, 3]]
+    second = [shared + [4, 5]]  # a prefix-cache hit on the shared blocks
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(backend: str, prompts_list):
+        # block size 4 and a 16-token budget: chunked prefill mixes prompt chunks with decode rows.
+        llm = LLM(str(tiny_llama), device=DEVICE.type, dtype="float32", block_size=4, kv_cache_memory=1 << 20,
+                  max_num_batched_tokens=16, attention_backend=backend)
+        assert llm.engine.runner.backend.name == backend
+        if backend == "triton":
+            llm.engine.runner.backend.num_splits = 2  # exercise the split-KV merge in the decode steps
+        return [llm.generate(prompts, params) for prompts in prompts_list]
+
+    want = run("torch", [first, second])
+    got = run("triton", [first, second])
+    assert got[1][0].num_cached_tokens == want[1][0].num_cached_tokens == 12
+    assert len({t for batch in want for c in batch for t in c.token_ids}) > 6  # not one repeated token
+    for w_batch, g_batch in zip(want, got, strict=True):
+        for w, c in zip(w_batch, g_batch, strict=True):
+            assert c.token_ids == w.token_ids
+            for wl, cl in zip(w.logprobs, c.logprobs, strict=True):
+                assert abs(wl[0] - cl[0]) < 1e-4  # the sampled token's logprob
