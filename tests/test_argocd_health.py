@@ -118,3 +118,30 @@ def test_stale_status_is_progressing() -> None:
 
 def test_unknown_phase_is_unknown() -> None:
     assert health(endpoint({"phase": "Exploded", "observedGeneration": 3}))["status"] == "Unknown"
+
+
+def test_statuses_the_operator_writes():
+    """The operator's own status (endpoint_status) through the health check, for the states users ask about."""
+    from sluice_operator.spec import parse_endpoint
+    from sluice_operator.status import endpoint_status
+
+    ep = parse_endpoint({**endpoint(), "metadata": {"name": "llama", "namespace": "ml", "generation": 3},
+                         "spec": {"model": {"uri": "hf://org/model"},
+                                  "scaling": {"minReplicas": 0, "maxReplicas": 2}}})
+    unschedulable = {"metadata": {"name": "llama-1"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}}
+    cases = [
+        (dict(serving={"spec": {"replicas": 1}, "status": {"replicas": 1}}, pods=[unschedulable]), "Progressing",
+         "InsufficientCapacity: 1 of 1 serving pod cannot be scheduled: 0/4 nodes are available: "
+         "4 Insufficient nvidia.com/gpu."),
+        (dict(serving={"spec": {"replicas": 0}, "status": {}}, pods=[]), "Healthy",
+         "Scaled to zero; starts on the next request"),
+        (dict(serving={"spec": {"replicas": 1}, "status": {"replicas": 1, "readyReplicas": 1}}, pods=[]),
+         "Healthy", None),
+    ]
+    for observed, status, message in cases:
+        hs = health(endpoint(endpoint_status(ep, now="2025-01-01T00:00:00Z", **observed)))
+        assert hs["status"] == status, hs
+        if message is not None:
+            assert hs["message"] == message

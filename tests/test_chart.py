@@ -53,7 +53,9 @@ MODES = {
     "discovery": (["scope=namespace", "rbac.discovery=true"], "namespace", RELEASE_NS),
     "all-discovery": (["rbac.discovery=true", "liveness.enabled=false"], "all", None),
     "existing-sa": (["serviceAccount.create=false", "serviceAccount.name=ops"], "all", None),
+    "no-gateway": (["gateway.enabled=false"], "all", None),
 }
+GATEWAY = f"{RELEASE}-gateway"  # the contract's name for the default release (docs/operator.md)
 
 
 # -- helm ------------------------------------------------------------------------------------------------
@@ -103,6 +105,15 @@ def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
+def component(docs: list[dict[str, Any]], kind: str, name: str) -> list[dict[str, Any]]:
+    """Objects of a kind that belong to the operator or to the gateway."""
+    return [d for d in of_kind(docs, kind) if d["metadata"]["labels"]["app.kubernetes.io/component"] == name]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
 # -- lint and render -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 def test_helm_lint(helm: tuple[str, dict[str, str]], mode: str) -> None:
@@ -148,7 +159,7 @@ def test_crd_is_rendered(rendered: dict[str, list[dict[str, Any]]]) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_deployment(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     _, scope, served = MODES[mode]
-    (dep,) = of_kind(rendered[mode], "Deployment")
+    (dep,) = component(rendered[mode], "Deployment", "operator")
     assert dep["metadata"]["namespace"] == RELEASE_NS
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     pod = dep["spec"]["template"]["spec"]
@@ -170,7 +181,7 @@ def test_deployment(rendered: dict[str, list[dict[str, Any]]], mode: str) -> Non
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     sa = "ops" if mode == "existing-sa" else f"{RELEASE}"
     assert pod["serviceAccountName"] == sa
-    assert bool(of_kind(rendered[mode], "ServiceAccount")) == (mode != "existing-sa")
+    assert bool(component(rendered[mode], "ServiceAccount", "operator")) == (mode != "existing-sa")
 
 
 def test_scheduling_values_reach_the_pod(helm: tuple[str, dict[str, str]]) -> None:
@@ -178,7 +189,7 @@ def test_scheduling_values_reach_the_pod(helm: tuple[str, dict[str, str]]) -> No
                     "--set", "nodeSelector.pool=system",
                     "--set", "tolerations[0].key=dedicated,tolerations[0].operator=Exists",
                     "--set", "image.tag=dev", "--set", "extraArgs[0]=--verbose")
-    (dep,) = of_kind([d for d in yaml.safe_load_all(text) if d], "Deployment")
+    (dep,) = component([d for d in yaml.safe_load_all(text) if d], "Deployment", "operator")
     pod = dep["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "system"}
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
@@ -278,7 +289,9 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]], mode
         for rule in role["rules"]:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], f"{role['kind']} {role['metadata']['name']}: wildcard {key}"
-            assert "secrets" not in rule["resources"] and "pods" not in rule["resources"]
+            assert "secrets" not in rule["resources"]
+            if "pods" in rule["resources"]:  # the status reads the serving pods; nothing more
+                assert set(rule["verbs"]) <= {"get", "list", "watch"} and rule["apiGroups"] == [""]
             assert not ({"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"]))
             if rule["apiGroups"] == ["sluice.dev"] and rule["resources"] == ["inferenceendpoints"]:
                 assert not ({"create", "update", "delete"} & set(rule["verbs"])), "the operator never writes spec"
@@ -288,12 +301,103 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]], mode
             assert role["metadata"]["namespace"] == served
     else:
         assert not of_kind(docs, "Role") and not of_kind(docs, "RoleBinding")
-    # Any ClusterRole besides the "all" scope's main one is the read-only discovery role.
+    # Any ClusterRole besides the "all" scope's main ones (operator, gateway) is the read-only discovery role.
     for role in of_kind(docs, "ClusterRole"):
-        if scope == "all" and role["metadata"]["name"] == RELEASE:
+        if scope == "all" and role["metadata"]["name"] in (RELEASE, GATEWAY):
             continue
         assert role["metadata"]["name"] == f"{RELEASE}-discovery"
         assert {r for rule in role["rules"] for r in rule["resources"]} <= {"customresourcedefinitions", "namespaces"}
         assert {v for rule in role["rules"] for v in rule["verbs"]} == {"list", "watch"}
     assert any(r["metadata"]["name"].endswith("-discovery") for r in of_kind(docs, "ClusterRole")) == (
         "discovery" in mode)
+
+
+# -- the gateway -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
+    _, scope, served = MODES[mode]
+    docs = rendered[mode]
+    (operator,) = component(docs, "Deployment", "operator")
+    env = env_of(operator["spec"]["template"]["spec"]["containers"][0])
+    if mode == "no-gateway":
+        assert not component(docs, "Deployment", "gateway") and not component(docs, "Service", "gateway")
+        assert env["SLUICE_GATEWAY_SCALER_ADDRESS"] == "" and env["SLUICE_GATEWAY_URL"] == ""
+        return
+    (dep,) = component(docs, "Deployment", "gateway")
+    (svc,) = component(docs, "Service", "gateway")
+    assert dep["metadata"]["name"] == svc["metadata"]["name"] == GATEWAY
+    assert dep["metadata"]["namespace"] == svc["metadata"]["namespace"] == RELEASE_NS
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["sluice"]
+    args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090"]
+    assert container["args"] == args + ([] if scope == "all" else ["--namespace", served])
+    assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "grpc": 9090}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 8080, "grpc": 9090}
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    (op_dep,) = component(docs, "Deployment", "operator")  # the two selectors never overlap
+    assert op_dep["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert dep["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    # The operator is told where the gateway is: KEDA's external-push trigger, and clients' URL.
+    assert env["SLUICE_GATEWAY_SCALER_ADDRESS"] == f"{GATEWAY}.{RELEASE_NS}.svc:9090"
+    assert env["SLUICE_GATEWAY_URL"] == f"http://{GATEWAY}.{RELEASE_NS}.svc:8080/v1"
+    # Its own ServiceAccount, with read-only access to what it discovers backends from.
+    sa = pod["serviceAccountName"]
+    assert sa == GATEWAY and component(docs, "ServiceAccount", "gateway")
+    rules = granted(docs, sa, "any-namespace" if scope == "all" else served)
+    assert allowed(rules, "sluice.dev", "inferenceendpoints") == {"get", "list", "watch"}
+    assert allowed(rules, "discovery.k8s.io", "endpointslices") == {"get", "list", "watch"}
+    assert allowed(rules, "", "services") == {"get", "list", "watch"}
+    for rule in rules:
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+    if scope == "namespace":
+        assert not granted(docs, sa, "elsewhere")
+
+
+def test_operator_settings_reach_the_operator(helm: tuple[str, dict[str, str]]) -> None:
+    from sluice_operator.config import ENGINE_IMAGE, PROMETHEUS_URL, OperatorConfig
+
+    def operator_env(*values: str) -> dict[str, str]:
+        text = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS, *set_args(list(values)))
+        (dep,) = component([d for d in yaml.safe_load_all(text) if d], "Deployment", "operator")
+        return env_of(dep["spec"]["template"]["spec"]["containers"][0])
+
+    env = operator_env()
+    # The chart's defaults are the operator's own: same release images, same gateway for release "sluice".
+    assert env["SLUICE_ENGINE_IMAGE"] == ENGINE_IMAGE
+    assert env["SLUICE_PROMETHEUS_URL"] == PROMETHEUS_URL
+    assert OperatorConfig.from_env(env) == OperatorConfig()
+    env = operator_env("engine.image.repository=registry.local/engine", "engine.image.tag=dev",
+                       "prometheus.url=http://prom:9090", "gateway.scalerPort=9999")
+    cfg = OperatorConfig.from_env(env)
+    assert cfg.engine_image == "registry.local/engine:dev" and cfg.prometheus_url == "http://prom:9090"
+    assert cfg.gateway_scaler_address == f"{GATEWAY}.{RELEASE_NS}.svc:9999"
+
+
+def test_versions_agree() -> None:
+    import tomllib
+
+    from sluice_operator import __version__
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == __version__ == project["version"]
+
+
+def test_gateway_service_monitor(helm: tuple[str, dict[str, str]]) -> None:
+    from operator_schemas import crd_schema, reference_crd, schema_errors
+
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                    "--set", "gateway.serviceMonitor.enabled=true", "--set", "gateway.serviceMonitor.labels.release=kps")
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    schema = crd_schema(reference_crd("monitoring.coreos.com_servicemonitors.yaml"), "v1")
+    assert schema_errors(schema, monitor) == []
+    (svc,) = component(docs, "Service", "gateway")
+    assert all(svc["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    assert monitor["metadata"]["labels"]["release"] == "kps"

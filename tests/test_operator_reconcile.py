@@ -118,7 +118,7 @@ def test_pods_are_hardened_probed_and_wired(path):
     ep = parse_endpoint(load_yaml(path))
     manifests = reconcile(ep)
     layout = layout_of(ep)
-    service = one(manifests, "Service")
+    services = {m["metadata"]["name"]: m for m in by_kind(manifests, "Service")}
     for wl in workloads(manifests):
         for template in pod_templates(wl):
             pod = template["spec"]
@@ -144,7 +144,11 @@ def test_pods_are_hardened_probed_and_wired(path):
             serves = template["metadata"]["labels"]["sluice.dev/serves"] == "true"
             if serves:
                 assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
-            assert _selects(service["spec"]["selector"], template["metadata"]["labels"]) == serves
+            # Each Service selects the pods of its own role that answer HTTP, and no other pod.
+            role = template["metadata"]["labels"]["sluice.dev/role"]
+            own = ep.name if role == "serving" else f"{ep.name}-warm"
+            for name, svc in services.items():
+                assert _selects(svc["spec"]["selector"], template["metadata"]["labels"]) == (serves and name == own)
             # flags
             args = engine["args"]
             flag = dict(zip(args[::2], args[1::2], strict=False))
@@ -195,6 +199,9 @@ def test_single_gpu_example():
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert pod["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
+    args = pod["containers"][0]["args"]
+    flag = dict(zip(args[::2], args[1::2], strict=False))
+    assert (flag["--slo-ttft-ms"], flag["--slo-tpot-ms"], flag["--gpu-hour-usd"]) == ("500", "50", "1.2")
     pdb = one(manifests, "PodDisruptionBudget")
     assert _selects(pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
     assert _selects(deployment["spec"]["selector"]["matchLabels"],
@@ -225,11 +232,23 @@ def test_scale_to_zero_example():
     serving, warm = workloads(manifests)
     assert serving["metadata"]["name"] == "qwen-7b" and "replicas" not in serving["spec"]
     assert warm["metadata"]["name"] == "qwen-7b-warm" and warm["spec"]["replicas"] == 1
-    assert warm["spec"]["template"]["metadata"]["labels"]["sluice.dev/pool"] == "standby"
+    assert serving["spec"]["template"]["metadata"]["labels"]["sluice.dev/role"] == "serving"
+    assert warm["spec"]["template"]["metadata"]["labels"]["sluice.dev/role"] == "standby"
     assert not _selects(serving["spec"]["selector"]["matchLabels"], warm["spec"]["template"]["metadata"]["labels"])
-    service = one(manifests, "Service")
-    for wl in (serving, warm):  # the warm pool answers while serving replicas are cold
-        assert _selects(service["spec"]["selector"], wl["spec"]["template"]["metadata"]["labels"])
+    assert warm["spec"]["template"]["spec"] == serving["spec"]["template"]["spec"]  # the same pods, loaded
+    # Two Services: the gateway reads serving and standby backends apart, by the role label the EndpointSlice
+    # controller copies from each Service onto its slices.
+    service, standby = by_kind(manifests, "Service")
+    assert (service["metadata"]["name"], standby["metadata"]["name"]) == ("qwen-7b", "qwen-7b-warm")
+    assert service["metadata"]["labels"]["sluice.dev/role"] == "serving"
+    assert standby["metadata"]["labels"]["sluice.dev/role"] == "standby"
+    assert _selects(service["spec"]["selector"], serving["spec"]["template"]["metadata"]["labels"])
+    assert not _selects(service["spec"]["selector"], warm["spec"]["template"]["metadata"]["labels"])
+    assert _selects(standby["spec"]["selector"], warm["spec"]["template"]["metadata"]["labels"])
+    assert not _selects(standby["spec"]["selector"], serving["spec"]["template"]["metadata"]["labels"])
+    pdb = one(manifests, "PodDisruptionBudget")
+    assert not _selects(pdb["spec"]["selector"]["matchLabels"], warm["spec"]["template"]["metadata"]["labels"])
+    # The ScaledObject scales the serving Deployment only; the warm pool keeps its fixed count.
     so = one(manifests, "ScaledObject")["spec"]
     assert so["minReplicaCount"] == 0 and so["maxReplicaCount"] == 4
     assert so["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen-7b"}
@@ -238,17 +257,57 @@ def test_scale_to_zero_example():
     behavior = so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 600
-    (trigger,) = so["triggers"]
-    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
-    assert trigger["metadata"]["threshold"] == "4"
-    assert trigger["metadata"]["query"] == (
-        'sum(sluice_num_requests_waiting{namespace="inference",sluice_dev_endpoint="qwen-7b"})')
+    prometheus, push = so["triggers"]
+    assert prometheus["type"] == "prometheus" and prometheus["metricType"] == "AverageValue"
+    assert prometheus["metadata"]["threshold"] == "4"
+    assert prometheus["metadata"]["query"] == (
+        '(sum(sluice_num_requests_waiting{namespace="inference",sluice_dev_endpoint="qwen-7b"}) or vector(0))'
+        ' + (sum(sluice_gateway_pending_requests{endpoint="inference/qwen-7b"}) or vector(0))')
+    assert push == {"type": "external-push", "name": "gateway", "metricType": "AverageValue", "metadata": {
+        "scalerAddress": "sluice-gateway.sluice-system.svc:9090", "endpoint": "inference/qwen-7b",
+        "model": "qwen2.5-7b-instruct"}}
     fetch = serving["spec"]["template"]["spec"]["initContainers"][0]
     assert fetch["command"][:3] == ["aws", "s3", "sync"]
     assert "s3://models/qwen2.5-7b-instruct/" in fetch["command"]
     monitor = one(manifests, "ServiceMonitor")["spec"]
-    assert _selects(monitor["selector"]["matchLabels"], service["metadata"]["labels"])
+    for svc in (service, standby):  # both pools' queues are demand
+        labels = svc["metadata"]["labels"]
+        assert _selects(monitor["selector"]["matchLabels"], labels)
+        (expr,) = monitor["selector"]["matchExpressions"]
+        assert labels[expr["key"]] in expr["values"]
     assert monitor["targetLabels"] == ["sluice.dev/endpoint"]  # -> the query's sluice_dev_endpoint
+
+
+def test_queue_query_is_promql():
+    promql_parser = pytest.importorskip("promql_parser")
+    _, manifests = rendered("scale-to-zero.yaml")
+    query = one(manifests, "ScaledObject")["spec"]["triggers"][0]["metadata"]["query"]
+    promql_parser.parse(query)  # raises on a syntax error
+
+
+def test_without_a_gateway_there_is_no_push_trigger():
+    ep, _ = rendered("scale-to-zero.yaml")
+    cfg = OperatorConfig(gateway_scaler_address="", gateway_url="")
+    (trigger,) = one(reconcile(ep, cfg), "ScaledObject")["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    so = one(reconcile(ep, OperatorConfig(gateway_scaler_address="gw.ops.svc:9090")), "ScaledObject")
+    assert so["spec"]["triggers"][1]["metadata"]["scalerAddress"] == "gw.ops.svc:9090"
+
+
+def test_every_autoscaled_variant_validates_against_keda():
+    """minReplicas 0 or not, warm pool or not, gateway or not, multi-node: every ScaledObject is valid."""
+    schema = crd_schema(reference_crd("keda.sh_scaledobjects.yaml"), "v1alpha1")
+    for example, changes in [("scale-to-zero.yaml", {}),
+                             ("scale-to-zero.yaml", {"scaling": {"minReplicas": 2, "maxReplicas": 3}}),
+                             ("multinode-70b.yaml", {}),
+                             ("gpu-8b.yaml", {"replicas": None, "scaling": {
+                                 "minReplicas": 0, "maxReplicas": 2, "warmPool": {"replicas": 2},
+                                 "onMetricsOutage": {"replicas": 1}, "scaleDownDelaySeconds": 0}})]:
+        ep, _ = rendered(example, **changes)
+        for cfg in (OperatorConfig(), OperatorConfig(gateway_scaler_address="")):
+            so = one(reconcile(ep, cfg), "ScaledObject")
+            assert schema_errors(schema, so) == [], (example, changes)
+            assert so["spec"]["minReplicaCount"] == ep.spec.scaling.min_replicas
 
 
 def test_replica_counts_follow_the_spec():

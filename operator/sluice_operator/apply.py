@@ -7,6 +7,7 @@ operator has one login path. Only what the loop needs: every child is namespaced
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,8 @@ import kopf
 
 from .spec import API_VERSION, PLURAL
 
-FIELD_MANAGER = "sluice-operator"
+FIELD_MANAGER = "sluice-operator"  # also the events' reporting component
+MAX_EVENT_MESSAGE = 1024
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the body is plain JSON
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
 
@@ -25,20 +27,22 @@ class Kind:
     api_version: str
     kind: str
     plural: str
+    optional: bool = False  # a CRD the cluster may not have (KEDA, LWS, the Prometheus operator)
 
 
 # Every kind reconcile() can produce: the prune pass lists these by the endpoint label.
 CHILD_KINDS = (
     Kind("v1", "ConfigMap", "configmaps"),
     Kind("apps/v1", "Deployment", "deployments"),
-    Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
+    Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets", optional=True),
     Kind("v1", "Service", "services"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
-    Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
-    Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors"),
+    Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", optional=True),
+    Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors", optional=True),
 )
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 ENDPOINT_KIND = Kind(API_VERSION, "InferenceEndpoint", PLURAL)
+POD_KIND = Kind("v1", "Pod", "pods")  # read only: the status reads scheduling and model load from them
 
 
 def collection_path(api_version: str, plural: str, namespace: str) -> str:
@@ -51,6 +55,10 @@ def kind_of(manifest: dict[str, Any]) -> Kind:
         return KINDS[manifest["apiVersion"], manifest["kind"]]
     except KeyError:
         raise ValueError(f"no API path known for {manifest['apiVersion']} {manifest['kind']}") from None
+
+
+def label_selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 class ApiError(Exception):
@@ -121,17 +129,18 @@ class KubeApi:
                 return None
             raise
 
-    async def list(self, kind: Kind, namespace: str, label: str, value: str) -> list[dict[str, Any]] | None:
-        """Objects labelled label=value; None when the cluster does not serve the kind (CRD missing)."""
+    async def list(self, kind: Kind, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]] | None:
+        """Objects carrying every label of `selector`; None when the cluster does not serve the kind (no CRD)."""
         try:
             out = await self._request("GET", collection_path(kind.api_version, kind.plural, namespace),
-                                      params={"labelSelector": f"{label}={value}"})
+                                      params={"labelSelector": label_selector(selector)})
         except ApiError as e:
             if e.status == 404:
                 return None
             raise
         # Filter again: a selector is a request, and a wrong delete costs more than a second look.
-        items = [i for i in out.get("items", []) if (i.get("metadata", {}).get("labels") or {}).get(label) == value]
+        items = [i for i in out.get("items", [])
+                 if all((i.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
         for item in items:  # list items carry no apiVersion/kind
             item.setdefault("apiVersion", kind.api_version)
             item.setdefault("kind", kind.kind)
@@ -164,3 +173,32 @@ class KubeApi:
         base = collection_path(ENDPOINT_KIND.api_version, ENDPOINT_KIND.plural, namespace)
         return await self._request("PATCH", f"{base}/{name}/status", body={"status": status},
                                    content_type=MERGE_CONTENT_TYPE)
+
+    # -- events -----------------------------------------------------------------------------------------
+    async def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str, now: str,
+                         logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """A core/v1 Event about `involved` (an object reference). Events are auxiliary: a failure is logged."""
+        event = event_manifest(involved, type_, reason, message, now)
+        try:
+            await self._request("POST", collection_path("v1", "events", involved["namespace"]), body=event)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("could not post event %s %s: %s", type_, reason, e)
+
+
+def event_manifest(involved: dict[str, Any], type_: str, reason: str, message: str, now: str) -> dict[str, Any]:
+    """A core/v1 Event as `kubectl describe` shows it (the API server names it from generateName)."""
+    if len(message) > MAX_EVENT_MESSAGE:
+        message = message[:MAX_EVENT_MESSAGE - 3] + "..."
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{involved['name']}.", "namespace": involved["namespace"]},
+        "involvedObject": involved,
+        "type": type_,
+        "reason": reason,
+        "message": message,
+        "source": {"component": FIELD_MANAGER},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }

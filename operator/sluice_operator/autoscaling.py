@@ -1,4 +1,11 @@
-"""The KEDA ScaledObject that scales the serving workload on queue depth per replica."""
+"""The KEDA ScaledObject that scales the serving workload: queue depth per replica, and the gateway's demand.
+
+Two triggers, one ScaledObject (KEDA is the only scaler; no second HPA):
+- `prometheus` (1 <-> N): requests waiting in the engines plus requests the gateway holds for the endpoint,
+  per replica. The engines' own queue vanishes at zero replicas; the gateway's count does not.
+- `external-push` (0 -> 1 at once): the gateway's KEDA external scaler pushes IsActive the moment it holds a
+  request for an endpoint with no ready serving replica. Left out when no gateway is configured.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,52 @@ from .spec import InferenceEndpoint, Scaling
 
 POLLING_INTERVAL_S = 15
 QUEUE_METRIC = "sluice_num_requests_waiting"  # an engine metric: a contract (docs/engine-flags.md)
+GATEWAY_PENDING_METRIC = "sluice_gateway_pending_requests"  # the gateway's, labelled endpoint="<ns>/<name>"
 # The ServiceMonitor copies the Service's sluice.dev/endpoint label onto every series under this name.
 ENDPOINT_METRIC_LABEL = "sluice_dev_endpoint"
 
 
+def endpoint_key(ep: InferenceEndpoint) -> str:
+    """How the gateway names an endpoint: in its metrics, and in the external scaler's metadata."""
+    return f"{ep.namespace}/{ep.name}"
+
+
 def queue_query(ep: InferenceEndpoint) -> str:
-    """Waiting requests across the endpoint's pods (warm pool included: its queue is demand too)."""
-    return f'sum({QUEUE_METRIC}{{namespace="{ep.namespace}",{ENDPOINT_METRIC_LABEL}="{ep.name}"}})'
+    """Waiting requests in the endpoint's pods (warm pool included: its queue is demand too), plus the
+    requests the gateway holds for it. `or vector(0)`: either side may have no series (no pods at zero, no
+    gateway), and a sum with an empty side would be empty."""
+    engines = f'sum({QUEUE_METRIC}{{namespace="{ep.namespace}",{ENDPOINT_METRIC_LABEL}="{ep.name}"}})'
+    gateway = f'sum({GATEWAY_PENDING_METRIC}{{endpoint="{endpoint_key(ep)}"}})'
+    return f"({engines} or vector(0)) + ({gateway} or vector(0))"
+
+
+def triggers(ep: InferenceEndpoint, cfg: OperatorConfig, scaling: Scaling) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{
+        "type": "prometheus",
+        "name": "queue-depth",
+        "metricType": "AverageValue",  # the HPA divides by the replica count: depth per replica
+        "metadata": {
+            "serverAddress": cfg.prometheus_url,
+            "query": queue_query(ep),
+            "threshold": str(scaling.target_queue_depth),
+            "activationThreshold": "0",
+            "ignoreNullValues": "true",  # no series yet reads as an empty queue
+        },
+    }]
+    if cfg.gateway_scaler_address:
+        out.append({
+            "type": "external-push",
+            "name": "gateway",
+            "metricType": "AverageValue",
+            # KEDA hands these to the gateway's scaler as ScaledObjectRef.scalerMetadata. The gateway's metric
+            # (held + in-flight requests per replica) has its target from `sluice gateway --scaler-target`.
+            "metadata": {
+                "scalerAddress": cfg.gateway_scaler_address,
+                "endpoint": endpoint_key(ep),
+                "model": ep.spec.model.name,
+            },
+        })
+    return out
 
 
 def hpa_behavior(scaling: Scaling) -> dict[str, Any]:
@@ -55,17 +101,6 @@ def scaled_object(ep: InferenceEndpoint, cfg: OperatorConfig, target: dict[str, 
             "initialCooldownPeriod": ep.spec.startup_grace_seconds,  # no scale-to-zero while first loading
             "fallback": {"failureThreshold": 3, "replicas": outage, "behavior": "currentReplicasIfHigher"},
             "advanced": {"horizontalPodAutoscalerConfig": {"name": ep.name, "behavior": hpa_behavior(scaling)}},
-            "triggers": [{
-                "type": "prometheus",
-                "name": "queue-depth",
-                "metricType": "AverageValue",  # the HPA divides by the replica count: depth per replica
-                "metadata": {
-                    "serverAddress": cfg.prometheus_url,
-                    "query": queue_query(ep),
-                    "threshold": str(scaling.target_queue_depth),
-                    "activationThreshold": "0",
-                    "ignoreNullValues": "true",  # no pods yet (scaled to zero) reads as an empty queue
-                },
-            }],
+            "triggers": triggers(ep, cfg, scaling),
         },
     }

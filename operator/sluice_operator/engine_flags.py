@@ -15,6 +15,12 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "device": "accelerator.type",
     "host": "(always 0.0.0.0 in a pod)",
     "port": "(always 8000 in a pod)",
+    "slo-ttft-ms": "slo.ttftMs",
+    "slo-tpot-ms": "slo.tpotMs",
+    "gpu-hour-usd": "cost.gpuHourUSD",
+    # Not rendered: the ServiceMonitor labels every series with sluice_dev_endpoint (and the Prometheus
+    # operator's own `endpoint` target label would shadow this one).
+    "endpoint-label": "(the ServiceMonitor's sluice_dev_endpoint label)",
 }
 
 # flag (without the leading dashes) -> the value type it takes, or the tuple of its choices.
@@ -30,6 +36,11 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "attention-backend": ("auto", "torch", "triton"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
+    "speculative-method": ("ngram",),
+    "num-speculative-tokens": int,
+    "ngram-min": int,
+    "ngram-max": int,
+    "speculative-disable-batch-size": int,
 }
 
 # What the CRD can type-check and CEL can read: x-kubernetes-int-or-string. So a float is written as a

@@ -26,12 +26,12 @@ from typing import Any
 
 import kopf
 
-from .apply import CHILD_KINDS, ENDPOINT_KIND, KubeApi, kind_of
+from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .config import OperatorConfig
-from .meta import ENDPOINT_LABEL
+from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
 from .reconcile import reconcile
-from .spec import GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
-from .status import changed, endpoint_status, invalid_status
+from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
+from .status import changed, endpoint_status, invalid_status, transitions
 from .workload import LWS_API_VERSION
 
 Object = dict[str, Any]
@@ -67,6 +67,9 @@ class Loop:
     credentials: kopf.ConnectionInfo | None = None  # set by the login handler
     resync_task: asyncio.Task[None] | None = None
     _locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+    # Per endpoint: the kinds its last apply found the cluster does not serve (their CRD is not installed).
+    _missing: dict[tuple[str, str], frozenset[str]] = field(default_factory=dict)
+    _pods_unreadable: bool = False  # logged once: without RBAC for pods, Scheduled stays Unknown
 
     def api(self) -> KubeApi:
         if self.credentials is None:
@@ -75,25 +78,48 @@ class Loop:
 
     async def converge(self, api: KubeApi, body: Any, logger: logging.Logger | logging.LoggerAdapter,
                        apply: bool = True) -> Object:
-        """One pass; returns the status written. `apply=False` only folds the children's status."""
-        doc = _plain(body)
-        meta = doc["metadata"]
-        async with self._locks[meta.get("namespace") or "default", meta["name"]]:
+        """One pass; returns the status written ({} if the endpoint is gone). `apply=False` only folds the
+        children's status."""
+        meta = _plain(body)["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        async with self._locks[key]:
+            # The endpoint as stored now, not as the (possibly older) body saw it: a resync's list may predate
+            # a pass that just ran; conditions keep their transition times; an event is posted once.
+            fresh = await api.get(ENDPOINT_KIND, *key)
+            if fresh is None or fresh["metadata"].get("uid") != meta.get("uid", fresh["metadata"].get("uid")):
+                return {}  # deleted meanwhile (or replaced by a new endpoint of the same name)
+            doc = _plain(fresh)
+            meta = doc["metadata"]
             previous = doc.get("status") or {}
             try:
                 ep = parse_endpoint({k: doc.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
             except SpecError as e:
                 status = invalid_status(meta.get("generation"), str(e), previous, _now())
-                await self._write_status(api, body, meta, status, previous)
+                await self._write_status(api, body, key, status, previous, logger)
                 raise InvalidEndpoint(str(e)) from None
             manifests = reconcile(ep, self.cfg)
             if apply:
-                for manifest in manifests:
-                    await api.apply(manifest)
+                self._missing[key] = await self._apply(api, manifests, logger)
                 await self._prune(api, ep, manifests, logger)
-            status = await self._fold(api, ep, manifests, previous)
-            await self._write_status(api, body, meta, status, previous)
+            status = await self._fold(api, ep, manifests, previous, self._missing.get(key, frozenset()), logger)
+            await self._write_status(api, body, key, status, previous, logger)
             return status
+
+    async def _apply(self, api: KubeApi, manifests: list[Object],
+                     logger: logging.Logger | logging.LoggerAdapter) -> frozenset[str]:
+        """Apply every child; returns the optional kinds the cluster does not serve (those are skipped)."""
+        missing = set()
+        for manifest in manifests:
+            try:
+                await api.apply(manifest)
+            except ApiError as e:
+                # A real API server answers 404 to an apply only when the resource type is unknown.
+                if e.status != 404 or not kind_of(manifest).optional:
+                    raise
+                logger.warning("skipping %s %s: the cluster does not serve %s (its CRD is not installed)",
+                               manifest["kind"], manifest["metadata"]["name"], manifest["apiVersion"])
+                missing.add(manifest["kind"])
+        return frozenset(missing)
 
     async def _prune(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object],
                      logger: logging.Logger | logging.LoggerAdapter) -> None:
@@ -102,30 +128,50 @@ class Loop:
             return
         wanted = {(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in manifests}
         for kind in CHILD_KINDS:
-            for obj in await api.list(kind, ep.namespace, ENDPOINT_LABEL, ep.name) or []:
+            for obj in await api.list(kind, ep.namespace, {ENDPOINT_LABEL: ep.name}) or []:
                 name = obj["metadata"]["name"]
                 if (kind.api_version, kind.kind, name) not in wanted and _owned_by(obj, ep.metadata.uid):
                     logger.info("pruning %s %s: the spec no longer produces it", kind.kind, name)
                     await api.delete(kind, ep.namespace, name)
 
-    async def _fold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object], previous: Object) -> Object:
+    async def _fold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object], previous: Object,
+                    missing: frozenset[str], logger: logging.Logger | logging.LoggerAdapter) -> Object:
         async def live(name: str, kinds: tuple[str, ...]) -> Object | None:
             m = next((m for m in manifests if m["kind"] in kinds and m["metadata"]["name"] == name), None)
-            return None if m is None else await api.get(kind_of(m), ep.namespace, name)
+            return None if m is None or m["kind"] in missing else await api.get(kind_of(m), ep.namespace, name)
 
         workloads = ("Deployment", "LeaderWorkerSet")
+        serving = await live(ep.name, workloads)
         return endpoint_status(
-            ep, serving=await live(ep.name, workloads), standby=await live(f"{ep.name}-warm", workloads),
-            scaled_object=await live(ep.name, ("ScaledObject",)), previous=previous, now=_now(), cfg=self.cfg)
+            ep, serving=serving, standby=await live(standby_name(ep), workloads),
+            scaled_object=await live(ep.name, ("ScaledObject",)),
+            pods=await self._serving_pods(api, ep, logger) if serving is not None else [],
+            missing_kinds=missing, previous=previous, now=_now(), cfg=self.cfg)
 
-    async def _write_status(self, api: KubeApi, body: Any, meta: Object, status: Object, previous: Object) -> None:
+    async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
+                            logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:
+        """The serving pods (scheduling and model load), or None where the operator may not read pods."""
+        try:
+            return await api.list(POD_KIND, ep.namespace, {ENDPOINT_LABEL: ep.name, ROLE_LABEL: SERVING}) or []
+        except ApiError as e:
+            if e.status != 403:
+                raise
+            if not self._pods_unreadable:
+                logger.warning("may not list pods (%s): the Scheduled condition stays Unknown", e)
+                self._pods_unreadable = True
+            return None
+
+    async def _write_status(self, api: KubeApi, body: Any, key: tuple[str, str], status: Object,
+                            previous: Object, logger: logging.Logger | logging.LoggerAdapter) -> None:
         if not changed(status, previous):
             return
-        await api.patch_status(meta.get("namespace") or "default", meta["name"], status)
-        if status["phase"] != previous.get("phase"):
-            ready = status["conditions"][0]
-            kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
-            kopf.event(body, type=kind, reason=status["phase"], message=ready.get("message") or ready["reason"])
+        await api.patch_status(*key, status)
+        # Posted by our own client, not kopf.event(): that needs kopf's per-task context, which the resync
+        # task does not have.
+        involved = {"apiVersion": API_VERSION, "kind": KIND, "name": key[1], "namespace": key[0],
+                    "uid": _plain(body)["metadata"].get("uid")}
+        for event in transitions(previous, status):
+            await api.post_event(involved, event.type, event.reason, event.message, _now(), logger)
 
 
 def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: LoginFn = default_login,

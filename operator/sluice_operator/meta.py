@@ -7,10 +7,23 @@ from typing import Any
 from .spec import API_VERSION, KIND, InferenceEndpoint
 
 ENDPOINT_LABEL = "sluice.dev/endpoint"
-POOL_LABEL = "sluice.dev/pool"  # serving | standby (the warm pool)
+# "serving" on the autoscaled workload's pods, "standby" on the warm pool's. A contract with the gateway: it
+# finds backends through the Services below, and tells the two classes apart by this label.
+ROLE_LABEL = "sluice.dev/role"
+SERVING, STANDBY = "serving", "standby"
 SERVES_LABEL = "sluice.dev/serves"  # "true" on pods that answer HTTP (LWS workers do not)
 MANAGED_BY = "sluice-operator"
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # `sluice render` of an object never applied
+
+
+def standby_name(ep: InferenceEndpoint) -> str:
+    """The warm pool's workload and Service."""
+    return f"{ep.name}-warm"
+
+
+def serving_selector(ep: InferenceEndpoint) -> str:
+    """The serving pods, as a label selector string (status.selector, the scale subresource's)."""
+    return f"{ENDPOINT_LABEL}={ep.name},{ROLE_LABEL}={SERVING}"
 
 
 def labels(ep: InferenceEndpoint, component: str) -> dict[str, str]:

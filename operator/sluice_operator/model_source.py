@@ -16,6 +16,7 @@ from .spec import InferenceEndpoint
 CACHE_DIR = "/models-cache"  # SLUICE_CACHE_DIR of the engine image (engine_image/Dockerfile)
 PVC_MODEL_DIR = "/models"
 CONFIG_DIR = "/etc/sluice"
+FETCH_CONTAINER = "fetch-model"  # the init container that fills the cache (status reads it: ModelDownloading)
 
 # Mounted from the endpoint's ConfigMap and run by the engine image's Python (transformers brings
 # huggingface_hub). Finished files are skipped, so a warm cache makes this a quick check.
@@ -75,7 +76,7 @@ def model_mount(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[str, 
     if model.scheme == "hf":
         target = f"{CACHE_DIR}/hub/{model.location}/{_dir_safe(model.revision or 'main')}"
         fetch = {
-            "name": "fetch-model",
+            "name": FETCH_CONTAINER,
             "image": ep.spec.engine.image or cfg.engine_image,
             "command": ["python", f"{CONFIG_DIR}/fetch-hf.py"],
             "env": [
@@ -92,7 +93,7 @@ def model_mount(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[str, 
     else:  # s3
         target = f"{CACHE_DIR}/s3/{model.location.rstrip('/')}"
         fetch = {
-            "name": "fetch-model",
+            "name": FETCH_CONTAINER,
             "image": cfg.s3_fetch_image,
             "command": ["aws", "s3", "sync", "--only-show-errors", model.uri, target],
             "env": [{"name": "HOME", "value": "/tmp"}],

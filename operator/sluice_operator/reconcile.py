@@ -12,10 +12,10 @@ from typing import Any
 from .autoscaling import scaled_object
 from .config import OperatorConfig
 from .layout import Layout, plan_layout
-from .meta import ENDPOINT_LABEL, POOL_LABEL, SERVES_LABEL, object_meta
+from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, STANDBY, object_meta, standby_name
 from .model_source import FETCH_HF_SCRIPT
 from .spec import InferenceEndpoint
-from .workload import serve_args, workload
+from .workload import component_of, serve_args, workload
 
 SERVICE_PORT = 80
 
@@ -26,7 +26,25 @@ def layout_of(ep: InferenceEndpoint) -> Layout:
 
 
 def service_url(ep: InferenceEndpoint, cfg: OperatorConfig) -> str:
+    """The serving Service's OpenAI base URL."""
     return f"http://{ep.name}.{ep.namespace}.svc.{cfg.cluster_domain}/v1"
+
+
+def endpoint_url(ep: InferenceEndpoint, cfg: OperatorConfig) -> str:
+    """Where clients should send requests (status.url).
+
+    An autoscaled endpoint is reached through the gateway when one is configured: it holds requests while
+    replicas start (the Service has no backend at zero) and routes to the warm pool while serving pods are
+    cold. Clients then name the model by its served name.
+    """
+    if ep.spec.scaling is not None and cfg.gateway_url:
+        return cfg.gateway_url
+    return service_url(ep, cfg)
+
+
+def has_warm_pool(ep: InferenceEndpoint) -> bool:
+    scaling = ep.spec.scaling
+    return bool(scaling and scaling.warm_pool and scaling.warm_pool.replicas > 0)
 
 
 def config_map(ep: InferenceEndpoint, name: str) -> dict[str, Any]:
@@ -40,15 +58,23 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def service(ep: InferenceEndpoint) -> dict[str, Any]:
+def service(ep: InferenceEndpoint, role: str = SERVING) -> dict[str, Any]:
+    """The serving pods' Service (`<name>`), or the warm pool's (`<name>-warm`).
+
+    Each selects one role only: the gateway tells serving and standby backends apart by the Service their
+    EndpointSlices belong to, and a client of `<name>` never lands on a standby pod. LWS workers (pipeline
+    stages) do not answer HTTP and are left out of both.
+    """
+    name = ep.name if role == SERVING else standby_name(ep)
+    meta = object_meta(ep, name, component_of(role))
+    meta["labels"][ROLE_LABEL] = role  # the EndpointSlice controller copies it onto the slices the gateway reads
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": object_meta(ep, ep.name, "server"),
+        "metadata": meta,
         "spec": {
             "type": "ClusterIP",
-            # Serving and warm-pool pods alike; LWS workers (pipeline stages) do not answer.
-            "selector": {ENDPOINT_LABEL: ep.name, SERVES_LABEL: "true"},
+            "selector": {ENDPOINT_LABEL: ep.name, ROLE_LABEL: role, SERVES_LABEL: "true"},
             "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -61,7 +87,7 @@ def pod_disruption_budget(ep: InferenceEndpoint) -> dict[str, Any]:
         "metadata": object_meta(ep, ep.name, "server"),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, POOL_LABEL: "serving"}},
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, ROLE_LABEL: SERVING}},
             # A pod still loading (not Ready) protects nothing; let drains evict it.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -74,7 +100,11 @@ def service_monitor(ep: InferenceEndpoint) -> dict[str, Any]:
         "kind": "ServiceMonitor",
         "metadata": object_meta(ep, ep.name, "monitoring"),
         "spec": {
-            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, "app.kubernetes.io/component": "server"}},
+            # Both Services: a standby pod's queue is demand too (the gateway sends it requests while serving
+            # replicas are cold), and the autoscaler's query sums it in.
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name},
+                         "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                               "values": [component_of(SERVING), component_of(STANDBY)]}]},
             "namespaceSelector": {"matchNames": [ep.namespace]},
             "targetLabels": [ENDPOINT_LABEL],  # becomes sluice_dev_endpoint: the autoscaler's query uses it
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}],
@@ -90,14 +120,18 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[
     # Pods roll when what they read from the ConfigMap or their flags change.
     config_hash = _hash([cm["data"], serve_args(ep, "")])
     scaling = ep.spec.scaling
-    serving = workload(ep, layout, cfg, name=ep.name, pool="serving", replicas=ep.spec.fixed_replicas,
+    serving = workload(ep, layout, cfg, name=ep.name, role=SERVING, replicas=ep.spec.fixed_replicas,
                        config_map=cm["metadata"]["name"], config_hash=config_hash)
     out = [cm, serving]
-    if scaling and scaling.warm_pool and scaling.warm_pool.replicas > 0:
-        out.append(workload(ep, layout, cfg, name=f"{ep.name}-warm", pool="standby",
+    warm = has_warm_pool(ep)
+    if warm:  # a fixed count, outside the ScaledObject: the pool stays filled whatever the autoscaler does
+        out.append(workload(ep, layout, cfg, name=standby_name(ep), role=STANDBY,
                             replicas=scaling.warm_pool.replicas, config_map=cm["metadata"]["name"],
                             config_hash=config_hash))
-    out += [service(ep), pod_disruption_budget(ep)]
+    out.append(service(ep))
+    if warm:
+        out.append(service(ep, STANDBY))
+    out.append(pod_disruption_budget(ep))
     if scaling:
         out.append(scaled_object(ep, cfg, serving))
     out.append(service_monitor(ep))

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from .config import OperatorConfig
 from .reconcile import reconcile
 from .spec import SpecError, parse_endpoint
 
@@ -20,14 +21,18 @@ def load_documents(text: str, source: str) -> list[Any]:
         raise SpecError(f"{source}: not valid YAML: {e}") from None
 
 
-def render_text(text: str, source: str = "<stdin>") -> list[dict[str, Any]]:
-    """All manifests for every InferenceEndpoint in a YAML stream; SpecError names the bad field."""
+def render_text(text: str, source: str = "<stdin>", cfg: OperatorConfig | None = None) -> list[dict[str, Any]]:
+    """All manifests for every InferenceEndpoint in a YAML stream; SpecError names the bad field.
+
+    The operator's settings come from the same SLUICE_* environment variables the chart gives the operator
+    (config.ENV), so `SLUICE_ENGINE_IMAGE=... sluice render` previews that operator's objects."""
+    cfg = cfg or OperatorConfig.from_env()
     docs = load_documents(text, source)
     if not docs:
         raise SpecError(f"{source}: no InferenceEndpoint found")
     manifests: list[dict[str, Any]] = []
     for doc in docs:
-        manifests += reconcile(parse_endpoint(doc))
+        manifests += reconcile(parse_endpoint(doc), cfg)
     return manifests
 
 

@@ -24,6 +24,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .config import ENGINE_IMAGE
 from .engine_flags import OPERATOR_OWNED_FLAGS, PASSTHROUGH_FLAGS, ArgValue, check_arg
 
 GROUP = "sluice.dev"
@@ -161,7 +162,9 @@ class Engine(_Object):
     """The serving engine container."""
 
     image: str | None = Field(None, max_length=512, description=(
-        "Engine image. Default: the release image of the bundled engine at the operator's version."))
+        f"Engine image. Default: the operator's engine image, {ENGINE_IMAGE} (the release image of the "
+        "bundled engine at the operator's version) unless the operator was installed with another one "
+        "(chart value engine.image, env SLUICE_ENGINE_IMAGE)."))
     args: Annotated[dict[str, Any], WithJsonSchema(_ARGS_SCHEMA)] = Field(default_factory=dict)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU).")
@@ -205,7 +208,8 @@ class Parallelism(_Object):
 
 # -- scaling --------------------------------------------------------------------------------------------
 class WarmPool(_Object):
-    """Standby pods kept loaded outside the autoscaled workload; they answer while serving pods are cold."""
+    """Standby pods kept loaded outside the autoscaled workload (Deployment and Service <name>-warm); the
+    gateway sends them requests while serving pods are cold."""
 
     replicas: int = Field(1, ge=0, description="Standby pods.")
 
@@ -234,7 +238,8 @@ class Scaling(_Object):
     min_replicas: int = Field(1, ge=0, le=1000, description="Fewest replicas; 0 scales to zero when idle.")
     max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
     target_queue_depth: int = Field(4, ge=1, description=(
-        "Waiting requests per replica (sluice_num_requests_waiting) the autoscaler aims for."))
+        "Waiting requests per replica the autoscaler aims for: those waiting in the engines "
+        "(sluice_num_requests_waiting) plus those the gateway holds (sluice_gateway_pending_requests)."))
     scale_down_delay_seconds: int = Field(300, ge=0, le=86400, description=(
         "Stabilization window before scaling in, and the idle time before scaling to zero."))
     warm_pool: WarmPool | None = Field(None, description="Standby pods.")
@@ -340,9 +345,11 @@ class EndpointSpec(_Object):
 # -- status ---------------------------------------------------------------------------------------------
 class Condition(_Object):
     type: str = Field(max_length=316, description=(
-        "Ready, ModelReady, Scheduled, AutoscalerReady, Progressing or Degraded."))
+        "Ready, ModelReady, Scheduled, Progressing, Degraded, and with scaling AutoscalerReady, "
+        "AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
     status: Literal["True", "False", "Unknown"]
-    reason: str | None = Field(None, max_length=1024, description="CamelCase cause, e.g. InsufficientCapacity.")
+    reason: str | None = Field(None, max_length=1024, description=(
+        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, or KEDA's own."))
     message: str | None = Field(None, max_length=32768)
     last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     observed_generation: int | None = Field(None, ge=0)
@@ -351,7 +358,7 @@ class Condition(_Object):
 class ReplicaStatus(_Object):
     desired: int | None = Field(None, ge=0, description="Replicas the workload aims for.")
     ready: int | None = Field(None, ge=0, description="Replicas ready to serve.")
-    standby: int | None = Field(None, ge=0, description="Ready warm-pool pods.")
+    standby: int | None = Field(None, ge=0, description="Ready warm-pool pods (set when scaling.warmPool is).")
 
 
 class EndpointStatus(_Object):
@@ -359,8 +366,12 @@ class EndpointStatus(_Object):
 
     observed_generation: int | None = Field(None, ge=0)
     phase: Literal["Pending", "Loading", "Ready", "Idle", "Degraded", "Failed"] | None = Field(
-        None, description="Idle: scaled to zero.")
-    url: str | None = Field(None, description="OpenAI-compatible base URL inside the cluster.")
+        None, description="Pending: no serving pod runs yet (InsufficientCapacity: none can be scheduled). "
+                          "Loading: pods run, the model loads. Ready: at least one replica serves. Idle: scaled "
+                          "to zero. Degraded: serving, with a workload failure. Failed: nothing serves.")
+    url: str | None = Field(None, description=(
+        "OpenAI-compatible base URL inside the cluster: the gateway's for an autoscaled endpoint (it holds "
+        "requests while replicas start), else the endpoint's Service."))
     replicas: ReplicaStatus | None = None
     selector: str | None = Field(None, description="Label selector of the serving pods (scale subresource).")
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={

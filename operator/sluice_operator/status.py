@@ -1,22 +1,40 @@
-"""status: the live children of an endpoint -> its status. Pure: the caller passes the objects and the clock.
+"""status: the live children of an endpoint -> its status, and the events worth posting. Pure: the caller passes
+the objects (workloads, the ScaledObject, the serving pods) and the clock.
 
-Phases: Pending (no serving pod yet), Loading (pods exist, none ready: the model is loading), Ready (at least
-one replica serves; Progressing says when more are coming), Idle (scaled to zero), Degraded (serving, but the
-workload reports a failure), Failed (nothing serves and the workload reports a failure, or the spec is invalid).
+Phases: Pending (no serving pod yet, or none can be scheduled), Loading (pods run, none ready: the model is
+loading), Ready (at least one replica serves; Progressing says when more are coming), Idle (scaled to zero),
+Degraded (serving, but the workload reports a failure), Failed (nothing serves and the workload reports a
+failure, a kind the endpoint needs is not installed, or the spec is invalid).
+
+Conditions, each with observedGeneration: Ready, ModelReady (the engines' model load, from the pods),
+Scheduled (InsufficientCapacity when serving pods cannot be placed), Progressing, Degraded, and with
+`scaling`: AutoscalerReady, AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import OperatorConfig
-from .meta import ENDPOINT_LABEL, POOL_LABEL
-from .reconcile import service_url
+from .meta import serving_selector
+from .model_source import FETCH_CONTAINER
+from .reconcile import endpoint_url
 from .spec import InferenceEndpoint
 
 # Workload conditions that mean "this will not fix itself": a Deployment past its progress deadline, or pods
 # the controller cannot create (quota, admission). Types other controllers (LWS) report are read the same way.
 FAILURE_CONDITIONS = {("Progressing", "False", "ProgressDeadlineExceeded"), ("ReplicaFailure", "True", None)}
+# Container waiting reasons that mean the engine will not come up by waiting.
+STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                 "CreateContainerConfigError", "CreateContainerError")
+# Where each optional kind comes from, for the message when the cluster does not serve it.
+PROVIDERS = {
+    "LeaderWorkerSet": "LeaderWorkerSet (kubernetes-sigs/lws; multi-node layouts need it)",
+    "ScaledObject": "KEDA (keda.sh; `scaling` needs it)",
+    "ServiceMonitor": "the Prometheus operator (monitoring.coreos.com)",
+}
+KEDA_CONDITIONS = {"Ready": "AutoscalerReady", "Active": "AutoscalerActive", "Fallback": "AutoscalerFallback"}
 
 Object = dict[str, Any]
 
@@ -58,32 +76,109 @@ def _rollout_pending(serving: Object, desired: int) -> bool:
     return stale or (updated is not None and updated < desired)
 
 
+# -- the serving pods -------------------------------------------------------------------------------------
+def _pod_condition(pod: Object, type_: str) -> Object | None:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == type_), None)
+
+
+@dataclass
+class Pods:
+    """What the serving pods say about scheduling and the model load."""
+
+    total: int = 0
+    unschedulable: list[Object] = field(default_factory=list)  # PodScheduled=False, reason Unschedulable
+    unplaced: int = 0  # not scheduled yet, no verdict from the scheduler either
+    downloading: int = 0  # the fetch-model init container runs
+    stuck: tuple[str, str] | None = None  # (reason, message) of a container that will not start by waiting
+
+    @property
+    def scheduled(self) -> int:
+        return self.total - len(self.unschedulable) - self.unplaced
+
+
+def summarize_pods(pods: list[Object]) -> Pods:
+    out = Pods()
+    for pod in pods:
+        st = pod.get("status") or {}
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or st.get("phase") in ("Succeeded", "Failed"):
+            continue  # on its way out: a rollout's old pod, an evicted one
+        out.total += 1
+        sched = _pod_condition(pod, "PodScheduled")
+        if sched is None or sched.get("status") != "True":
+            if sched is not None and sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
+                out.unschedulable.append(pod)
+            else:
+                out.unplaced += 1
+            continue
+        for c in st.get("initContainerStatuses") or []:
+            if c.get("name") == FETCH_CONTAINER and "running" in (c.get("state") or {}):
+                out.downloading += 1
+        for c in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
+            waiting = (c.get("state") or {}).get("waiting") or {}
+            if out.stuck is None and waiting.get("reason") in STUCK_REASONS:
+                name = (pod.get("metadata") or {}).get("name", "?")
+                out.stuck = (waiting["reason"], f"pod {name}, container {c.get('name')}: "
+                                                f"{waiting.get('message') or waiting['reason']}")
+    return out
+
+
+def _unschedulable_message(pods: Pods) -> str:
+    first = _pod_condition(pods.unschedulable[0], "PodScheduled") or {}
+    n = len(pods.unschedulable)
+    head = f"{n} of {pods.total} serving pod{'s' if pods.total != 1 else ''} cannot be scheduled"
+    return f"{head}: {first.get('message')}" if first.get("message") else head
+
+
+# -- the status -------------------------------------------------------------------------------------------
 def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: Object | None = None,
-                    scaled_object: Object | None = None, previous: Object | None = None, now: str,
-                    cfg: OperatorConfig | None = None) -> Object:
-    """The endpoint's status from its live serving workload (and warm pool, and KEDA ScaledObject)."""
+                    scaled_object: Object | None = None, pods: list[Object] | None = None,
+                    missing_kinds: frozenset[str] | set[str] = frozenset(), previous: Object | None = None,
+                    now: str, cfg: OperatorConfig | None = None) -> Object:
+    """The endpoint's status from its live serving workload, warm pool, KEDA ScaledObject and serving pods.
+
+    `pods` None: the pods were not read (the workload's counts stand in for them; Scheduled is Unknown).
+    `missing_kinds`: kinds the endpoint needs that the cluster does not serve (their CRD is not installed).
+    """
     cfg = cfg or OperatorConfig()
     gen, prev = ep.metadata.generation, list((previous or {}).get("conditions") or [])
     desired, ready = desired_replicas(ep, serving), _count(serving, "readyReplicas")
-    pods = _count(serving, "replicas")
+    seen = summarize_pods(pods) if pods is not None else None
+    started = seen.total if seen is not None else _count(serving, "replicas")
     failure = workload_failure(serving)
+    standby_ready = _count(standby, "readyReplicas")
     what = f"{ready}/{desired} replicas ready"
 
-    if serving is None:
+    if serving is None and "LeaderWorkerSet" in missing_kinds:
+        phase, reason = "Failed", "LeaderWorkerSetNotInstalled"
+        message = f"the cluster does not serve LeaderWorkerSets: install {PROVIDERS['LeaderWorkerSet']}"
+    elif serving is None:
         phase, reason, message = "Pending", "WorkloadMissing", "the serving workload does not exist yet"
     elif desired == 0:
-        phase, reason, message = "Idle", "ScaledToZero", "scaled to zero; a request brings a replica back"
+        phase, reason = "Idle", "ScaledToZero"
+        message = "scaled to zero; a request brings a replica back"
+        if standby_ready:
+            message += f" ({standby_ready} warm-pool pod{'s' if standby_ready != 1 else ''} ready meanwhile)"
     elif ready > 0:
         phase, reason, message = ("Degraded" if failure and ready < desired else "Ready"), "ReplicasReady", what
     elif failure:
         phase, reason, message = "Failed", failure.get("reason") or failure["type"], failure.get("message") or what
-    elif pods > 0:
+    elif seen is not None and seen.unschedulable and seen.scheduled == 0:
+        phase, reason, message = "Pending", "InsufficientCapacity", _unschedulable_message(seen)
+    elif seen is not None and seen.stuck:
+        phase, (reason, message) = "Loading", seen.stuck
+    elif seen is not None and seen.downloading and seen.downloading == seen.scheduled:
+        phase, reason, message = "Loading", "ModelDownloading", f"{what}: fetching the model into the cache"
+    elif started > 0 and (seen is None or seen.scheduled > 0):
         phase, reason, message = "Loading", "ModelLoading", f"{what}: loading the model"
+    elif started > 0:
+        phase, reason, message = "Pending", "AwaitingScheduler", f"{what}: pods are waiting to be scheduled"
     else:
         phase, reason, message = "Pending", "NoPods", f"{what}: no pod created yet"
 
     serves = phase in ("Ready", "Degraded")
     conditions = [condition("Ready", "True" if serves else "False", reason, message, gen, prev, now)]
+    conditions.append(condition("ModelReady", *_model_ready(phase, reason, message, ready, desired), gen, prev, now))
+    conditions.append(condition("Scheduled", *_scheduled(seen, desired), gen, prev, now))
     if failure:
         progressing = ("False", failure.get("reason") or failure["type"], failure.get("message") or "")
     elif serving is not None and (ready < desired or _rollout_pending(serving, desired)):
@@ -97,27 +192,66 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         degraded = ("False", "AsExpected", "")
     conditions.append(condition("Degraded", *degraded, gen, prev, now))
     if ep.spec.scaling is not None:
-        conditions.append(condition("AutoscalerReady", *_autoscaler(scaled_object), gen, prev, now))
+        for keda_type, type_ in KEDA_CONDITIONS.items():
+            state = _keda(scaled_object, keda_type, "ScaledObject" in missing_kinds)
+            conditions.append(condition(type_, *state, gen, prev, now))
 
     replicas: Object = {"desired": desired, "ready": ready}
     if ep.spec.scaling is not None and ep.spec.scaling.warm_pool is not None:
-        replicas["standby"] = _count(standby, "readyReplicas")
+        replicas["standby"] = standby_ready
     return {
         "observedGeneration": gen,
         "phase": phase,
-        "url": service_url(ep, cfg),
+        "url": endpoint_url(ep, cfg),
         "replicas": replicas,
-        "selector": f"{ENDPOINT_LABEL}={ep.name},{POOL_LABEL}=serving",
+        "selector": serving_selector(ep),
         "conditions": conditions,
     }
 
 
-def _autoscaler(scaled_object: Object | None) -> tuple[str, str, str]:
-    """KEDA's own Ready condition on the ScaledObject, passed through."""
-    for c in ((scaled_object or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready":
-            return (c.get("status") or "Unknown", c.get("reason") or "KedaReady", c.get("message") or "")
-    return ("Unknown", "AwaitingKeda", "KEDA has not reported on the ScaledObject yet")
+def _model_ready(phase: str, reason: str, message: str, ready: int, desired: int) -> tuple[str, str, str]:
+    if ready > 0:
+        return "True", "ModelLoaded", f"{ready}/{desired} serving replicas have the model loaded"
+    if phase == "Loading":  # ModelLoading, ModelDownloading, or a container stuck (CrashLoopBackOff, ...)
+        return "False", reason, message
+    if phase == "Idle":
+        return "False", "ScaledToZero", message
+    return "False", "NoPodsRunning", message
+
+
+def _scheduled(seen: Pods | None, desired: int) -> tuple[str, str, str]:
+    if seen is None:
+        return "Unknown", "PodsNotObserved", "the serving pods were not read"
+    if seen.unschedulable:
+        return "False", "InsufficientCapacity", _unschedulable_message(seen)
+    if seen.unplaced:
+        return "Unknown", "AwaitingScheduler", f"{seen.unplaced} serving pod(s) waiting for the scheduler"
+    if seen.total:
+        return "True", "PodsScheduled", f"{seen.total} serving pod(s) scheduled"
+    if desired == 0:
+        return "True", "ScaledToZero", "no serving pod is wanted"
+    return "Unknown", "NoPods", "no serving pod exists yet"
+
+
+def _keda(scaled_object: Object | None, keda_type: str, missing: bool) -> tuple[str, str, str]:
+    """KEDA's own condition of that type on the ScaledObject, passed through with its reason."""
+    if missing:
+        return "False" if keda_type == "Ready" else "Unknown", "KedaNotInstalled", (
+            f"the cluster does not serve ScaledObjects: install {PROVIDERS['ScaledObject']}")
+    status = (scaled_object or {}).get("status") or {}
+    for c in status.get("conditions") or []:
+        if c.get("type") == keda_type:
+            state = c.get("status") or "Unknown"
+            reason = c.get("reason") or ("AwaitingKeda" if state == "Unknown" else f"Keda{keda_type}{state}")
+            message = c.get("message") or ""
+            if keda_type == "Fallback" and state == "True":
+                failing = [f"{name} ({h.get('numberOfFailures', '?')} failures)"
+                           for name, h in sorted((status.get("health") or {}).items())
+                           if (h or {}).get("status") == "Failing"]
+                if failing:
+                    message = f"{message}; failing triggers: {', '.join(failing)}".lstrip("; ")
+            return state, reason, message
+    return "Unknown", "AwaitingKeda", f"KEDA has not reported {keda_type} on the ScaledObject yet"
 
 
 def invalid_status(generation: int | None, message: str, previous: Object | None, now: str) -> Object:
@@ -134,3 +268,45 @@ def changed(new: Object, old: Object | None) -> bool:
     """Whether writing `new` changes anything (kopf's own bookkeeping under status.kopf is ignored)."""
     old = {k: v for k, v in (old or {}).items() if k != "kopf"}
     return any(old.get(k) != v for k, v in new.items())
+
+
+# -- events -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def _cond(status: Object | None, type_: str) -> Object:
+    return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == type_), {})
+
+
+def transitions(old: Object | None, new: Object) -> list[Event]:
+    """The Kubernetes events a status change is worth: a new phase; serving pods that cannot be scheduled; a
+    container stuck (image pull, crash loop); the autoscaler falling back to its outage count, and back."""
+    events = []
+    phase = new.get("phase")
+    if phase != (old or {}).get("phase"):
+        ready = _cond(new, "Ready")
+        kind = "Warning" if phase in ("Degraded", "Failed") else "Normal"
+        events.append(Event(kind, str(phase), ready.get("message") or ready.get("reason") or ""))
+
+    def became(type_: str, status: str, reasons: tuple[str, ...] | None = None) -> Object | None:
+        now, before = _cond(new, type_), _cond(old, type_)
+        if now.get("status") != status or (reasons is not None and now.get("reason") not in reasons):
+            return None
+        if before.get("status") == status and before.get("reason") == now.get("reason"):
+            return None
+        return now
+
+    if c := became("Scheduled", "False", ("InsufficientCapacity",)):
+        events.append(Event("Warning", "InsufficientCapacity", c.get("message") or ""))
+    if c := became("ModelReady", "False", STUCK_REASONS):
+        events.append(Event("Warning", c["reason"], c.get("message") or ""))
+    if c := became("AutoscalerFallback", "True"):
+        events.append(Event("Warning", "AutoscalerFallback", c.get("message") or c.get("reason") or ""))
+    elif _cond(old, "AutoscalerFallback").get("status") == "True" and \
+            _cond(new, "AutoscalerFallback").get("status") == "False":
+        events.append(Event("Normal", "AutoscalerRecovered", "the autoscaler reads its metrics again"))
+    return events

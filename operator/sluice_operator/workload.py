@@ -8,7 +8,7 @@ from typing import Any
 from .config import OperatorConfig
 from .engine_flags import render_args
 from .layout import Layout, ceil_div
-from .meta import ENDPOINT_LABEL, POOL_LABEL, SERVES_LABEL, labels, object_meta
+from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
 from .model_source import CACHE_DIR, cache_volume, credentials_env_from, model_mount
 from .spec import InferenceEndpoint
 
@@ -34,6 +34,13 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     if spec.engine.max_model_len is not None:
         args += ["--max-model-len", str(spec.engine.max_model_len)]
     args += ["--host", "0.0.0.0", "--port", str(PORT)]
+    # Goodput and cost metrics (docs/engine-flags.md): the engine counts requests meeting the objectives.
+    if spec.slo and spec.slo.ttft_ms is not None:
+        args += ["--slo-ttft-ms", f"{spec.slo.ttft_ms:g}"]
+    if spec.slo and spec.slo.tpot_ms is not None:
+        args += ["--slo-tpot-ms", f"{spec.slo.tpot_ms:g}"]
+    if spec.cost and spec.cost.gpu_hour_usd is not None:
+        args += ["--gpu-hour-usd", f"{spec.cost.gpu_hour_usd:g}"]
     return args + render_args(spec.engine.args)
 
 
@@ -60,7 +67,11 @@ def resources(ep: InferenceEndpoint, layout: Layout) -> dict[str, Any]:
     return out
 
 
-def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, pool: str, serves: bool,
+def component_of(role: str) -> str:
+    return "server" if role == SERVING else "standby"
+
+
+def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, role: str, serves: bool,
                  config_map: str, config_hash: str) -> dict[str, Any]:
     spec, pod = ep.spec, ep.spec.pod
     mount = model_mount(ep, cfg, CONTAINER_SECURITY, config_map)
@@ -120,34 +131,33 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         pod_spec["priorityClassName"] = pod.priority_class_name
     if pod.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pod.image_pull_secrets]
-    component = "server" if pool == "serving" else "standby"
     return {
         "metadata": {
-            "labels": {**labels(ep, component), POOL_LABEL: pool, SERVES_LABEL: "true" if serves else "false"},
+            "labels": {**labels(ep, component_of(role)), ROLE_LABEL: role,
+                       SERVES_LABEL: "true" if serves else "false"},
             "annotations": {"sluice.dev/config-hash": config_hash},
         },
         "spec": pod_spec,
     }
 
 
-def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name: str, pool: str,
+def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name: str, role: str,
              replicas: int | None, config_map: str, config_hash: str) -> dict[str, Any]:
     """A Deployment (one pod per replica) or a LeaderWorkerSet (a group of pods per replica).
 
     `replicas=None` leaves the count to the autoscaler: the field stays out of what the operator applies,
     so server-side apply never fights KEDA's HPA over it.
     """
-    component = "server" if pool == "serving" else "standby"
-    meta = object_meta(ep, name, component)
-    meta["labels"][POOL_LABEL] = pool
+    meta = object_meta(ep, name, component_of(role))
+    meta["labels"][ROLE_LABEL] = role
 
     def template(serves: bool) -> dict[str, Any]:
-        return pod_template(ep, layout, cfg, pool=pool, serves=serves, config_map=config_map,
+        return pod_template(ep, layout, cfg, role=role, serves=serves, config_map=config_map,
                             config_hash=config_hash)
 
     if not layout.multi_node:
         spec: dict[str, Any] = {
-            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, POOL_LABEL: pool}},
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, ROLE_LABEL: role}},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": ep.spec.startup_grace_seconds + 600,

@@ -37,6 +37,48 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.image.repository (default (printf "v%s" .Chart.AppVersion) .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The engine image endpoints run unless they name their own (the operator's SLUICE_ENGINE_IMAGE). */}}
+{{- define "sluice.engineImage" -}}
+{{- printf "%s:%s" .Values.engine.image.repository (default (printf "v%s" .Chart.AppVersion) .Values.engine.image.tag) -}}
+{{- end -}}
+
+{{/* The gateway: `sluice gateway`, from the operator image unless gateway.image says otherwise. */}}
+{{- define "sluice.gateway.fullname" -}}
+{{- printf "%s-gateway" (include "sluice.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sluice.gateway.image" -}}
+{{- $repository := default .Values.image.repository .Values.gateway.image.repository -}}
+{{- $tag := default (default (printf "v%s" .Chart.AppVersion) .Values.image.tag) .Values.gateway.image.tag -}}
+{{- printf "%s:%s" $repository $tag -}}
+{{- end -}}
+
+{{- define "sluice.gateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{- define "sluice.gateway.labels" -}}
+{{ include "sluice.gateway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "sluice.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create -}}
+{{- default (include "sluice.gateway.fullname" .) .Values.gateway.serviceAccount.name -}}
+{{- else -}}
+{{- required "gateway.serviceAccount.name is required when gateway.serviceAccount.create is false" .Values.gateway.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The address KEDA's external-push trigger dials, and the URL clients of autoscaled endpoints use. */}}
+{{- define "sluice.gateway.host" -}}
+{{- printf "%s.%s.svc" (include "sluice.gateway.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
 {{/* The namespace served when scope is "namespace". */}}
 {{- define "sluice.watchNamespace" -}}
 {{- default .Release.Namespace .Values.watchNamespace -}}
@@ -50,6 +92,7 @@ What the operator does inside the namespaces it serves (least privilege: only wh
   OwnerReferencesPermissionEnforcement admission plugin allows only to whoever can update this.
 - Children, applied server-side (field manager sluice-operator) and watched for their status.
 - Events: kopf posts core v1 Events about handler progress; the operator on phase transitions.
+- Pods: read only (get, list), the serving pods' scheduling and model load become status conditions.
 */}}
 {{- define "sluice.namespacedRules" -}}
 - apiGroups: [sluice.dev]
@@ -82,7 +125,27 @@ What the operator does inside the namespaces it serves (least privilege: only wh
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list]
 {{- with .Values.rbac.extraRules }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+
+{{/*
+What the gateway reads, in the namespaces it serves: InferenceEndpoints (which model each serves) and the
+EndpointSlices of their Services (the backends, by role), and the Services themselves. Read only.
+*/}}
+{{- define "sluice.gateway.rules" -}}
+- apiGroups: [sluice.dev]
+  resources: [inferenceendpoints]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch]
 {{- end -}}

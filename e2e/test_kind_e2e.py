@@ -1,0 +1,300 @@
+"""End to end on a real cluster (kind): the chart, KEDA, the operator, the gateway and the engine together.
+
+What it does (docs/operator.md, "End-to-end test on kind"):
+1. creates a kind cluster (or reuses SLUICE_E2E_CLUSTER), builds the operator image (which also runs the
+   gateway) and a CPU build of the engine image, and loads both into the cluster;
+2. installs KEDA (its Helm chart), a bare Prometheus (e2e/prometheus.yaml) and charts/sluice;
+3. applies examples/cpu-smollm2.yaml, waits for Ready, sends an OpenAI chat completion through the endpoint's
+   Service (kubectl port-forward), scales it to zero (spec.replicas: 0, phase Idle) and back, and asks again;
+4. creates an autoscaled copy (scaling.minReplicas 0), waits until KEDA has scaled it to zero, sends a request
+   through the gateway, which holds it while KEDA (external-push) starts a replica, and gets the answer; then
+   waits for the scale to zero again.
+
+Needs docker (a running daemon), kind, kubectl and helm (helm and kubectl may be in .tools/bin), and network
+access for the images, the KEDA chart and the model (Hugging Face Hub). It skips, saying what is missing,
+where any is absent. Not part of `pytest` from the repository root (testpaths = tests); run it with
+
+    .venv/bin/python -m pytest e2e/ -v -s
+
+Environment: SLUICE_E2E_CLUSTER (reuse this kind cluster; it is then never deleted), SLUICE_E2E_KEEP=1 (keep
+the cluster it created), SLUICE_E2E_SKIP_BUILD=1 (use already built sluice-operator:e2e and
+sluice-engine:e2e images), SLUICE_E2E_KEDA_VERSION (the KEDA chart version; default: the latest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parents[1]
+LOCAL_BIN = ROOT / ".tools" / "bin"
+CLUSTER = os.environ.get("SLUICE_E2E_CLUSTER", "sluice-e2e")
+OPERATOR_IMAGE, ENGINE_IMAGE, TAG = "sluice-operator", "sluice-engine", "e2e"
+NS, SYSTEM_NS = "e2e", "sluice-system"
+GATEWAY = "sluice-gateway"  # the chart's gateway for release "sluice"
+CACHE_DIR = "/var/lib/sluice-e2e-cache"  # a hostPath model cache on the kind node, owned by the engine's uid
+
+
+def _which(tool: str) -> str | None:
+    local = LOCAL_BIN / tool
+    return str(local) if os.access(local, os.X_OK) else shutil.which(tool)
+
+
+def _missing() -> list[str]:
+    missing = [tool for tool in ("docker", "kind", "kubectl", "helm") if _which(tool) is None]
+    if "docker" not in missing:
+        try:
+            ok = subprocess.run([_which("docker"), "info"], capture_output=True, timeout=60).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        if not ok:
+            missing.append("a running Docker daemon (`docker info` failed)")
+    return missing
+
+
+MISSING = _missing()
+if MISSING:
+    pytest.skip(f"kind end-to-end test skipped: this machine lacks {'; '.join(MISSING)} "
+                "(see docs/operator.md, 'End-to-end test on kind')", allow_module_level=True)
+
+DOCKER, KIND, KUBECTL, HELM = (_which(t) for t in ("docker", "kind", "kubectl", "helm"))
+
+
+# -- commands ---------------------------------------------------------------------------------------------
+def run(*cmd: str, env: dict[str, str] | None = None, input: str | None = None, timeout: float = 1800,
+        check: bool = True) -> str:
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, env=env, input=input, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+class Cluster:
+    def __init__(self, kubeconfig: str):
+        self.env = {**os.environ, "KUBECONFIG": kubeconfig}
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 600) -> str:
+        return run(KUBECTL, *args, env=self.env, input=input, check=check, timeout=timeout)
+
+    def helm(self, *args: str, timeout: float = 1200) -> str:
+        return run(HELM, *args, env=self.env, timeout=timeout)
+
+    def get(self, kind: str, name: str, namespace: str = NS) -> dict[str, Any] | None:
+        out = self.kubectl("get", kind, name, "-n", namespace, "-o", "json", "--ignore-not-found")
+        return json.loads(out) if out.strip() else None
+
+    def endpoint(self, name: str) -> dict[str, Any]:
+        return self.get("inferenceendpoints.sluice.dev", name) or {}
+
+    def serving_pods(self, name: str) -> list[str]:
+        out = self.kubectl("get", "pods", "-n", NS, "-l", f"sluice.dev/endpoint={name},sluice.dev/role=serving",
+                           "-o", "name")
+        return out.split()
+
+    def event_reasons(self, name: str) -> list[str]:
+        """Reasons of the events about an InferenceEndpoint (the operator's, on its transitions)."""
+        out = self.kubectl("get", "events", "-n", NS, "--field-selector",
+                           f"involvedObject.name={name},involvedObject.kind=InferenceEndpoint",
+                           "-o", "jsonpath={.items[*].reason}")
+        return out.split()
+
+    def diagnostics(self) -> str:
+        parts = []
+        for args in (["get", "ie,deploy,pods,svc,scaledobjects,hpa", "-A", "-o", "wide"],
+                     ["describe", "ie", "-n", NS],
+                     ["get", "events", "-n", NS, "--sort-by=.lastTimestamp"],
+                     ["logs", "-n", SYSTEM_NS, "deployment/sluice", "--tail=150"],
+                     ["logs", "-n", SYSTEM_NS, f"deployment/{GATEWAY}", "--tail=150"],
+                     ["logs", "-n", NS, "-l", "sluice.dev/endpoint", "--all-containers", "--tail=80"]):
+            parts.append(f"$ kubectl {' '.join(args)}\n" + self.kubectl(*args, check=False))
+        return "\n".join(parts)
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float, interval: float = 5) -> Any:
+        """Poll `check` until it returns something truthy; on timeout, fail with the cluster's state."""
+        deadline, last = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            try:
+                last = check()
+                if last:
+                    print(f"ok: {what}", flush=True)
+                    return last
+            except (AssertionError, KeyError, json.JSONDecodeError) as e:
+                last = e
+            time.sleep(interval)
+        raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {last!r})\n{self.diagnostics()}")
+
+    def phase(self, name: str, phase: str) -> dict[str, Any] | None:
+        st = self.endpoint(name).get("status") or {}
+        return st if st.get("phase") == phase else None
+
+    def idle(self, name: str) -> dict[str, Any] | None:
+        """The status once the endpoint is Idle and its last serving pod is gone."""
+        st = self.phase(name, "Idle")
+        return st if st and not self.serving_pods(name) else None
+
+    @contextlib.contextmanager
+    def port_forward(self, target: str, port: int, namespace: str = NS) -> Iterator[str]:
+        """kubectl port-forward to a Service; yields its local base URL."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            local = s.getsockname()[1]
+        proc = subprocess.Popen([KUBECTL, "port-forward", "-n", namespace, target, f"{local}:{port}"],
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local), timeout=1):
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"port-forward {target} failed: {proc.stdout.read() if proc.stdout else ''}")
+                time.sleep(0.5)
+            yield f"http://127.0.0.1:{local}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def chat(base_url: str, model: str, timeout: float = 120) -> dict[str, Any]:
+    import httpx
+
+    resp = httpx.post(f"{base_url}/v1/chat/completions", timeout=timeout, json={
+        "model": model, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text[:500]}"
+    body = resp.json()
+    assert body["choices"][0]["message"]["content"], body
+    return body
+
+
+# -- the stack ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    reuse = "SLUICE_E2E_CLUSTER" in os.environ
+    existing = run(KIND, "get", "clusters").split()
+    created = CLUSTER not in existing
+    if created:
+        run(KIND, "create", "cluster", "--name", CLUSTER, "--wait", "180s")
+    with tempfile.TemporaryDirectory() as tmp:
+        kubeconfig = Path(tmp) / "kubeconfig"
+        kubeconfig.write_text(run(KIND, "get", "kubeconfig", "--name", CLUSTER))
+        try:
+            yield Cluster(str(kubeconfig))
+        finally:
+            if created and not reuse and os.environ.get("SLUICE_E2E_KEEP") != "1":
+                run(KIND, "delete", "cluster", "--name", CLUSTER, check=False)
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster) -> Cluster:
+    """Images loaded; KEDA, a bare Prometheus and the Sluice chart installed; the e2e namespace there."""
+    if os.environ.get("SLUICE_E2E_SKIP_BUILD") != "1":
+        run(DOCKER, "build", "-f", "operator/Dockerfile", "-t", f"{OPERATOR_IMAGE}:{TAG}", str(ROOT), timeout=3600)
+        run(DOCKER, "build", "-f", "engine_image/Dockerfile", "-t", f"{ENGINE_IMAGE}:{TAG}",
+            "--build-arg", "CUDA_IMAGE=ubuntu:24.04",  # a CPU build: kind nodes have no GPU
+            "--build-arg", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
+            "--build-arg", "BUNDLE_DEFAULT_MODEL=0", str(ROOT), timeout=3600)
+    for image in (OPERATOR_IMAGE, ENGINE_IMAGE):
+        run(KIND, "load", "docker-image", f"{image}:{TAG}", "--name", CLUSTER, timeout=1800)
+    # The model cache of the autoscaled endpoint: a node directory the engine's uid may write.
+    for node in run(KIND, "get", "nodes", "--name", CLUSTER).split():
+        run(DOCKER, "exec", node, "sh", "-c", f"mkdir -p {CACHE_DIR} && chown 10001:10001 {CACHE_DIR}")
+
+    cluster.helm("repo", "add", "kedacore", "https://kedacore.github.io/charts", "--force-update")
+    version = os.environ.get("SLUICE_E2E_KEDA_VERSION")
+    cluster.helm("upgrade", "--install", "keda", "kedacore/keda", "--namespace", "keda", "--create-namespace",
+                 "--wait", "--timeout", "10m", *(["--version", version] if version else []))
+    cluster.kubectl("apply", "-f", str(ROOT / "e2e" / "prometheus.yaml"))
+    cluster.kubectl("rollout", "status", "-n", "monitoring", "deployment/prometheus", "--timeout=300s")
+    # After KEDA: the operator finds the kinds the cluster serves when it starts.
+    cluster.helm("upgrade", "--install", "sluice", str(ROOT / "charts" / "sluice"), "--namespace", SYSTEM_NS,
+                 "--create-namespace", "--wait", "--timeout", "10m",
+                 "--set", f"image.repository={OPERATOR_IMAGE}", "--set", f"image.tag={TAG}",
+                 "--set", "image.pullPolicy=Never",
+                 "--set", f"engine.image.repository={ENGINE_IMAGE}", "--set", f"engine.image.tag={TAG}",
+                 "--set", "prometheus.url=http://prometheus.monitoring.svc:9090",
+                 "--set-json", 'extraArgs=["--resync-seconds","10"]',
+                 "--set-json", 'gateway.extraArgs=["--hold-timeout","900"]')
+    cluster.kubectl("create", "namespace", NS, check=False)
+    return cluster
+
+
+def example(name: str, **spec: Any) -> str:
+    doc = yaml.safe_load((ROOT / "examples" / "cpu-smollm2.yaml").read_text())
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["name"] = name
+    for key, value in spec.items():
+        if value is None:
+            doc["spec"].pop(key, None)
+        else:
+            doc["spec"][key] = value
+    return yaml.safe_dump(doc)
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+# -- the tests ------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(5400)
+def test_serve_then_scale_to_zero_and_back(stack: Cluster) -> None:
+    k = stack
+    k.kubectl("apply", "-n", NS, "-f", str(ROOT / "examples" / "cpu-smollm2.yaml"))
+    st = k.wait_for("smollm2 Ready", lambda: k.phase("smollm2", "Ready"), timeout=1800)
+    assert condition(st, "ModelReady")["status"] == "True" and condition(st, "Scheduled")["status"] == "True"
+    assert st["url"] == f"http://smollm2.{NS}.svc.cluster.local/v1"
+    with k.port_forward("svc/smollm2", 80) as url:
+        chat(url, "smollm2")
+
+    k.kubectl("patch", "ie", "smollm2", "-n", NS, "--type", "merge", "-p", '{"spec": {"replicas": 0}}')
+    k.wait_for("smollm2 Idle with no pod", lambda: k.idle("smollm2"), timeout=600)
+    k.kubectl("patch", "ie", "smollm2", "-n", NS, "--type", "merge", "-p", '{"spec": {"replicas": 1}}')
+    k.wait_for("smollm2 Ready again", lambda: k.phase("smollm2", "Ready"), timeout=1800)
+    with k.port_forward("svc/smollm2", 80) as url:
+        chat(url, "smollm2")
+    reasons = k.event_reasons("smollm2")
+    assert {"Ready", "Idle"} <= set(reasons), reasons  # the operator's events on the transitions
+    k.kubectl("delete", "ie", "smollm2", "-n", NS, "--wait=true")
+
+
+@pytest.mark.timeout(5400)
+def test_scale_from_zero_through_the_gateway(stack: Cluster) -> None:
+    k, name = stack, "smollm2-auto"
+    k.kubectl("apply", "-n", NS, "-f", "-", input=example(
+        name, replicas=None, startupGraceSeconds=180,
+        model={"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": name,
+               "cache": {"type": "hostPath", "path": CACHE_DIR}},
+        scaling={"minReplicas": 0, "maxReplicas": 1, "scaleDownDelaySeconds": 30}))
+    so = k.wait_for("the ScaledObject", lambda: k.get("scaledobjects.keda.sh", name), timeout=120)
+    assert [t["type"] for t in so["spec"]["triggers"]] == ["prometheus", "external-push"]
+    assert so["spec"]["triggers"][1]["metadata"]["scalerAddress"] == f"{GATEWAY}.{SYSTEM_NS}.svc:9090"
+    k.wait_for("KEDA Ready", lambda: condition(k.endpoint(name).get("status") or {}, "AutoscalerReady")
+               .get("status") == "True", timeout=600)
+    # The first replica loads the model into the node cache; after the initial cooldown KEDA scales to zero.
+    st = k.wait_for(f"{name} Idle (KEDA scaled it to zero)", lambda: k.idle(name), timeout=1800)
+    assert st["url"] == f"http://{GATEWAY}.{SYSTEM_NS}.svc:8080/v1"
+    assert condition(st, "AutoscalerActive")["status"] == "False"
+
+    # A request at zero: the gateway holds it, pushes demand to KEDA, and answers once a replica is ready.
+    with k.port_forward(f"svc/{GATEWAY}", 8080, namespace=SYSTEM_NS) as url:
+        started = time.monotonic()
+        chat(url, name, timeout=900)
+        print(f"answered from zero in {time.monotonic() - started:.0f}s", flush=True)
+    # The endpoint went Ready on the way (it may be back to Idle already: the cooldown is short).
+    k.wait_for(f"{name} Ready event", lambda: "Ready" in k.event_reasons(name), timeout=300)
+    # No more demand: back to zero after the cooldown.
+    k.wait_for(f"{name} Idle again", lambda: k.idle(name), timeout=900)
+    k.kubectl("delete", "ie", name, "-n", NS, "--wait=true")
