@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     logits_processors: list[LogitsProcessor] | None
+    arrival_time: float  # time.monotonic() when the API handed it over: TTFT and latencies count from here
 
 
 @dataclass(slots=True)
@@ -76,7 +78,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         self.pending_adds += 1
-        self._cmds.put(_Add(request_id, prompt_token_ids, params, logits_processors))
+        self._cmds.put(_Add(request_id, prompt_token_ids, params, logits_processors, time.monotonic()))
         finished = False
         try:
             while True:
@@ -123,6 +125,7 @@ class AsyncEngine:
         except BaseException as e:  # the loop must never die silently: fail every open request
             log.exception("engine loop failed")
             self.dead = e
+            engine.stats.finished["error"] += len(engine.scheduler.requests)  # every request in flight fails
             err = EngineDeadError(f"engine loop died: {e!r}")
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))
@@ -141,7 +144,8 @@ class AsyncEngine:
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._dec_pending)
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.logits_processors)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.logits_processors,
+                                            arrival_time=cmd.arrival_time)
                 except ValueError as e:
                     errors.append((cmd.request_id, e))
             else:

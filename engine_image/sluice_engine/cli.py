@@ -33,6 +33,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond this are refused with 503 and Retry-After")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    obs = p.add_argument_group("metrics (docs/metrics.md)")
+    obs.add_argument("--endpoint-label", default=os.environ.get("SLUICE_ENDPOINT") or None, metavar="NAME",
+                     help="add endpoint=NAME to every metric (default: $SLUICE_ENDPOINT)")
+    obs.add_argument("--slo-ttft-ms", type=float, default=None,
+                     help="time-to-first-token objective; goodput counts requests that meet every objective set")
+    obs.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token objective")
+    obs.add_argument("--gpu-hour-usd", type=float, default=None,
+                     help="price of one GPU-hour, exported so Prometheus can compute cost per token")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-method", default=None, choices=["ngram"],
+                      help="propose draft tokens and verify them in one forward (default: off)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
+    spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by prompt lookup")
+    spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
+    spec.add_argument("--speculative-disable-batch-size", type=int, default=8,
+                      help="do not speculate in steps with more running requests than this")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -65,6 +81,12 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run(args.namespace, resync_seconds=args.resync_seconds, liveness=args.liveness)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from sluice_autoscaler.cli import run  # aiohttp and grpc are imported only when the gateway runs
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference endpoints on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     op.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     op.set_defaults(func=cmd_operator)
+    from sluice_autoscaler.cli import add_gateway_args  # argparse only
+
+    gateway = sub.add_parser("gateway", help="run the gateway: OpenAI proxy that holds requests while an endpoint "
+                                             "scales from zero, routes by prompt prefix, and serves KEDA's "
+                                             "external scaler")
+    add_gateway_args(gateway)
+    gateway.set_defaults(func=cmd_gateway)
     return parser
 
 

@@ -33,8 +33,19 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_queue_len: int = 1024
+    # Metrics (docs/metrics.md): the `endpoint` label, the SLO goodput is counted against, the GPU price.
+    endpoint_label: str | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    gpu_hour_usd: float | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0
+    # Speculative decoding (None: off). See spec_decode/proposer.py.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_disable_batch_size: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -53,3 +64,15 @@ class EngineConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:
             raise ValueError("--max-queue-len must be >= 1")
+        for flag, v in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{flag} must be > 0, got {v}")
+        if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
+            raise ValueError(f"--gpu-hour-usd must be >= 0, got {self.gpu_hour_usd}")
+        self.speculative_config()  # validates the speculative flags
+
+    def speculative_config(self):
+        from .spec_decode import SpeculativeConfig
+
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min,
+                                 self.ngram_max, self.speculative_disable_batch_size)

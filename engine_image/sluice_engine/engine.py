@@ -16,12 +16,14 @@ import torch
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
+from .metrics import EngineMetrics
 from .model_fetch import resolve_model
 from .model_runner import ModelRunner, StepResult
 from .request import FinishReason, LogitsProcessor, Request
 from .sampler import TokenLogprobs
 from .sampling_params import InvalidParam, SamplingParams
 from .scheduler import Scheduler
+from .spec_decode import build_proposer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("sluice.engine")
@@ -68,6 +70,11 @@ class EngineStats:
     generation_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
     steps: int = 0
+    # Speculative decoding: drafts verified, drafts accepted, and acceptances by draft position.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_per_pos: list[int] = field(default_factory=list)
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -88,6 +95,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
         self.stats = EngineStats()
+        self.metrics = EngineMetrics.from_config(cfg, self.runner.device)
+        self.spec_config = cfg.speculative_config()
+        self.proposer = build_proposer(self.spec_config)
         self._out: dict[str, _OutputState] = {}
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
                  self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
@@ -117,12 +127,15 @@ class LLMEngine:
             raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    logits_processors: list[LogitsProcessor] | None = None) -> Request:
+                    logits_processors: list[LogitsProcessor] | None = None,
+                    arrival_time: float | None = None) -> Request:
         self.check_prompt(prompt_token_ids, params)
         if request_id in self._out:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                       logits_processors=list(logits_processors or []))
+        if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
+            req.arrival_time = arrival_time
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device)
             req.generator.manual_seed(params.seed)
@@ -144,6 +157,9 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        if self.proposer is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -154,45 +170,73 @@ class LLMEngine:
             out = self._process(res)
             if out is not None:
                 outputs.append(out)
+        self.metrics.on_step(sched, started)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """The draft-proposal hook: guess the next tokens of each decoding request (speculative
+        decoding). The scheduler computes them after the last known token; the sampler verifies."""
+        assert self.proposer is not None
+        running = self.scheduler.running
+        if len(running) > self.spec_config.disable_batch_size:
+            return  # a large batch already uses the compute that speculation would fill
+        for req in running:
+            p = req.params
+            # Penalties and logits processors depend on the tokens before each position; drafts would
+            # need them applied position by position, which the verifier does not do (yet).
+            if (not p.speculative or req.num_computed_tokens != req.num_tokens - 1
+                    or req.logits_processors or p.needs_penalties):
+                continue
+            # Room for the drafts plus the one token every step produces anyway.
+            room = min(p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if room > 0:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids, room)
 
     def _process(self, res: StepResult) -> RequestOutput | None:
         req = res.request
         state = self._out[req.request_id]
-        # The request's counter advances here: these tokens are now in the cache.
-        req.num_computed_tokens += res.num_scheduled
+        # The request's counter advances here: these tokens are now in the cache (rejected drafts'
+        # slots are not: the counter stops before them and later steps overwrite them).
+        req.num_computed_tokens += res.num_scheduled - res.num_rejected
+        if req.spec_token_ids:
+            self._count_spec(len(req.spec_token_ids), len(res.token_ids) - 1)
+            req.spec_token_ids = []
         if res.prompt_logprobs:
             req.prompt_logprobs.extend(res.prompt_logprobs)
-        if res.token_id is None:
+        if not res.token_ids:
             return None
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
             self.stats.prompt_tokens += req.num_prompt_tokens
-        token = res.token_id
-        req.append_output_token(token)
-        self.stats.generation_tokens += 1
-        if res.logprobs is not None:
-            state.pending_logprobs.append(res.logprobs)
 
         p = req.params
         finish: FinishReason | None = None
         stop_reason: int | str | None = None
-        is_stop_token = (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
-        if is_stop_token:
-            finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
-        if not is_stop_token or p.include_stop_str_in_output:
-            state.text += state.detok.step([token])
-        if finish is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            finish = FinishReason.LENGTH
-        if finish is not None:
-            state.text += state.detok.flush()  # a character still split across bytes, if any
-        if p.stop and finish is not FinishReason.STOP:
-            hit = _find_stop(state.text, p.stop, state.emitted)
-            if hit is not None:
-                idx, s = hit
-                state.text = state.text[: idx + len(s)] if p.include_stop_str_in_output else state.text[:idx]
-                finish, stop_reason = FinishReason.STOP, s
+        new_token_ids: list[int] = []
+        for token, lp in zip(res.token_ids, res.logprobs, strict=True):
+            req.append_output_token(token)
+            new_token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if lp is not None:
+                state.pending_logprobs.append(lp)
+            is_stop_token = (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
+            if is_stop_token:
+                finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
+            if not is_stop_token or p.include_stop_str_in_output:
+                state.text += state.detok.step([token])
+            if finish is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+                finish = FinishReason.LENGTH
+            if finish is not None:
+                state.text += state.detok.flush()  # a character still split across bytes, if any
+            if p.stop and finish is not FinishReason.STOP:
+                hit = _find_stop(state.text, p.stop, state.emitted)
+                if hit is not None:
+                    idx, s = hit
+                    state.text = state.text[: idx + len(s)] if p.include_stop_str_in_output else state.text[:idx]
+                    finish, stop_reason = FinishReason.STOP, s
+            if finish is not None:
+                break  # accepted drafts after a stop are dropped
 
         if finish is not None:
             self.scheduler.finish(req, finish)
@@ -206,7 +250,7 @@ class LLMEngine:
         state.emitted += len(new_text)
         out = RequestOutput(
             request_id=req.request_id,
-            new_token_ids=[token],
+            new_token_ids=new_token_ids,
             new_text=new_text,
             logprobs=state.pending_logprobs,
             finished=finish is not None,
@@ -223,6 +267,19 @@ class LLMEngine:
         if finish is not None:
             self._out.pop(req.request_id, None)
         return out
+
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        st = self.stats
+        st.spec_draft_tokens += num_drafts
+        st.spec_accepted_tokens += num_accepted
+        grow = num_drafts - len(st.spec_drafted_per_pos)
+        if grow > 0:
+            st.spec_drafted_per_pos.extend([0] * grow)
+            st.spec_accepted_per_pos.extend([0] * grow)
+        for i in range(num_drafts):
+            st.spec_drafted_per_pos[i] += 1
+            st.spec_accepted_per_pos[i] += i < num_accepted
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

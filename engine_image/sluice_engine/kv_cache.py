@@ -207,7 +207,8 @@ class KVCacheManager:
             # NOTE: the blocks filled by this step are registered now, before the forward writes
             # them. That is safe: a request hitting them is batched into the same or a later step,
             # and every layer writes the whole batch's K/V before any attention reads it.
-            hashes = self._block_hashes(request, total)
+            # Only known tokens are hashed: draft tokens (speculative decoding) may be rejected.
+            hashes = self._block_hashes(request, min(total, request.num_tokens))
             for block, h in zip(blocks, hashes, strict=False):
                 self.pool.cache_block(block, h)
         return True

@@ -1,51 +1,271 @@
-"""Prometheus metrics. Values are read from the engine's own counters at scrape time, so keeping
-them never costs the engine loop anything."""
+"""Engine metrics: what the engine records while it runs, and the Prometheus view of it.
+
+`EngineMetrics` is the engine's recorder. The engine calls `on_step` once per step; it walks the step's
+requests, turns their token counts into per-request timings (TTFT, inter-token latency, TPOT, queue,
+prefill, decode, end-to-end), goodput against the endpoint's SLO, and busy time split between prefill and
+decode work. Its histograms are plain bucket counts (a bisect and an increment per observation); nothing
+here takes a lock. Everything else (queue depths, KV usage, token and prefix-cache counters, preemptions)
+is already kept by the scheduler, KV manager and `EngineStats`, and `PrometheusExporter` reads all of it
+at scrape time into a per-app registry, so several engines can live in one process.
+docs/metrics.md lists every metric with its vLLM counterpart.
+"""
 
 from __future__ import annotations
 
+import bisect
+import time
+from dataclasses import dataclass, field
+
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .config import EngineConfig
 
+# Buckets (upper bounds, seconds or tokens). vLLM's (vllm/v1/metrics/loggers.py), with finer low ends
+# where a small model on a GPU would otherwise land everything in the first bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's inter-token / per-output-token buckets start at 10 ms; 1, 2.5 and 5 ms added below them.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                         0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+COMPLETED_REASONS = frozenset(("stop", "length"))  # served to the end: the requests timed and SLO-checked
+
+
+class Histogram:
+    """Bucket counts plus a sum. Written by the engine thread only; read at scrape time."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bucket (le is inclusive).
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> tuple[list[tuple[str, int]], float]:
+        counts, total = list(self.counts), self.sum  # a consistent-enough snapshot; count is from counts
+        out, acc = [], 0
+        for bound, c in zip(self.bounds, counts, strict=False):
+            acc += c
+            out.append((repr(float(bound)), acc))
+        out.append(("+Inf", acc + counts[-1]))
+        return out, total
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Per-request metrics state, hung on `Request.metrics` the first time a step schedules it."""
+
+    num_output_tokens: int = 0  # output tokens already accounted for
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    prefilling: bool = True  # computing prompt (or recomputing after preemption), no token yet
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """What the engine records as it runs. One per engine; `on_step` is its only per-step entry point."""
+
+    slo_ttft: float | None = None  # seconds
+    slo_tpot: float | None = None
+    gpu_hour_usd: float = 0.0
+    num_gpus: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS))
+    time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS))
+    e2e_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    prefill_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    decode_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
+    busy_prefill_seconds: float = 0.0
+    busy_decode_seconds: float = 0.0
+    requests_slo_checked: int = 0
+    requests_goodput: int = 0
+    requests_met_ttft: int = 0
+    requests_met_tpot: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, device) -> EngineMetrics:
+        ms = 1e-3
+        return cls(
+            slo_ttft=None if cfg.slo_ttft_ms is None else cfg.slo_ttft_ms * ms,
+            slo_tpot=None if cfg.slo_tpot_ms is None else cfg.slo_tpot_ms * ms,
+            gpu_hour_usd=cfg.gpu_hour_usd or 0.0,
+            # The accelerators this process holds: one CUDA device per engine (no tensor parallelism yet).
+            num_gpus=1 if getattr(device, "type", str(device)) == "cuda" else 0,
+        )
+
+    # -- from the engine ---------------------------------------------------------------------
+    def on_step(self, sched, started: float) -> None:
+        """After a step's outputs are built: `sched` is the step's SchedulerOutput, `started` the
+        monotonic time the step began. Timestamps are the step's end, when its tokens leave the engine."""
+        now = time.monotonic()
+        prefill_tokens = decode_tokens = 0
+        for req in sched.preempted:
+            if req.metrics is not None:
+                req.metrics.prefilling = True  # its recompute is prefill work again
+        for req, num_tokens in sched.scheduled:
+            rt = req.metrics
+            if rt is None:
+                rt = req.metrics = RequestTimes()
+            if rt.prefilling:
+                prefill_tokens += num_tokens
+            else:
+                decode_tokens += num_tokens
+            if req.num_output_tokens > rt.num_output_tokens:  # one or more new tokens this step
+                rt.num_output_tokens = req.num_output_tokens
+                rt.prefilling = False
+                if rt.first_token_time is None:
+                    rt.first_token_time = now
+                    self.ttft.observe(now - req.arrival_time)
+                else:
+                    self.inter_token_latency.observe(now - rt.last_token_time)
+                rt.last_token_time = now
+            if req.finish_reason is not None and req.finish_reason.value in COMPLETED_REASONS:
+                self._on_completed(req, rt, now)
+        total = prefill_tokens + decode_tokens
+        if total:
+            self.iteration_tokens.observe(total)
+            # NOTE: the step's time is split between prefill and decode work by tokens computed; this is
+            # the attribution the cost-per-token PromQL in docs/metrics.md builds on.
+            elapsed = now - started
+            self.busy_prefill_seconds += elapsed * prefill_tokens / total
+            self.busy_decode_seconds += elapsed * decode_tokens / total
+
+    def _on_completed(self, req, rt: RequestTimes, now: float) -> None:
+        first = rt.first_token_time
+        ttft = first - req.arrival_time
+        self.e2e_latency.observe(now - req.arrival_time)
+        scheduled = req.first_scheduled_time if req.first_scheduled_time is not None else req.arrival_time
+        self.queue_time.observe(scheduled - req.arrival_time)
+        self.prefill_time.observe(first - scheduled)
+        self.decode_time.observe(now - first)
+        n = req.num_output_tokens
+        tpot = (now - first) / (n - 1) if n > 1 else None  # vLLM's: the first token excluded
+        if tpot is not None:
+            self.time_per_output_token.observe(tpot)
+        # Goodput: a request meets the SLO when it meets every objective that is set; a request with one
+        # output token has no TPOT and meets a TPOT objective trivially.
+        met_ttft = self.slo_ttft is None or ttft <= self.slo_ttft
+        met_tpot = self.slo_tpot is None or tpot is None or tpot <= self.slo_tpot
+        self.requests_slo_checked += 1
+        self.requests_met_ttft += met_ttft
+        self.requests_met_tpot += met_tpot
+        self.requests_goodput += met_ttft and met_tpot
+
+# -- scrape time -------------------------------------------------------------------------------
 class _EngineCollector:
-    def __init__(self, engine, async_engine):
+    def __init__(self, engine, async_engine=None):
         self.engine = engine
         self.async_engine = async_engine
 
     def collect(self):
         e = self.engine
-        labels = ["model_name"]
-        value = [e.served_model_name]
+        m: EngineMetrics = e.metrics
+        names = ["model_name"]
+        values = [e.served_model_name]
+        if e.cfg.endpoint_label:
+            names.append("endpoint")
+            values.append(e.cfg.endpoint_label)
 
         def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(value, v)
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, v)
             return g
 
         def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(value, v)
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, v)
             return c
 
+        def counters(name: str, doc: str, label: str, by_value: dict[str, float]) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=[*names, label])
+            for key, v in by_value.items():
+                c.add_metric([*values, key], v)
+            return c
+
+        def histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+            buckets, total = h.cumulative()
+            f = HistogramMetricFamily(name, doc, labels=names)
+            f.add_metric(values, buckets, total)
+            return f
+
+        waiting = self.async_engine.num_waiting if self.async_engine is not None else e.scheduler.num_waiting
+        stats = e.stats
+        # Gauges
         yield gauge("sluice_num_requests_running", "Requests in the running batch.", e.scheduler.num_running)
-        yield gauge("sluice_num_requests_waiting", "Requests waiting to be scheduled.", self.async_engine.num_waiting)
-        yield gauge("sluice_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", e.kv.usage())
-        yield gauge("sluice_kv_cache_blocks_total", "KV cache blocks in the pool.", e.kv.num_blocks)
-        yield counter("sluice_prompt_tokens", "Prompt tokens processed.", e.stats.prompt_tokens)
-        yield counter("sluice_generation_tokens", "Generation tokens produced.", e.stats.generation_tokens)
-        yield counter("sluice_num_preemptions", "Requests preempted by recompute.", e.scheduler.num_preemptions)
-        yield counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.kv.prefix_queries)
+        yield gauge("sluice_num_requests_waiting", "Requests waiting to be scheduled, including those "
+                    "submitted but not yet seen by the engine thread.", waiting)
+        yield gauge("sluice_kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).",
+                    e.kv.usage())
+        yield gauge("sluice_kv_cache_num_blocks", "KV cache blocks in the pool.", e.kv.num_blocks)
+        yield gauge("sluice_slo_ttft_seconds", "The endpoint's time-to-first-token objective (0: none).",
+                    m.slo_ttft or 0.0)
+        yield gauge("sluice_slo_tpot_seconds", "The endpoint's time-per-output-token objective (0: none).",
+                    m.slo_tpot or 0.0)
+        yield gauge("sluice_gpu_hour_usd", "Price of one GPU-hour in USD (--gpu-hour-usd; 0: not set).",
+                    m.gpu_hour_usd)
+        yield gauge("sluice_num_gpus", "GPUs this engine holds (0 on CPU).", m.num_gpus)
+        # Counters
+        yield counter("sluice_prompt_tokens", "Prompt tokens of requests that produced their first token "
+                      "(prefix-cache hits included).", stats.prompt_tokens)
+        yield counter("sluice_generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      e.kv.prefix_queries)
         yield counter("sluice_prefix_cache_hits", "Prompt tokens served from the prefix cache.", e.kv.prefix_hits)
-        fin = CounterMetricFamily("sluice_request_success", "Finished requests by reason.",
-                                  labels=["model_name", "finished_reason"])
-        for reason in ("stop", "length", "abort", "error"):
-            fin.add_metric([e.served_model_name, reason], e.stats.finished.get(reason, 0))
-        yield fin
+        yield counter("sluice_num_preemptions", "Requests preempted by recompute.", e.scheduler.num_preemptions)
+        yield counters("sluice_request_success", "Finished requests by reason.", "finished_reason",
+                       {r: stats.finished.get(r, 0) for r in FINISHED_REASONS})
+        yield counter("sluice_request_slo", "Completed requests (stop or length) checked against the SLO.",
+                      m.requests_slo_checked)
+        yield counter("sluice_request_goodput", "Completed requests that met every SLO objective set.",
+                      m.requests_goodput)
+        yield counters("sluice_request_slo_met", "Completed requests that met one objective (met trivially "
+                       "when it is not set).", "objective", {"ttft": m.requests_met_ttft, "tpot": m.requests_met_tpot})
+        yield counters("sluice_engine_busy_seconds", "Time spent in engine steps, split between prefill and "
+                       "decode work by tokens computed.", "phase",
+                       {"prefill": m.busy_prefill_seconds, "decode": m.busy_decode_seconds})
+        # Speculative decoding: every draft has a position 0, so drafts verified = drafts at position 0.
+        yield counter("sluice_spec_decode_num_drafts", "Draft sequences verified.",
+                      stats.spec_drafted_per_pos[0] if stats.spec_drafted_per_pos else 0)
+        yield counter("sluice_spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens)
+        per_pos = list(stats.spec_accepted_per_pos)
+        yield counter("sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_accepted_tokens)
+        yield counters("sluice_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+                       "in the draft.", "position", {str(i): v for i, v in enumerate(per_pos)})
+        # Histograms
+        yield histogram("sluice_time_to_first_token_seconds", "Time from arrival to the first output token.",
+                        m.ttft)
+        yield histogram("sluice_inter_token_latency_seconds", "Time between a request's successive output "
+                        "steps.", m.inter_token_latency)
+        yield histogram("sluice_request_time_per_output_token_seconds", "Per completed request: (e2e - ttft) "
+                        "/ (output tokens - 1).", m.time_per_output_token)
+        yield histogram("sluice_e2e_request_latency_seconds", "Per completed request: arrival to last token.",
+                        m.e2e_latency)
+        yield histogram("sluice_request_queue_time_seconds", "Per completed request: arrival to first "
+                        "scheduled.", m.queue_time)
+        yield histogram("sluice_request_prefill_time_seconds", "Per completed request: first scheduled to "
+                        "first token.", m.prefill_time)
+        yield histogram("sluice_request_decode_time_seconds", "Per completed request: first token to last "
+                        "token.", m.decode_time)
+        yield histogram("sluice_iteration_tokens", "Tokens computed per engine step.", m.iteration_tokens)
 
 
-class EngineMetrics:
-    def __init__(self, engine, async_engine):
+class PrometheusExporter:
+    """`/metrics` for one engine, from its own registry (never the process-global one)."""
+
+    def __init__(self, engine, async_engine=None):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, async_engine))
 

@@ -48,9 +48,13 @@ class StepResult:
 
     request: Request
     num_scheduled: int
-    token_id: int | None  # None: a prompt chunk that did not reach the end of the prompt
-    logprobs: TokenLogprobs | None
+    # New tokens: [] for a prompt chunk that did not reach the end of the prompt, one token normally,
+    # accepted drafts + one more with speculative decoding.
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs] | None
+    # Draft tokens computed this step but rejected: their KV slots hold garbage until overwritten.
+    num_rejected: int = 0
 
 
 class ModelRunner:
@@ -139,14 +143,20 @@ class ModelRunner:
             end = start + n
             block_ids = kv.block_ids(req.request_id)
             input_ids.extend(req.all_token_ids[start:end])
+            if req.spec_token_ids:
+                input_ids.extend(req.spec_token_ids)  # all_token_ids ends where the drafts begin
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             base = query_start[-1]
             query_start.append(base + n)
             seq_lens.append(end)
             tables.append(block_ids)
-            samples = end == req.num_tokens
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+            num_drafts = len(req.spec_token_ids)
+            samples = end == req.num_tokens + num_drafts
+            if num_drafts:
+                row_plan.append((len(logits_rows), num_drafts + 1, samples))
+                logits_rows.extend(range(base + n - num_drafts - 1, base + n))
+            elif req.params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                 first = len(logits_rows)
                 logits_rows.extend(range(base, base + n))
                 row_plan.append((first, n, samples))
@@ -175,22 +185,35 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
 
-        sample_idx = [first + count - 1 for first, count, s in row_plan if s]
-        sample_reqs = [req for (req, _), (_, _, s) in zip(sched.scheduled, row_plan, strict=True) if s]
-        sampled = self.sampler(logits[sample_idx], sample_reqs) if sample_reqs else None
+        plain = [(req, first + count - 1) for (req, _), (first, count, s) in zip(sched.scheduled, row_plan, strict=True)
+                 if s and not req.spec_token_ids]
+        sampled = self.sampler(logits[[i for _, i in plain]], [r for r, _ in plain]) if plain else None
+        spec = [(req, first, count) for (req, _), (first, count, _) in zip(sched.scheduled, row_plan, strict=True)
+                if req.spec_token_ids]
+        verified = None
+        if spec:
+            rows = [i for _, first, count in spec for i in range(first, first + count)]
+            verified = self.sampler.verify(logits[rows], [r for r, _, _ in spec])
 
         results: list[StepResult] = []
-        k = 0
+        k = v = 0
         for (req, n), (first, count, samples) in zip(sched.scheduled, row_plan, strict=True):
-            token = lp = None
-            if samples:
+            tokens: list[int] = []
+            lps: list[TokenLogprobs | None] = []
+            rejected = 0
+            if req.spec_token_ids:
+                assert verified is not None
+                tokens, lps = verified[v]
+                rejected = len(req.spec_token_ids) + 1 - len(tokens)
+                v += 1
+            elif samples:
                 assert sampled is not None
-                token, lp = sampled.token_ids[k], sampled.logprobs[k]
+                tokens, lps = [sampled.token_ids[k]], [sampled.logprobs[k]]
                 k += 1
             plp = None
             if req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens:
                 plp = self._prompt_logprobs(req, logits[first : first + count], req.num_computed_tokens)
-            results.append(StepResult(req, n, token, lp, plp))
+            results.append(StepResult(req, n, tokens, lps, plp, rejected))
         return results
 
     def _prompt_logprobs(self, req: Request, rows: torch.Tensor, start: int) -> list[TokenLogprobs]:

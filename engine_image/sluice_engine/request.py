@@ -50,8 +50,13 @@ class Request:
     generator: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # The metrics recorder's per-request state (metrics.RequestTimes), set the first time a step runs it.
+    metrics: object | None = None
     # Prompt logprobs collected chunk by chunk: (token logprob, top-k) per prompt position >= 1.
     prompt_logprobs: list = field(default_factory=list)
+    # Draft tokens proposed for this step (speculative decoding): computed after the last known token
+    # and verified by the sampler; never part of all_token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -66,6 +66,77 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
+        probs = self._probs(logits, requests, greedy)
+        # Exponential race (argmax p/q with q ~ Exp(1)) samples from p without a host sync; a seeded
+        # request draws its noise from its own generator so its tokens do not depend on the batch.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+        return sampled
+
+    def verify(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """Speculative decoding: accept or reject each request's drafts against the target model.
+
+        logits holds, per request in order, len(spec_token_ids) + 1 rows: row i is the target's
+        distribution for the token after draft i-1. Greedy: a draft is accepted iff it is the argmax.
+        Sampling: the drafts are deterministic guesses (q = one-hot), so draft d is accepted with
+        probability p(d) and, on rejection, the token is drawn from p with d removed (renormalised);
+        after all k are accepted a bonus token is drawn from the last row. That is the standard
+        rejection-sampling scheme with q one-hot; the output has exactly the target's distribution.
+        Returns (emitted tokens, their logprobs) per request: accepted drafts plus one more token.
+        """
+        row_reqs = [r for r in requests for _ in range(len(r.spec_token_ids) + 1)]
+        assert len(row_reqs) == logits.shape[0]
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        greedy = [r.params.greedy for r in row_reqs]
+        argmax = logits.argmax(dim=-1).tolist()
+        probs = None if all(greedy) else self._probs(logits, row_reqs, greedy)
+        results = []
+        row = 0
+        for r in requests:
+            drafts = r.spec_token_ids
+            emitted: list[int] = []
+            for i in range(len(drafts) + 1):
+                is_bonus = i == len(drafts)
+                if r.params.greedy:
+                    token = argmax[row + i]
+                    emitted.append(token)
+                    if is_bonus or token != drafts[i]:
+                        break
+                    continue
+                p = probs[row + i]
+                if is_bonus:
+                    emitted.append(int(torch.multinomial(p, 1, generator=r.generator or self.generator)))
+                    break
+                d = drafts[i]
+                u = torch.rand((), device=p.device, generator=r.generator or self.generator)
+                if float(u) < float(p[d]):
+                    emitted.append(d)
+                    continue
+                residual = p.clone()
+                residual[d] = 0.0
+                emitted.append(int(torch.multinomial(residual, 1, generator=r.generator or self.generator)))
+                break
+            lps: list[TokenLogprobs | None] = [None] * len(emitted)
+            if logprobs is not None and r.params.logprobs is not None:
+                lps = [top_logprobs(logprobs[row + j], t, r.params.logprobs) for j, t in enumerate(emitted)]
+            results.append((emitted, lps))
+            row += len(drafts) + 1
+        return results
+
+    def _probs(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k, top-p, min-p applied."""
+        dev = logits.device
         temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(requests, greedy, strict=True)],
                              device=dev)
         logits = logits / temps[:, None]
@@ -88,21 +159,7 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race (argmax p/q with q ~ Exp(1)) samples from p without a host sync; a seeded
-        # request draws its noise from its own generator so its tokens do not depend on the batch.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                generator=self.generator
-            )
-        for i, r in enumerate(requests):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
-        return sampled
+        return probs
 
 
 def _apply_penalties(row: torch.Tensor, r: Request) -> None:

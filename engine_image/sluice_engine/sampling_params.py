@@ -32,6 +32,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k >= 0: logprob of each prompt token (+top-k)
     n: int = 1
     skip_special_tokens: bool = True
+    # Per-request opt-out of speculative decoding (when the server runs it).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

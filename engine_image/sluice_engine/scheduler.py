@@ -83,6 +83,10 @@ class Scheduler:
             if num_new <= 0:  # nothing to do (cannot happen unless a step was skipped)
                 i += 1
                 continue
+            if req.spec_token_ids:
+                # Drafts ride along after the last known token, as far as the budget allows.
+                del req.spec_token_ids[budget - num_new :]
+                num_new += len(req.spec_token_ids)
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()  # most recently admitted
                 self._preempt(victim)
@@ -120,6 +124,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids.clear()
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..async_engine import AsyncEngine, EngineDeadError
 from ..engine import LLMEngine
-from ..metrics import EngineMetrics
+from ..metrics import PrometheusExporter
 from .errors import APIError, api_error_handler, validation_error_handler
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
@@ -24,7 +24,7 @@ log = logging.getLogger("sluice.api")
 def build_app(engine: LLMEngine) -> FastAPI:
     async_engine = AsyncEngine(engine)
     serving = OpenAIServing(async_engine, engine.served_model_name, engine.cfg.max_queue_len)
-    metrics = EngineMetrics(engine, async_engine)
+    metrics = PrometheusExporter(engine, async_engine)
     started = int(time.time())
 
     @asynccontextmanager

@@ -1,0 +1,7 @@
+"""Speculative decoding: proposers that guess the next tokens cheaply, and the engine-side policy of
+when to ask them. Verification (one target forward over all drafts, then rejection sampling) lives in
+the model runner and the sampler, so the output distribution is the target model's."""
+
+from .proposer import DraftProposer, SpeculativeConfig, build_proposer
+
+__all__ = ["DraftProposer", "SpeculativeConfig", "build_proposer"]
