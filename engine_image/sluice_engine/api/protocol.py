@@ -37,6 +37,8 @@ class _SamplingFields(_Base):
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Sluice extra: false opts this request out of speculative decoding (when the server runs it).
+    speculative: bool = True
     # Logprob entries name tokens as "token_id:<id>" (vLLM's flag): exact ids for clients that need them.
     return_tokens_as_token_ids: bool = False
 

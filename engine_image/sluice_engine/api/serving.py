@@ -75,7 +75,7 @@ class OpenAIServing:
                 repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
             )
         except InvalidParam as e:
             # Chat names the top-k count top_logprobs; completions calls it logprobs.
