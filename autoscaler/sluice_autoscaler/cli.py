@@ -1,0 +1,66 @@
+"""`sluice gateway` flags. Imported when the `sluice` parser is built, so only argparse here: aiohttp and grpc
+load when the gateway runs. NOTE: the chart renders these flags; they are a contract like the engine's."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import ROUTING_MODES, GatewayConfig
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    d = GatewayConfig()
+    p.add_argument("--host", default=d.host, help="address of both listeners")
+    p.add_argument("--port", type=int, default=d.port, help="OpenAI-compatible proxy, /metrics, /health, /ready")
+    p.add_argument("--scaler-port", type=int, default=d.scaler_port, help="KEDA external scaler (gRPC)")
+    src = p.add_argument_group("backends")
+    src.add_argument("--kubernetes", action="store_true",
+                     help="discover backends from InferenceEndpoints and their Services' EndpointSlices")
+    src.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[], metavar="NAMESPACE",
+                     help="with --kubernetes: watch this namespace (repeatable; default: all)")
+    src.add_argument("--kube-api", default=None, help="with --kubernetes: API server URL (default: in-cluster)")
+    src.add_argument("--backend", dest="backends", action="append", default=[], metavar="MODEL=URL",
+                     help="a serving backend (repeatable)")
+    src.add_argument("--standby", action="append", default=[], metavar="MODEL=URL",
+                     help="a warm-pool backend: answers only while no serving backend is ready (repeatable)")
+    src.add_argument("--backends-file", default=None, help="YAML file of endpoints and backends, re-read on change")
+    route = p.add_argument_group("routing")
+    route.add_argument("--routing", default=d.routing, choices=ROUTING_MODES,
+                       help="prefix: consistent hashing with bounded loads on the prompt prefix")
+    route.add_argument("--load-factor", type=float, default=d.load_factor,
+                       help="prefix routing: no backend takes more than this times the average load")
+    route.add_argument("--prefix-chars", type=int, default=d.prefix_chars,
+                       help="prefix routing: leading characters of the prompt (chat: rendered messages) hashed")
+    route.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                       help="backends tried per request; a retry happens only before any output was sent")
+    hold = p.add_argument_group("holding (scale from zero)")
+    hold.add_argument("--max-held", type=int, default=d.max_held,
+                      help="requests held per endpoint while it has no ready backend; more get 429")
+    hold.add_argument("--hold-timeout", type=float, default=d.hold_timeout,
+                      help="seconds a request is held before 503 with Retry-After")
+    hold.add_argument("--keepalive-interval", type=float, default=d.keepalive_interval,
+                      help="a held streaming request gets an SSE comment this often (seconds)")
+    hold.add_argument("--retry-after", type=int, default=d.retry_after, help="Retry-After on 429 and 503 (seconds)")
+    p.add_argument("--health-interval", type=float, default=d.health_interval,
+                   help="seconds between GET /ready polls of a ready backend (cold ones: every "
+                        f"{d.health_interval_cold}s)")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
+    p.add_argument("--scaler-target", type=float, default=d.scaler_target,
+                   help="KEDA metric target: held + in-flight requests per serving replica (a trigger's "
+                        "targetValue metadata overrides it)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="YAML map of endpoint (or model, or \"*\") to API keys; off by default")
+    p.add_argument("--debug-headers", action="store_true",
+                   help="add X-Sluice-Backend and X-Sluice-Role to responses (exposes backend addresses)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    fields = GatewayConfig.__dataclass_fields__
+    return GatewayConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def run(args: argparse.Namespace) -> int:
+    from .gateway import run as run_gateway
+
+    return run_gateway(config_from_args(args))

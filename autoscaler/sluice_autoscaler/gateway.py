@@ -1,0 +1,103 @@
+"""`sluice gateway`: the pieces wired together on one event loop.
+
+    discovery (static flags/file | Kubernetes) ──► registry (endpoints, backends, health polls)
+                                                      │
+    HTTP :8080  client ─► proxy (hold, route, stream) ─┤──► engine pods
+                              │ held / in-flight        │
+                              ▼                         │
+                         demand board ──► KEDA external scaler gRPC :9090 (IsActive, StreamIsActive, ...)
+                                     └──► /metrics (sluice_gateway_pending_requests, ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import prometheus_client
+from aiohttp import web
+
+from .auth import ApiKeys
+from .config import GatewayConfig
+from .demand import DemandBoard
+from .kube import KubeAPI, KubeDiscovery
+from .metrics import GatewayMetrics
+from .proxy import Proxy, build_app
+from .registry import Registry
+from .scaler import ExternalScaler, start_scaler
+from .static import StaticDiscovery
+
+log = logging.getLogger("sluice.gateway")
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.registry = Registry(cfg)
+        self.demand = DemandBoard()
+        self.metrics = GatewayMetrics(self.registry, self.demand)
+        self.keys = ApiKeys(cfg.api_keys_file)
+        self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys)
+        self.discovery: StaticDiscovery | KubeDiscovery
+        if cfg.kubernetes:
+            self.discovery = KubeDiscovery(KubeAPI(cfg.kube_api), cfg.namespaces, self.registry.apply)
+            self.ready = self.discovery.ready
+        else:
+            self.discovery = StaticDiscovery(cfg.backends, cfg.standby, cfg.backends_file, self.registry.apply)
+            self.ready = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._grpc = None
+        self.port = cfg.port
+        self.scaler_port = cfg.scaler_port
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.registry.start()
+        await self.proxy.start()
+        await self.discovery.start()
+        if isinstance(self.discovery, StaticDiscovery):
+            self.ready.set()
+        # handler_cancellation: a client that leaves while held stops being held (and counted) at once.
+        self._runner = web.AppRunner(build_app(self.proxy, self.ready), handler_cancellation=True,
+                                     access_log=None, shutdown_timeout=10)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        service = ExternalScaler(self.registry, self.demand, self.cfg.scaler_target)
+        self._grpc, self.scaler_port = await start_scaler(service, self.cfg.host, self.cfg.scaler_port)
+        log.info("gateway on %s/v1 (routing %s), KEDA external scaler on %s:%d", self.url, self.cfg.routing,
+                 self.cfg.host, self.scaler_port)
+
+    async def stop(self) -> None:
+        self.registry.close()  # held requests get 503 + Retry-After now; streams in flight may finish
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1)
+        if self._runner is not None:
+            await self._runner.cleanup()  # lets open streams finish, up to shutdown_timeout
+        await self.discovery.stop()
+        await self.proxy.stop()
+        await self.registry.stop()
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    prometheus_client.disable_created_metrics()  # no *_created series beside every counter
+    gateway = Gateway(cfg)
+    await gateway.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gateway stopping")
+    await gateway.stop()
+
+
+def run(cfg: GatewayConfig) -> int:
+    asyncio.run(serve(cfg))
+    return 0

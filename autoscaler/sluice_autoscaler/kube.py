@@ -1,0 +1,227 @@
+"""Backends from Kubernetes: the EndpointSlices of each InferenceEndpoint's serving and standby Services.
+
+Two list+watch loops over the API (plain HTTP on aiohttp, the pod's service account; no client library):
+
+- InferenceEndpoints (sluice.dev/v1alpha1): which endpoints exist and the model each serves
+  (spec.model.servedName, else the last path component of spec.model.uri, as the engine names it).
+- EndpointSlices labelled `sluice.dev/endpoint` (the EndpointSlice controller copies a Service's labels onto
+  its slices): `sluice.dev/role` = serving | standby says which pool, each endpoint's `conditions.ready`
+  whether Kubernetes counts the pod ready.
+
+The gateway needs get/list/watch on both resources. `endpoint_specs` turns the two lists into what the
+registry wants; it is pure and tested on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import aiohttp
+
+from .registry import SERVING, STANDBY, EndpointSpec
+
+log = logging.getLogger("sluice.gateway")
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+ENDPOINT_LABEL = "sluice.dev/endpoint"
+ROLE_LABEL = "sluice.dev/role"
+POOL_LABEL = "sluice.dev/pool"  # the pods' pool label, should a slice carry it instead
+ENDPOINTS_API = "/apis/sluice.dev/v1alpha1"
+SLICES_API = "/apis/discovery.k8s.io/v1"
+WATCH_TIMEOUT_S = 300  # the server ends a watch after this; the loop lists again (catches missed deletes)
+
+
+def served_model_name(ie: dict[str, Any]) -> str:
+    model = (ie.get("spec") or {}).get("model") or {}
+    if model.get("servedName"):
+        return str(model["servedName"])
+    uri = str(model.get("uri") or "")
+    if "://" in uri and uri.split("://", 1)[1].rstrip("/"):
+        return uri.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1]
+    return str(ie["metadata"]["name"])
+
+
+def _port(ports: list[dict[str, Any]] | None) -> int | None:
+    ports = [p for p in ports or [] if p.get("port")]
+    for p in ports:
+        if p.get("name") == "http":
+            return int(p["port"])
+    return int(ports[0]["port"]) if ports else None
+
+
+def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[str, Any]]) -> list[EndpointSpec]:
+    """InferenceEndpoints + their EndpointSlices -> one spec per endpoint, keyed <namespace>/<name>."""
+    specs: dict[str, EndpointSpec] = {}
+    for ie in endpoints:
+        meta = ie.get("metadata") or {}
+        key = f"{meta.get('namespace', 'default')}/{meta['name']}"
+        specs[key] = EndpointSpec(key, served_model_name(ie))
+    for s in slices:
+        meta = s.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        spec = specs.get(f"{meta.get('namespace', 'default')}/{labels.get(ENDPOINT_LABEL)}")
+        port = _port(s.get("ports"))
+        if spec is None or port is None or s.get("addressType") not in ("IPv4", "IPv6"):
+            continue
+        role = labels.get(ROLE_LABEL) or labels.get(POOL_LABEL) or SERVING
+        pool = spec.standby if role == STANDBY else spec.serving
+        for e in s.get("endpoints") or []:
+            addresses = e.get("addresses") or []
+            if not addresses:
+                continue
+            cond = e.get("conditions") or {}
+            # API semantics: a missing `ready` means ready; a terminating pod takes no new requests.
+            ready = cond.get("ready") is not False and not cond.get("terminating")
+            host = addresses[0]
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            pool[url] = pool.get(url, False) or ready
+    return [specs[k] for k in sorted(specs)]
+
+
+class KubeAPI:
+    """Just enough of the Kubernetes API: GET a list, stream a watch. Credentials from the service account
+    (the token is re-read for every request: projected tokens rotate), or a plain URL (tests, kubectl proxy)."""
+
+    def __init__(self, server: str | None = None):
+        self._token_path: str | None = None
+        self._ssl: ssl.SSLContext | bool = True
+        if server:
+            self.base = server.rstrip("/")
+        else:
+            host = os.environ.get("KUBERNETES_SERVICE_HOST")
+            if not host:
+                raise ValueError("--kubernetes outside a cluster: no KUBERNETES_SERVICE_HOST; pass --kube-api URL "
+                                 "(e.g. of `kubectl proxy`)")
+            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            self.base = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+            self._ssl = ssl.create_default_context(cafile=f"{SA_DIR}/ca.crt")
+            self._token_path = f"{SA_DIR}/token"
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+
+    async def close(self) -> None:
+        if self.session:
+            await self.session.close()
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self._token_path:
+            with open(self._token_path) as f:
+                headers["Authorization"] = f"Bearer {f.read().strip()}"
+        return headers
+
+    async def list(self, path: str, params: dict[str, str]) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.get(self.base + path, params=params, headers=self._headers(), ssl=self._ssl,
+                                    timeout=aiohttp.ClientTimeout(total=60)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"GET {path}: {r.status} {(await r.text())[:300]}")
+            return await r.json(content_type=None)
+
+    async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        """Watch events, one JSON object per line (lines may be longer than aiohttp's readline allows)."""
+        assert self.session is not None
+        async with self.session.get(self.base + path, params={**params, "watch": "true"}, headers=self._headers(),
+                                    ssl=self._ssl) as r:
+            if r.status != 200:
+                raise RuntimeError(f"watch {path}: {r.status} {(await r.text())[:300]}")
+            buf = b""
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace", ""), meta.get("name", "")
+
+
+class Informer:
+    """A resource's objects kept current: list, then watch from that version; list again when the watch
+    ends or fails (410 Gone included)."""
+
+    def __init__(self, api: KubeAPI, path: str, label: str | None, on_change: Callable[[], None]):
+        self.api, self.path, self.label, self.on_change = api, path, label, on_change
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.synced = False
+
+    def _wanted(self, obj: dict[str, Any]) -> bool:
+        return self.label is None or self.label in ((obj.get("metadata") or {}).get("labels") or {})
+
+    async def run(self) -> None:
+        params = {"labelSelector": self.label} if self.label else {}
+        backoff = 0.5
+        while True:
+            try:
+                listing = await self.api.list(self.path, params)
+                self.objects = {_key(o): o for o in listing.get("items") or [] if self._wanted(o)}
+                self.synced = True
+                self.on_change()
+                watch = {**params, "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_TIMEOUT_S)}
+                version = (listing.get("metadata") or {}).get("resourceVersion")
+                if version:
+                    watch["resourceVersion"] = version
+                async for event in self.api.watch(self.path, watch):
+                    kind, obj = event.get("type"), event.get("object") or {}
+                    if kind == "ERROR":  # e.g. 410 Gone: our version is too old; list again
+                        log.info("watch %s: %s; listing again", self.path, obj.get("message", obj))
+                        break
+                    if kind not in ("ADDED", "MODIFIED", "DELETED"):
+                        continue  # BOOKMARK
+                    k = _key(obj)
+                    if kind == "DELETED" or not self._wanted(obj):
+                        changed = self.objects.pop(k, None) is not None
+                    else:
+                        changed = self.objects.get(k) != obj
+                        self.objects[k] = obj
+                    if changed:
+                        self.on_change()
+                backoff = 0.5
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the API server restarting, RBAC missing, ...: keep the last view, retry
+                log.warning("watch %s: %s: %s; retrying in %.1fs", self.path, type(e).__name__, e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+
+class KubeDiscovery:
+    def __init__(self, api: KubeAPI, namespaces: list[str], apply: Callable[[list[EndpointSpec]], None]):
+        self.api, self._apply = api, apply
+        scopes = [f"/namespaces/{ns}" for ns in namespaces] or [""]
+        self.endpoints = [Informer(api, f"{ENDPOINTS_API}{s}/inferenceendpoints", None, self._changed)
+                          for s in scopes]
+        self.slices = [Informer(api, f"{SLICES_API}{s}/endpointslices", ENDPOINT_LABEL, self._changed)
+                       for s in scopes]
+        self.ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def _changed(self) -> None:
+        informers = self.endpoints + self.slices
+        if not all(i.synced for i in informers):
+            return  # half a picture would drop endpoints that are there
+        self._apply(endpoint_specs([o for i in self.endpoints for o in i.objects.values()],
+                                   [o for i in self.slices for o in i.objects.values()]))
+        self.ready.set()
+
+    async def start(self) -> None:
+        await self.api.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(i.run()) for i in self.endpoints + self.slices]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.api.close()

@@ -1,0 +1,83 @@
+"""The gateway's Prometheus metrics. Names are a contract (rules, dashboards, the operator's Prometheus
+trigger use them). Gauges are read from the registry and demand board at scrape time; counters and the
+hold histogram are kept as requests finish.
+
+    sluice_gateway_pending_requests{endpoint}         held: waiting for a ready backend
+    sluice_gateway_inflight_requests{endpoint}        sent to a backend, not finished
+    sluice_gateway_backends{endpoint,role,state}      backends by role (serving|standby), state (ready|cold)
+    sluice_gateway_requests_total{endpoint,outcome}   finished requests (outcomes: see OUTCOMES)
+    sluice_gateway_retries_total{endpoint}            requests re-sent to another backend
+    sluice_gateway_standby_requests_total{endpoint}   requests the warm pool answered
+    sluice_gateway_hold_seconds{endpoint}             time held before a backend took the request
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .demand import DemandBoard
+from .registry import SERVING, STANDBY, Registry
+
+OUTCOMES = (
+    "ok",  # the backend answered 2xx (streams: to the end)
+    "client_error",  # the backend answered 4xx (validation and the like)
+    "backend_error",  # the backend answered 5xx and no other backend was left to try
+    "backend_failed",  # the backend went away after the response began (streams end with an error event)
+    "unavailable",  # no backend could be reached in --max-attempts tries (502)
+    "rejected",  # 429: --max-held requests already waiting
+    "hold_timeout",  # 503: no backend became ready within --hold-timeout
+    "unauthorized",  # 401
+    "client_gone",  # the client disconnected first
+)
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class _Gauges:
+    def __init__(self, registry: Registry, demand: DemandBoard):
+        self.registry, self.demand = registry, demand
+
+    def collect(self):
+        pending = GaugeMetricFamily("sluice_gateway_pending_requests",
+                                    "Requests held because the endpoint has no ready backend.", labels=["endpoint"])
+        inflight = GaugeMetricFamily("sluice_gateway_inflight_requests",
+                                     "Requests sent to a backend and not finished.", labels=["endpoint"])
+        keys = set(self.registry.endpoints)
+        for key, d in self.demand.items():
+            keys.discard(key)
+            pending.add_metric([key], d.held)
+            inflight.add_metric([key], d.inflight)
+        for key in sorted(keys):
+            pending.add_metric([key], 0)
+            inflight.add_metric([key], 0)
+        backends = GaugeMetricFamily("sluice_gateway_backends", "Backends by role and readiness.",
+                                     labels=["endpoint", "role", "state"])
+        for key, ep in sorted(self.registry.endpoints.items()):
+            for role in (SERVING, STANDBY):
+                backends.add_metric([key, role, "ready"], ep.count(role, True))
+                backends.add_metric([key, role, "cold"], ep.count(role, False))
+        yield pending
+        yield inflight
+        yield backends
+
+
+class GatewayMetrics:
+    def __init__(self, registry: Registry, demand: DemandBoard):
+        self.prom = CollectorRegistry()
+        self.prom.register(_Gauges(registry, demand))
+        self.requests = Counter("sluice_gateway_requests", "Finished requests by outcome.",
+                                ["endpoint", "outcome"], registry=self.prom)
+        self.retries = Counter("sluice_gateway_retries", "Requests re-sent to another backend.",
+                               ["endpoint"], registry=self.prom)
+        self.standby = Counter("sluice_gateway_standby_requests", "Requests sent to a warm-pool backend.",
+                               ["endpoint"], registry=self.prom)
+        self.hold_seconds = Histogram("sluice_gateway_hold_seconds", "Time a request was held before a "
+                                      "backend took it.", ["endpoint"], buckets=HOLD_BUCKETS, registry=self.prom)
+
+    def finished(self, endpoint: str, outcome: str) -> None:
+        assert outcome in OUTCOMES, outcome
+        self.requests.labels(endpoint, outcome).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.prom), CONTENT_TYPE_LATEST

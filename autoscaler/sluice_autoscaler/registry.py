@@ -1,0 +1,228 @@
+"""Endpoints and their backends, as discovery reports them and as health checks find them.
+
+An endpoint is one model behind one key (`<namespace>/<name>` in a cluster, the model name locally) with
+two classes of backend: serving replicas (what KEDA scales, 0..N) and standby replicas (the warm pool:
+loaded, outside the serving set). Discovery says which backends exist and whether Kubernetes counts them
+ready; the gateway's own GET /ready poll says whether they answer. Only backends that pass both take
+requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .config import GatewayConfig
+
+log = logging.getLogger("sluice.gateway")
+
+SERVING, STANDBY = "serving", "standby"
+HEALTH_PROBE_TIMEOUT_S = 5.0
+HEALTH_TIMEOUTS_TOLERATED = 3  # probes in a row without an answer before a ready backend counts as down
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """What discovery knows about one endpoint: its model and backends (URL -> listed ready)."""
+
+    key: str
+    model: str
+    serving: dict[str, bool] = field(default_factory=dict)
+    standby: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
+class Backend:
+    url: str
+    role: str  # serving | standby
+    listed_ready: bool = True  # discovery's view (EndpointSlice condition); static backends: always
+    healthy: bool = False  # our last GET /ready
+    inflight: int = 0
+    poke: asyncio.Event = field(default_factory=asyncio.Event)  # check health now
+    task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.listed_ready and self.healthy
+
+
+class Endpoint:
+    def __init__(self, key: str, model: str):
+        self.key = key
+        self.model = model
+        self.backends: dict[str, Backend] = {}
+        self.removed = False
+        self._changed = asyncio.Event()
+
+    def candidates(self) -> tuple[list[Backend], bool]:
+        """The backends a request may go to now, and whether the warm pool is among them.
+
+        Ready serving backends take the traffic. While serving replicas are cold (none ready, or some
+        still starting during a scale-up) ready standbys join in; once every serving replica is ready,
+        traffic is back on the serving set alone.
+        """
+        serving = [b for b in self.backends.values() if b.role == SERVING]
+        ready = [b for b in serving if b.ready]
+        if ready and len(ready) == len(serving):
+            return ready, False
+        standby = [b for b in self.backends.values() if b.role == STANDBY and b.ready]
+        return ready + standby, bool(standby)
+
+    def count(self, role: str, ready: bool) -> int:
+        return sum(1 for b in self.backends.values() if b.role == role and b.ready == ready)
+
+    def notify(self) -> None:
+        """Wake every request waiting on this endpoint (a backend became ready, or went away)."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_changed(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+class Registry:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.endpoints: dict[str, Endpoint] = {}
+        self._by_model: dict[str, Endpoint] = {}
+        self.closing = False  # shutting down: held requests are answered (503) instead of waiting on
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S, sock_connect=self.cfg.connect_timeout),
+            connector=aiohttp.TCPConnector(limit=0))
+
+    def close(self) -> None:
+        """Shutting down: wake every held request so it can be answered now."""
+        self.closing = True
+        for ep in self.endpoints.values():
+            ep.notify()
+
+    async def stop(self) -> None:
+        tasks = [b.task for ep in self.endpoints.values() for b in ep.backends.values() if b.task]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session:
+            await self._session.close()
+
+    # -- lookups ---------------------------------------------------------------------------------------
+    def by_model(self, model: str) -> Endpoint | None:
+        return self._by_model.get(model)
+
+    def models(self) -> list[Endpoint]:
+        return [self._by_model[m] for m in sorted(self._by_model)]
+
+    def resolve_key(self, endpoint: str | None, model: str | None, fallback: str) -> str:
+        """The endpoint a KEDA ScaledObjectRef means: its `endpoint` metadata, else the endpoint serving its
+        `model`, else <namespace>/<name> of the ScaledObject."""
+        if endpoint and endpoint in self.endpoints:
+            return endpoint
+        if model and model in self._by_model:
+            return self._by_model[model].key
+        return endpoint or fallback
+
+    # -- discovery updates -----------------------------------------------------------------------------
+    def apply(self, specs: list[EndpointSpec]) -> None:
+        """Make the endpoints and backends match discovery's list."""
+        wanted = {s.key: s for s in specs}
+        for key in list(self.endpoints):
+            if key not in wanted:
+                ep = self.endpoints.pop(key)
+                for b in ep.backends.values():
+                    self._stop_health(b)
+                ep.removed = True
+                ep.notify()
+                log.info("endpoint %s removed", key)
+        for spec in specs:
+            ep = self.endpoints.get(spec.key)
+            if ep is None:
+                ep = self.endpoints[spec.key] = Endpoint(spec.key, spec.model)
+                log.info("endpoint %s (model %r) added", spec.key, spec.model)
+            ep.model = spec.model
+            if self._sync_backends(ep, spec):
+                ep.notify()
+        self._by_model = {}
+        for key in sorted(self.endpoints):
+            ep = self.endpoints[key]
+            if ep.model in self._by_model:
+                log.warning("model %r is served by endpoints %s and %s; routing it to %s", ep.model,
+                            self._by_model[ep.model].key, key, self._by_model[ep.model].key)
+                continue
+            self._by_model[ep.model] = ep
+
+    def _sync_backends(self, ep: Endpoint, spec: EndpointSpec) -> bool:
+        listed = {**{u: (STANDBY, r) for u, r in spec.standby.items()},
+                  **{u: (SERVING, r) for u, r in spec.serving.items()}}
+        changed = False
+        for url in list(ep.backends):
+            if url not in listed:
+                self._stop_health(ep.backends.pop(url))
+                log.info("endpoint %s: backend %s removed", ep.key, url)
+                changed = True
+        for url, (role, listed_ready) in listed.items():
+            b = ep.backends.get(url)
+            if b is None:
+                b = ep.backends[url] = Backend(url, role, listed_ready)
+                b.task = asyncio.get_running_loop().create_task(self._watch_health(ep, b))
+                log.info("endpoint %s: %s backend %s added", ep.key, role, url)
+                changed = True
+            elif (b.role, b.listed_ready) != (role, listed_ready):
+                b.role, b.listed_ready = role, listed_ready
+                b.poke.set()  # e.g. a pod turned ready in its EndpointSlice: confirm at once
+                changed = True
+        return changed
+
+    # -- health ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _stop_health(b: Backend) -> None:
+        if b.task:
+            b.task.cancel()
+        b.healthy = False
+
+    def mark_failed(self, ep: Endpoint, b: Backend) -> None:
+        """A request could not reach the backend: stop routing to it until /ready answers again."""
+        if b.healthy:
+            log.warning("endpoint %s: backend %s unreachable; not routing to it until /ready answers", ep.key, b.url)
+            b.healthy = False
+            ep.notify()
+        b.poke.set()
+
+    async def _probe(self, url: str) -> bool | None:
+        """True: ready. False: refused or not ready. None: no answer in time (a busy engine, maybe)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{url}/ready") as r:
+                return r.status == 200
+        except asyncio.TimeoutError:
+            return None
+        except (aiohttp.ClientError, OSError):
+            return False
+
+    async def _watch_health(self, ep: Endpoint, b: Backend) -> None:
+        slow = 0
+        while True:
+            b.poke.clear()
+            answer = await self._probe(b.url)
+            # A ready backend that is merely slow to answer (CPU-bound, say) keeps its traffic for a while;
+            # one that refuses connections or says not ready loses it at once.
+            slow = slow + 1 if answer is None else 0
+            ok = answer if answer is not None else (b.healthy and slow < HEALTH_TIMEOUTS_TOLERATED)
+            if ok != b.healthy:
+                b.healthy = ok
+                log.info("endpoint %s: %s backend %s %s", ep.key, b.role, b.url,
+                         "answers /ready" if ok else "does not answer /ready")
+                ep.notify()
+            interval = self.cfg.health_interval if ok else self.cfg.health_interval_cold
+            try:
+                await asyncio.wait_for(b.poke.wait(), interval)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,105 @@
+"""Which backend takes a request: consistent hashing with bounded loads (CHWBL) on the prompt's prefix,
+least-loaded when a request has no prefix, or round-robin (a baseline for benchmarks).
+
+CHWBL (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018): every backend
+owns many points on a hash ring; a key walks clockwise from its hash and takes the first backend whose
+load stays within ceil(c * (total load + 1) / n). Requests that share a prefix therefore land on the
+backend that has the prefix in its KV cache, and a hot prefix spills onto the next backends on the ring
+instead of overloading one. Adding or removing a backend moves only the keys it gains or owned.
+Pure: no I/O; loads are the callers' in-flight counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+VNODES = 128  # points per backend on the ring: keeps the split even within a few percent
+
+
+class Routable(Protocol):
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+
+def hash64(data: str) -> int:
+    return int.from_bytes(hashlib.blake2b(data.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """VNODES points per backend id on a 64-bit ring."""
+
+    def __init__(self, ids: Sequence[str], vnodes: int = VNODES):
+        points = sorted((hash64(f"{i}#{v}"), i) for i in ids for v in range(vnodes))
+        self._hashes = [h for h, _ in points]
+        self._ids = [i for _, i in points]
+        self.size = len(set(ids))
+
+    def walk(self, key: str) -> Iterator[str]:
+        """Distinct backend ids clockwise from the key's hash: its preference order."""
+        n = len(self._ids)
+        if n == 0:
+            return
+        start = bisect.bisect(self._hashes, hash64(key))
+        seen: set[str] = set()
+        for step in range(n):
+            i = self._ids[(start + step) % n]
+            if i not in seen:
+                seen.add(i)
+                yield i
+                if len(seen) == self.size:
+                    return
+
+
+def load_bound(total_load: int, n: int, load_factor: float) -> int:
+    """The most requests one of n backends may hold after taking one more (the CHWBL bound)."""
+    return math.ceil(load_factor * (total_load + 1) / n)
+
+
+def chwbl_pick(ring: HashRing, key: str, loads: dict[str, int], load_factor: float) -> str:
+    """The first backend on the key's walk with room under the bound. One always has room: the least
+    loaded one holds at most floor(total / n) < bound."""
+    bound = load_bound(sum(loads.values()), len(loads), load_factor)
+    for i in ring.walk(key):
+        if i in loads and loads[i] + 1 <= bound:
+            return i
+    return min(loads, key=lambda i: (loads[i], i))  # unreachable while the ring holds every id
+
+
+class Router:
+    def __init__(self, mode: str = "prefix", load_factor: float = 1.25):
+        self.mode = mode
+        self.load_factor = load_factor
+        self._rings: dict[tuple[str, ...], HashRing] = {}
+        self._turn = 0
+
+    def _ring(self, ids: tuple[str, ...]) -> HashRing:
+        ring = self._rings.get(ids)
+        if ring is None:
+            if len(self._rings) > 64:  # candidate sets change with readiness; keep the cache small
+                self._rings.clear()
+            ring = self._rings[ids] = HashRing(ids)
+        return ring
+
+    def pick(self, candidates: Sequence[Routable], key: str | None) -> Routable | None:
+        if not candidates:
+            return None
+        ordered = sorted(candidates, key=lambda b: b.url)
+        self._turn += 1
+        if self.mode == "round-robin":
+            return ordered[self._turn % len(ordered)]
+        if self.mode == "prefix" and key:
+            by_id = {b.url: b for b in ordered}
+            chosen = chwbl_pick(self._ring(tuple(by_id)), key, {u: b.inflight for u, b in by_id.items()},
+                                self.load_factor)
+            return by_id[chosen]
+        # Least-loaded; ties rotate so equal backends share the work.
+        least = min(b.inflight for b in ordered)
+        tied = [b for b in ordered if b.inflight == least]
+        return tied[self._turn % len(tied)]

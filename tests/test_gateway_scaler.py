@@ -1,0 +1,100 @@
+"""The KEDA external scaler answers a real gRPC client the way KEDA calls it: ScaledObjectRef with the
+trigger's metadata; IsActive flips with held requests; StreamIsActive pushes without being polled."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+from gateway_fakes import FakeBackend, chat, start_gateway, wait_until
+
+from sluice_autoscaler import externalscaler_pb2 as pb
+from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc
+from sluice_autoscaler.scaler import METRIC_NAME
+
+pytestmark = pytest.mark.asyncio
+
+
+def ref(endpoint: str | None = "ns/chat", **extra: str) -> pb.ScaledObjectRef:
+    meta = {"scalerAddress": "gateway:9090", "model": "chat", **extra}
+    if endpoint:
+        meta["endpoint"] = endpoint
+    return pb.ScaledObjectRef(name="chat", namespace="ns", scalerMetadata=meta)
+
+
+async def test_external_scaler_per_keda_contract(tmp_path):
+    backend = await FakeBackend("A", model="chat", delay=0.5).start()
+    backend.ready = False  # scaled to zero: nothing answers
+    path = tmp_path / "backends.yaml"
+    path.write_text(f"endpoints: [{{model: chat, name: ns/chat, serving: [{backend.url}]}}]\n")
+    gw = await start_gateway(backends_file=str(path), scaler_target=4)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.scaler_port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        spec = await stub.GetMetricSpec(ref())
+        assert [(m.metricName, m.targetSize, m.targetSizeFloat) for m in spec.metricSpecs] == [(METRIC_NAME, 4, 4.0)]
+        spec = await stub.GetMetricSpec(ref(targetValue="2.5"))
+        assert (spec.metricSpecs[0].targetSize, spec.metricSpecs[0].targetSizeFloat) == (3, 2.5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetMetricSpec(ref(targetValue="lots"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        assert (await stub.IsActive(ref())).result is False
+        stream = stub.StreamIsActive(ref())
+        assert (await stream.read()).result is False  # the state on connect
+
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+            t0 = time.monotonic()
+            request = asyncio.create_task(c.post("/v1/chat/completions", json=chat("chat", "wake up")))
+            pushed = await asyncio.wait_for(stream.read(), 2)  # pushed: nobody polled
+            latency = time.monotonic() - t0
+            assert pushed.result is True and latency < 1.0
+            assert (await stub.IsActive(ref())).result is True
+            metrics = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(), metricName="s0-" + METRIC_NAME))
+            assert [(v.metricName, v.metricValue, v.metricValueFloat) for v in metrics.metricValues] == [
+                ("s0-" + METRIC_NAME, 1, 1.0)]
+            # Without `endpoint` metadata the ScaledObject's namespace/name is the key (here the same).
+            assert (await stub.IsActive(ref(endpoint=None))).result is True
+            # Another endpoint is not active.
+            assert (await stub.IsActive(ref(endpoint="ns/other", model="other"))).result is False
+
+            backend.ready = True  # KEDA scaled 0 -> 1 and the replica is ready: the request goes in flight
+            await wait_until(lambda: gw.demand["ns/chat"].inflight == 1)
+            assert (await stub.IsActive(ref())).result is True  # in flight still counts as demand
+            r = await request
+            assert r.status_code == 200
+        assert (await asyncio.wait_for(stream.read(), 2)).result is False  # pushed when demand went away
+        assert (await stub.IsActive(ref())).result is False
+        metrics = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(), metricName=METRIC_NAME))
+        assert metrics.metricValues[0].metricValueFloat == 0.0
+        stream.cancel()
+        await wait_until(lambda: not gw.demand["ns/chat"].subscribers)
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backend.stop()
+
+
+async def test_every_new_hold_is_pushed_even_while_active(tmp_path):
+    """A second cold start while requests are still in flight (e.g. the last replica died) is signalled again."""
+    gw = await start_gateway(backends=["chat=http://127.0.0.1:9"])  # local key: the model name
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.scaler_port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        # `endpoint` names a key this gateway does not know; `model` resolves it.
+        stream = stub.StreamIsActive(ref(endpoint="default/chat"))
+        assert (await stream.read()).result is False
+        demand = gw.demand["chat"]
+        demand.add(inflight=1)
+        assert (await asyncio.wait_for(stream.read(), 2)).result is True
+        demand.add(held=1)
+        assert (await asyncio.wait_for(stream.read(), 2)).result is True
+        demand.add(held=-1, inflight=-1)
+        assert (await asyncio.wait_for(stream.read(), 2)).result is False
+        stream.cancel()
+    finally:
+        await channel.close()
+        await gw.stop()
