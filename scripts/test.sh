@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/get-helm.sh
+bash scripts/get-promtool.sh
 . .venv/bin/activate
 ruff check .
 python -m pytest "$@"

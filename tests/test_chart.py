@@ -40,6 +40,7 @@ CHILD_RESOURCES = {
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
     "ScaledObject": ("keda.sh", "scaledobjects"),
     "ServiceMonitor": ("monitoring.coreos.com", "servicemonitors"),
+    "PrometheusRule": ("monitoring.coreos.com", "prometheusrules"),
 }
 # Server-side apply is a patch (create on first apply); watch for status and drift; delete for children
 # that a spec change makes obsolete (e.g. the ScaledObject when scaling is removed).

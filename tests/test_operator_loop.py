@@ -63,7 +63,8 @@ NS = "default"
 EP = "sluice.dev/v1alpha1/inferenceendpoints"
 DEPLOY, CM, SVC = "apps/v1/deployments", "v1/configmaps", "v1/services"
 PDB, SO, SM = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects", "monitoring.coreos.com/v1/servicemonitors"
-CHILDREN = (CM, DEPLOY, SVC, PDB, SO, SM)
+PR = "monitoring.coreos.com/v1/prometheusrules"
+CHILDREN = (CM, DEPLOY, SVC, PDB, SO, SM, PR)
 
 ENDPOINT = {
     "apiVersion": "sluice.dev/v1alpha1",
@@ -83,7 +84,7 @@ ENDPOINT = {
 def k8s(kmock: Any) -> Any:
     kmock.resources.load_bundled()  # built-in kinds (namespaces, deployments, ...) as a k3s server lists them
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    for key, kind in ((EP, "InferenceEndpoint"), (SO, "ScaledObject"), (SM, "ServiceMonitor"),
+    for key, kind in ((EP, "InferenceEndpoint"), (SO, "ScaledObject"), (SM, "ServiceMonitor"), (PR, "PrometheusRule"),
                       ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "LeaderWorkerSet")):
         kmock.resources[key] = {"kind": kind, "namespaced": True, "verbs": verbs, "subresources": {"status"}}
     kmock.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
@@ -378,7 +379,7 @@ async def test_loop_warm_pool_scaled_to_zero_is_idle(k8s: Any) -> None:
 @pytest.mark.timeout(60)
 async def test_loop_without_keda_or_the_prometheus_operator(k8s: Any) -> None:
     """A cluster without the optional CRDs: the rest is applied, and the status says what to install."""
-    k8s.absent = frozenset({"scaledobjects", "servicemonitors"})
+    k8s.absent = frozenset({"scaledobjects", "servicemonitors", "prometheusrules"})
     async with operator(k8s):
         await create_endpoint(k8s, ENDPOINT)
         st = await eventually(lambda: reason_is(k8s, "smollm2", "AutoscalerReady", "KedaNotInstalled"))
@@ -443,4 +444,5 @@ def test_status_keeps_transition_time_while_unchanged() -> None:
 
 def test_children_are_what_reconcile_renders() -> None:
     kinds = [m["kind"] for m in reconcile(_ep())]
-    assert kinds == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "ServiceMonitor",
+                     "PrometheusRule"]

@@ -20,6 +20,7 @@ CUSTOM_KINDS = {  # kind -> (reference CRD file, version)
     "ScaledObject": ("keda.sh_scaledobjects.yaml", "v1alpha1"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io_leaderworkersets.yaml", "v1"),
     "ServiceMonitor": ("monitoring.coreos.com_servicemonitors.yaml", "v1"),
+    "PrometheusRule": ("monitoring.coreos.com_prometheusrules.yaml", "v1"),
 }
 BUILTIN_KINDS = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
 
@@ -275,7 +276,8 @@ def test_scale_to_zero_example():
         assert _selects(monitor["selector"]["matchLabels"], labels)
         (expr,) = monitor["selector"]["matchExpressions"]
         assert labels[expr["key"]] in expr["values"]
-    assert monitor["targetLabels"] == ["sluice.dev/endpoint"]  # -> the query's sluice_dev_endpoint
+    # -> the query's sluice_dev_endpoint, and sluice_dev_role (serving or standby) for the dashboards
+    assert monitor["targetLabels"] == ["sluice.dev/endpoint", "sluice.dev/role"]
 
 
 def test_queue_query_is_promql():

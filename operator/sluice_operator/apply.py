@@ -39,6 +39,7 @@ CHILD_KINDS = (
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", optional=True),
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors", optional=True),
+    Kind("monitoring.coreos.com/v1", "PrometheusRule", "prometheusrules", optional=True),
 )
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 ENDPOINT_KIND = Kind(API_VERSION, "InferenceEndpoint", PLURAL)

@@ -36,18 +36,30 @@ class OperatorConfig:
     # Where clients reach autoscaled endpoints (status.url): the gateway holds requests while replicas start.
     # "" reports the endpoint's own Service instead.
     gateway_url: str = f"http://{GATEWAY_HOST}:{GATEWAY_HTTP_PORT}/v1"
+    # A PrometheusRule per endpoint (monitoring.py). Off where the chart's generic rules replace them: both
+    # would record the same series.
+    endpoint_rules: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Defaults, overridden by the SLUICE_* variables that are set (an empty one counts for the gateway)."""
         env = os.environ if env is None else env
-        changes: dict[str, str] = {}
+        changes: dict[str, str | bool] = {}
         for field, var in ENV.items():
             value = env.get(var)
             if value is None or (value == "" and not field.startswith("gateway_")):
                 continue
-            changes[field] = value.strip()
+            value = value.strip()
+            changes[field] = _flag(var, value) if field in BOOL_FIELDS else value
         return dataclasses.replace(cls(), **changes)
+
+
+def _flag(var: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{var} must be true or false, got {value!r}")
 
 
 # OperatorConfig field -> the environment variable that sets it.
@@ -58,4 +70,6 @@ ENV = {
     "cluster_domain": "SLUICE_CLUSTER_DOMAIN",
     "gateway_scaler_address": "SLUICE_GATEWAY_SCALER_ADDRESS",
     "gateway_url": "SLUICE_GATEWAY_URL",
+    "endpoint_rules": "SLUICE_ENDPOINT_RULES",
 }
+BOOL_FIELDS = frozenset({"endpoint_rules"})

@@ -38,6 +38,8 @@ def _notes(node: dict[str, Any]) -> str:
             value = node[key]
             if key == "minimum" and node.get("exclusiveMinimum"):
                 fmt = "> {}"
+            if key == "maximum" and node.get("exclusiveMaximum"):
+                fmt = "< {}"
             notes.append(fmt.format(value))
     return "; ".join(notes)
 

@@ -14,6 +14,7 @@ from .config import OperatorConfig
 from .layout import Layout, plan_layout
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, STANDBY, object_meta, standby_name
 from .model_source import FETCH_HF_SCRIPT
+from .monitoring import prometheus_rule
 from .spec import InferenceEndpoint
 from .workload import component_of, serve_args, workload
 
@@ -106,7 +107,9 @@ def service_monitor(ep: InferenceEndpoint) -> dict[str, Any]:
                          "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
                                                "values": [component_of(SERVING), component_of(STANDBY)]}]},
             "namespaceSelector": {"matchNames": [ep.namespace]},
-            "targetLabels": [ENDPOINT_LABEL],  # becomes sluice_dev_endpoint: the autoscaler's query uses it
+            # sluice_dev_endpoint (the autoscaler's query and the rules select by it) and sluice_dev_role
+            # (serving or standby: the dashboards' replica counts).
+            "targetLabels": [ENDPOINT_LABEL, ROLE_LABEL],
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}],
         },
     }
@@ -135,5 +138,7 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[
     if scaling:
         out.append(scaled_object(ep, cfg, serving))
     out.append(service_monitor(ep))
+    if cfg.endpoint_rules:
+        out.append(prometheus_rule(ep))
     # A JSON round trip: plain data with no shared sub-objects, so callers may mutate one manifest freely.
     return json.loads(json.dumps(out))

@@ -253,6 +253,9 @@ class Slo(_Object):
 
     ttft_ms: float | None = Field(None, gt=0, description="Time to first token, milliseconds.")
     tpot_ms: float | None = Field(None, gt=0, description="Time per output token after the first, milliseconds.")
+    target: float | None = Field(None, gt=0, lt=1, description=(
+        "The fraction of completed requests that must meet the objectives (SLO attainment), e.g. 0.99. The "
+        "endpoint's SLO burn-rate alerts spend the error budget 1 - target. Default: 0.99."))
 
 
 class Cost(_Object):

@@ -33,6 +33,7 @@ PROVIDERS = {
     "LeaderWorkerSet": "LeaderWorkerSet (kubernetes-sigs/lws; multi-node layouts need it)",
     "ScaledObject": "KEDA (keda.sh; `scaling` needs it)",
     "ServiceMonitor": "the Prometheus operator (monitoring.coreos.com)",
+    "PrometheusRule": "the Prometheus operator (monitoring.coreos.com)",
 }
 KEDA_CONDITIONS = {"Ready": "AutoscalerReady", "Active": "AutoscalerActive", "Fallback": "AutoscalerFallback"}
 

@@ -25,6 +25,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* The chart's PrometheusRule and dashboard ConfigMaps. */}}
+{{- define "sluice.monitoring.labels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: monitoring
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
 {{- define "sluice.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "sluice.fullname" .) .Values.serviceAccount.name -}}
@@ -120,7 +130,7 @@ What the operator does inside the namespaces it serves (least privilege: only wh
   resources: [scaledobjects]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [monitoring.coreos.com]
-  resources: [servicemonitors]
+  resources: [servicemonitors, prometheusrules]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [""]
   resources: [events]

@@ -1,0 +1,280 @@
+"""Grafana dashboards for Sluice endpoints, generated from the PromQL in monitoring.py.
+
+`python -m sluice_operator.dashboards charts/sluice/dashboards` writes one JSON file per dashboard; the chart
+ships them as ConfigMaps for Grafana's dashboard sidecar (monitoring.dashboards.enabled), and a test fails
+while the files are stale. The panels query the engines' and the gateway's own series (not the recording
+rules), so they work with or without the rules installed, at any zoom ($__rate_interval).
+
+- `sluice-endpoint`: one endpoint (variables namespace, endpoint): goodput and SLO attainment, latency
+  percentiles, throughput, queue depth and replicas (serving, standby, held requests), KV usage and prefix
+  hit rate, cost per 1M tokens.
+- `sluice-overview`: every endpoint of the chosen namespaces side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import monitoring as m
+from .monitoring import EP, ROLE, Scope
+
+W = "$__rate_interval"  # Grafana's: at least four scrape intervals, growing with the zoom
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+ENDPOINT = Scope(engines=f'namespace="$namespace",{EP}="$endpoint"', gateway='endpoint="$namespace/$endpoint"')
+# Multi-value variables expand to (a|b) in a regex matcher.
+NAMESPACES = Scope(engines=f'namespace=~"$namespace",{EP}!=""', gateway='endpoint=~"$namespace/.*"')
+WHO = f"{{{{namespace}}}}/{{{{{EP}}}}}"  # legend: namespace/endpoint
+PANEL_HEIGHT = 8
+
+
+# -- building blocks -----------------------------------------------------------------------------------------
+def target(expr: str, legend: str) -> dict[str, Any]:
+    return {"expr": expr, "legendFormat": legend}
+
+
+def _fields(unit: str, lo: float | None, hi: float | None) -> dict[str, Any]:
+    defaults: dict[str, Any] = {"unit": unit}
+    if lo is not None:
+        defaults["min"] = lo
+    if hi is not None:
+        defaults["max"] = hi
+    return {"defaults": defaults, "overrides": []}
+
+
+def timeseries(title: str, description: str, targets: list[dict[str, Any]], unit: str, *, width: int = 8,
+               lo: float | None = 0, hi: float | None = None) -> dict[str, Any]:
+    return {
+        "type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": targets, "fieldConfig": _fields(unit, lo, hi),
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "gridPos": {"w": width, "h": PANEL_HEIGHT},
+    }
+
+
+def stat(title: str, description: str, expr: str, unit: str, *, width: int = 4) -> dict[str, Any]:
+    return {
+        "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [target(expr, title)], "fieldConfig": _fields(unit, None, None),
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "value", "graphMode": "area", "textMode": "value"},
+        "gridPos": {"w": width, "h": 4},
+    }
+
+
+def row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
+
+
+def _layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Place panels left to right, wrapping at Grafana's 24 columns; ids and refIds in order."""
+    x = y = row_height = 0
+    for i, panel in enumerate(panels, start=1):
+        pos = panel["gridPos"]
+        if panel["type"] == "row" or x + pos["w"] > 24:
+            x, y, row_height = 0, y + row_height, 0
+        pos["x"], pos["y"] = x, y
+        x += pos["w"]
+        row_height = max(row_height, pos["h"])
+        panel["id"] = i
+        for n, t in enumerate(panel.get("targets", [])):
+            t["refId"] = chr(ord("A") + n)
+            t["datasource"] = DATASOURCE
+            t["range"] = True
+    return panels
+
+
+def variable(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+        "query": {"query": query, "refId": f"{name}-variable"}, "definition": query,
+        "refresh": 2,  # on time range change: endpoints that existed in the range, even if scaled to zero now
+        "sort": 1, "multi": multi, "includeAll": multi, "current": {}, "hide": 0, "regex": "", "options": [],
+    }
+
+
+DATASOURCE_VARIABLE = {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+                       "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
+
+
+@dataclass(slots=True)
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    variables: list[dict[str, Any]]
+    panels: list[dict[str, Any]] = field(default_factory=list)
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid, "title": self.title, "description": self.description,
+            "tags": ["sluice", "llm-inference"], "editable": True, "graphTooltip": 1, "timezone": "",
+            "time": {"from": "now-3h", "to": "now"}, "refresh": "30s", "schemaVersion": 39, "version": 1,
+            "annotations": {"list": []},
+            "links": [{"type": "dashboards", "tags": ["sluice"], "asDropdown": True, "title": "Sluice",
+                       "includeVars": True, "keepTime": True}],
+            "templating": {"list": [DATASOURCE_VARIABLE, *self.variables]},
+            "panels": _layout(self.panels),
+        }
+
+
+# -- the dashboards ------------------------------------------------------------------------------------------
+def _quantiles(s: Scope, histogram: str) -> list[dict[str, Any]]:
+    return [target(m.quantile(s, histogram, q, W), f"p{round(float(q) * 100)}") for q in m.QUANTILES]
+
+
+def endpoint_dashboard() -> Dashboard:
+    s = ENDPOINT
+    objective = "max({}) > 0"  # an SLO gauge, drawn only where the objective is set
+    d = Dashboard("sluice-endpoint", "Sluice / Endpoint", (
+        "One InferenceEndpoint: goodput against its SLO, latency percentiles, throughput, queue and replicas, "
+        "KV and prefix cache, cost per 1M tokens. Definitions: docs/metrics.md."),
+        [variable("namespace", "Namespace", "label_values(sluice_num_gpus, namespace)"),
+         variable("endpoint", "Endpoint", f'label_values(sluice_num_gpus{{namespace="$namespace"}}, {EP})')])
+    d.panels = [
+        row("Goodput and SLO"),
+        stat("Goodput", "Completed requests per second that met every objective set.", m.goodput(s, W), "reqps"),
+        stat("SLO attainment", "Goodput / completed requests.", m.attainment(s, W), "percentunit"),
+        stat("Generation tokens/s", "Output tokens per second, all replicas.", m.token_rate(s, "generation", W),
+             "short"),
+        stat("Waiting requests", "Queued in the engines plus held by the gateway.", m.queued(s), "short"),
+        stat("USD per 1M generation tokens", "The decode share of the GPU cost over the generation tokens.",
+             m.cost_per_million(s, "generation", W), "currencyUSD"),
+        stat("USD per hour", "GPU cost of serving and standby replicas, busy or idle.",
+             f"{m.cost_per_second(s)} * 3600", "currencyUSD"),
+        timeseries("Goodput and finished requests", "Goodput against completed requests, and every finished "
+                   "request by reason (stop, length, abort, error).", [
+                       target(m.goodput(s, W), "goodput"),
+                       target(m.completed(s, W), "completed"),
+                       target(f"sum by (finished_reason) (rate({s.sel('sluice_request_success_total')}[{W}]))",
+                              "finished: {{finished_reason}}")], "reqps", width=12),
+        timeseries("SLO attainment", "The fraction of completed requests that met the SLO, overall and per "
+                   "objective (an objective that is not set is met trivially).", [
+                       target(m.attainment(s, W), "all objectives"),
+                       target(m.objective_attainment(s, W), "{{objective}}")], "percentunit", width=12, hi=1),
+        row("Latency"),
+        timeseries("Time to first token", "TTFT percentiles (arrival to first token) and the objective.", [
+            *_quantiles(s, "sluice_time_to_first_token_seconds"),
+            target(objective.format(s.sel("sluice_slo_ttft_seconds")), "objective")], "s"),
+        timeseries("Time per output token", "TPOT percentiles per completed request (vLLM's: first token "
+                   "excluded) and the objective.", [
+                       *_quantiles(s, "sluice_request_time_per_output_token_seconds"),
+                       target(objective.format(s.sel("sluice_slo_tpot_seconds")), "objective")], "s"),
+        timeseries("Inter-token latency", "Time between a request's successive output steps.",
+                   _quantiles(s, "sluice_inter_token_latency_seconds"), "s"),
+        timeseries("End-to-end latency", "Arrival to last token, completed requests.",
+                   _quantiles(s, "sluice_e2e_request_latency_seconds"), "s"),
+        timeseries("Queue time", "Arrival to first scheduled, completed requests.",
+                   _quantiles(s, "sluice_request_queue_time_seconds"), "s"),
+        timeseries("Prefill time", "First scheduled to first token, completed requests.",
+                   _quantiles(s, "sluice_request_prefill_time_seconds"), "s"),
+        row("Throughput"),
+        timeseries("Tokens per second", "Prompt tokens (prefix-cache hits included) and generated tokens.", [
+            target(m.token_rate(s, "prompt", W), "prompt"),
+            target(m.token_rate(s, "generation", W), "generation")], "short"),
+        timeseries("Tokens per engine step", "Mean tokens computed per step, per replica: how full the batches "
+                   "are.", [target(f"sum by (pod) (rate({s.sel('sluice_iteration_tokens_sum')}[{W}])) / sum by "
+                                   f"(pod) (rate({s.sel('sluice_iteration_tokens_count')}[{W}]))", "{{pod}}")],
+                   "short"),
+        timeseries("Engine busy time", "Seconds per second each replica spends in engine steps, by phase (the "
+                   "basis of the cost split).", [
+                       target(f"sum by (pod, phase) (rate({s.sel('sluice_engine_busy_seconds_total')}[{W}]))",
+                              "{{pod}} {{phase}}")], "percentunit"),
+        row("Queue and replicas"),
+        timeseries("Requests", "Running and waiting in the engines; held (no ready backend) and in flight at the "
+                   "gateway.", [
+                       target(f"sum({s.sel('sluice_num_requests_running')})", "running"),
+                       target(f"sum({s.sel('sluice_num_requests_waiting')})", "waiting in engines"),
+                       target(f"sum({s.gw('sluice_gateway_pending_requests')})", "held by the gateway"),
+                       target(f"sum({s.gw('sluice_gateway_inflight_requests')})", "in flight at the gateway")],
+                   "short"),
+        timeseries("Replicas", "Backends as the gateway sees them (by role and readiness), and engines "
+                   "Prometheus scrapes (by role).", [
+                       target(f"sum by (role, state) ({s.gw('sluice_gateway_backends')})",
+                              "{{role}} {{state}} (gateway)"),
+                       target(f"count by ({ROLE}) ({s.sel('sluice_num_gpus')})", f"{{{{{ROLE}}}}} (scraped)")],
+                   "short"),
+        timeseries("Preemptions and warm-pool requests", "Requests preempted by recompute, and requests the "
+                   "gateway sent to the warm pool.", [
+                       target(f"sum(rate({s.sel('sluice_num_preemptions_total')}[{W}]))", "preemptions"),
+                       target(f"sum(rate({s.gw('sluice_gateway_standby_requests_total')}[{W}]))",
+                              "sent to standby")], "reqps"),
+        row("KV cache and prefix cache"),
+        timeseries("KV cache usage", "Fraction of KV blocks held by requests, per replica.", [
+            target(f"max by (pod) ({s.sel('sluice_kv_cache_usage_perc')})", "{{pod}}")], "percentunit", width=12,
+            hi=1),
+        timeseries("Prefix cache hit rate", "Prompt tokens served from the prefix cache / prompt tokens looked "
+                   "up.", [target(f"sum(rate({s.sel('sluice_prefix_cache_hits_total')}[{W}])) / "
+                                  f"sum(rate({s.sel('sluice_prefix_cache_queries_total')}[{W}]))", "hit rate")],
+                   "percentunit", width=12, hi=1),
+        row("Cost"),
+        timeseries("USD per 1M tokens", "GPU cost (serving and standby, idle included) split between prompt and "
+                   "generation tokens by engine time; gaps: no traffic.", [
+                       target(m.cost_per_million(s, "prompt", W), "prompt"),
+                       target(m.cost_per_million(s, "generation", W), "generation"),
+                       target(m.cost_per_million(s, "total", W), "all tokens")], "currencyUSD"),
+        timeseries("USD per hour by role", "What the replicas cost, serving and standby.", [
+            target(f"sum by ({ROLE}) ({s.sel('sluice_num_gpus')} * {s.sel('sluice_gpu_hour_usd')})",
+                   f"{{{{{ROLE}}}}}")], "currencyUSD"),
+        timeseries("GPUs by role", "Accelerators the replicas hold.", [
+            target(f"sum by ({ROLE}) ({s.sel('sluice_num_gpus')})", f"{{{{{ROLE}}}}}")], "short"),
+    ]
+    return d
+
+
+def overview_dashboard() -> Dashboard:
+    s = NAMESPACES
+    d = Dashboard("sluice-overview", "Sluice / Overview", (
+        "Every InferenceEndpoint of the chosen namespaces side by side. Definitions: docs/metrics.md."),
+        [variable("namespace", "Namespace", "label_values(sluice_num_gpus, namespace)", multi=True)])
+    d.panels = [
+        timeseries("Goodput", "Completed requests per second that met their SLO.", [target(m.goodput(s, W), WHO)],
+                   "reqps"),
+        timeseries("SLO attainment", "Goodput / completed requests.", [target(m.attainment(s, W), WHO)],
+                   "percentunit", hi=1),
+        timeseries("TTFT p99", "Time to first token, 99th percentile.",
+                   [target(m.quantile(s, "sluice_time_to_first_token_seconds", "0.99", W), WHO)], "s"),
+        timeseries("Generation tokens per second", "Output tokens per second.",
+                   [target(m.token_rate(s, "generation", W), WHO)], "short"),
+        timeseries("Waiting requests", "Queued in the engines plus held by the gateway.",
+                   [target(m.queued(s), WHO)], "short"),
+        timeseries("Replicas", "Engines Prometheus scrapes, by role.",
+                   [target(m.engines_by_role(s), f"{WHO} {{{{{ROLE}}}}}")], "short"),
+        timeseries("USD per 1M generation tokens", "The decode share of the GPU cost over the generation "
+                   "tokens.", [target(m.cost_per_million(s, "generation", W), WHO)], "currencyUSD"),
+        timeseries("USD per 1M prompt tokens", "The prefill share of the GPU cost over the prompt tokens.",
+                   [target(m.cost_per_million(s, "prompt", W), WHO)], "currencyUSD"),
+        timeseries("USD per hour", "GPU cost of serving and standby replicas, busy or idle.",
+                   [target(f"{m.cost_per_second(s)} * 3600", WHO)], "currencyUSD"),
+    ]
+    return d
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    """File name -> dashboard JSON."""
+    return {f"{d.uid}.json": d.json() for d in (endpoint_dashboard(), overview_dashboard())}
+
+
+def render(dashboard: dict[str, Any]) -> str:
+    return json.dumps(dashboard, indent=1) + "\n"
+
+
+def write(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, dashboard in dashboards().items():
+        path = directory / name
+        path.write_text(render(dashboard))
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m sluice_operator.dashboards DIRECTORY  (charts/sluice/dashboards)")
+    for p in write(Path(sys.argv[1])):
+        print(p)
