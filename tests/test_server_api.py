@@ -129,7 +129,7 @@ def test_bad_chat_inputs_and_malformed_json(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": 5}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     msgs = [{"role": "user", "content": "x"}]
-    r = httpx.post(url, json={"model": server.model, "messages": msgs, "response_format": {"type": "json_object"}},
+    r = httpx.post(url, json={"model": server.model, "messages": msgs, "response_format": {"type": "yaml"}},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     r = httpx.post(url, content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"},

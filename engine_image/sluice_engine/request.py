@@ -7,12 +7,34 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from .sampling_params import SamplingParams
 
 # A logits processor sees the tokens generated so far and the row of logits for the next token,
-# and returns the row (in place is fine). Structured output plugs in here.
+# and returns the row (in place is fine).
 LogitsProcessor = Callable[[list[int], "object"], "object"]
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """A logits processor with state, passed in `logits_processors` like a plain one: it allows only
+    some tokens next (a grammar: structured output, see structured/) and advances with every token
+    the request emits. Unlike a plain processor it composes with speculative decoding.
+
+    - `accept(token_id)`: the engine calls it for each token appended to the request's output.
+    - `valid_prefix(token_ids)`: how many of these tokens, in order, may come next (drafts are cut there).
+    - `apply_batch(logits, rows)`: one call per constraint class per sampling step, masking in place.
+      `rows` holds (first logits row, constraint, drafts): row first + i gets the mask of the state
+      after drafts[:i]. The constraints' own state is the same afterwards.
+    """
+
+    def accept(self, token_id: int) -> None: ...
+
+    def valid_prefix(self, token_ids: list[int]) -> int: ...
+
+    @classmethod
+    def apply_batch(cls, logits, rows: list[tuple[int, TokenConstraint, list[int]]]) -> None: ...
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +58,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # The TokenConstraints among the processors given, moved here by __post_init__.
+    constraints: list[TokenConstraint] = field(default_factory=list, init=False)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -57,9 +81,15 @@ class Request:
     # Draft tokens proposed for this step (speculative decoding): computed after the last known token
     # and verified by the sampler; never part of all_token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # An in-flight request with the same prompt (n > 1 siblings, identical concurrent prompts): once it
+    # has computed the prompt, this one shares its blocks instead of prefilling (see KVCacheManager.fork).
+    fork_source: Request | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        procs = self.logits_processors
+        self.constraints = [p for p in procs if isinstance(p, TokenConstraint)]
+        self.logits_processors = [p for p in procs if not isinstance(p, TokenConstraint)]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """From the logits of each sampling row to one token, and logprobs when asked.
 
-Order (as users of vLLM expect): logits processors (e.g. grammar masks) -> penalties -> greedy argmax
-or temperature -> top-k -> top-p -> min-p -> sample. Reported logprobs are of the raw model
-distribution, before any of that processing.
+Order (as users of vLLM expect): token constraints (grammar masks) -> logits processors -> penalties ->
+greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Reported logprobs are of the raw
+model distribution, before any of that processing.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import Request
+from .request import Request, TokenConstraint
 
 # (logprob of the chosen token, [(token_id, logprob) for the top-k])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -43,7 +43,9 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
-        logits = raw.clone() if any(r.logits_processors or r.params.needs_penalties for r in requests) else raw
+        logits = raw.clone() if any(r.logits_processors or r.constraints or r.params.needs_penalties
+                                    for r in requests) else raw
+        apply_constraints(logits, [(i, c, []) for i, r in enumerate(requests) for c in r.constraints])
         for i, r in enumerate(requests):
             for proc in r.logits_processors:
                 logits[i] = proc(r.output_token_ids, logits[i])
@@ -98,6 +100,14 @@ class Sampler:
         assert len(row_reqs) == logits.shape[0]
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        constrained = []
+        row = 0
+        for r in requests:
+            constrained.extend((row, c, r.spec_token_ids) for c in r.constraints)
+            row += len(r.spec_token_ids) + 1
+        if constrained:  # each row masked by the constraint's state after the drafts before it
+            logits = logits.clone()
+            apply_constraints(logits, constrained)
         greedy = [r.params.greedy for r in row_reqs]
         argmax = logits.argmax(dim=-1).tolist()
         probs = None if all(greedy) else self._probs(logits, row_reqs, greedy)
@@ -160,6 +170,16 @@ class Sampler:
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, TokenConstraint, list[int]]]) -> None:
+    """Masks logits in place: one apply_batch call per constraint class, so a class can fill all its
+    rows' masks and apply them to the batch in one operation."""
+    by_class: dict[type, list[tuple[int, TokenConstraint, list[int]]]] = {}
+    for item in rows:
+        by_class.setdefault(type(item[1]), []).append(item)
+    for cls, items in by_class.items():
+        cls.apply_batch(logits, items)
 
 
 def _apply_penalties(row: torch.Tensor, r: Request) -> None:

@@ -122,6 +122,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object (structured output indexes its vocabulary and decoder)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         # Older Llama-style configs ask for BOS via add_bos_token while tokenizer.json's post-processor

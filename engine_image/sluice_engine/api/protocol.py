@@ -41,6 +41,13 @@ class _SamplingFields(_Base):
     speculative: bool = True
     # Logprob entries name tokens as "token_id:<id>" (vLLM's flag): exact ids for clients that need them.
     return_tokens_as_token_ids: bool = False
+    # Structured output (structured/): OpenAI's response_format ({"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}), or one of vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # EBNF (xgrammar's dialect, root rule `root`)
 
 
 class CompletionRequest(_SamplingFields):
@@ -67,7 +74,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted so that they can be refused with a clear message rather than silently ignored.
-    response_format: dict[str, Any] | None = None
+    # Tool calling (structured/tools.py): function tools; tool_choice none | auto | required | a named function.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None

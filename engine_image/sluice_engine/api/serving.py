@@ -15,6 +15,16 @@ from ..async_engine import AsyncEngine
 from ..engine import RequestOutput, RequestRejected
 from ..sampler import TokenLogprobs
 from ..sampling_params import InvalidParam, SamplingParams
+from ..structured import (
+    GrammarError,
+    StructuredOutputs,
+    ToolCallParser,
+    ToolPlan,
+    grammar_spec,
+    plan_tools,
+    render_messages,
+    template_renders_tools,
+)
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -42,6 +52,9 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_queue_len = max_queue_len
+        self.structured = StructuredOutputs(self.tokenizer, engine.engine.runner.model_config.vocab_size,
+                                            engine.engine.eos_token_ids)
+        self.template_renders_tools = template_renders_tools(self.tokenizer.chat_template)
 
     # -- shared checks -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -82,6 +95,24 @@ class OpenAIServing:
             param = "top_logprobs" if e.param == "logprobs" and hasattr(req, "top_logprobs") else e.param
             raise bad_request(str(e).replace(e.param, param, 1), param=param) from None
 
+    async def _constraints(self, req, plan: ToolPlan | None = None):
+        """The request's grammar (response_format, guided_*, or its tools), compiled off the event
+        loop and cached: a factory of each choice's own constraint, or None for free text. A
+        malformed schema, regex or grammar is a 400 naming its field."""
+        try:
+            spec = grammar_spec(req)
+            if plan is not None:
+                if spec is not None:
+                    raise GrammarError(f"{spec.param} cannot be combined with tools (unless tool_choice is "
+                                       "'none')", param=spec.param)
+                spec = plan.grammar()
+            if spec is None:
+                return None
+            compiled = await self.structured.compile(spec)
+        except GrammarError as e:
+            raise bad_request(str(e), param=e.param) from None
+        return lambda: [self.structured.constraint(compiled)]
+
     def _child_params(self, params: SamplingParams, i: int) -> SamplingParams:
         if i == 0 and params.seed is None:
             return params
@@ -89,8 +120,9 @@ class OpenAIServing:
         return dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
 
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
-                           base_id: str) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
-        """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come."""
+                           base_id: str, constraints=None) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
+        constraints: None, or a factory of one choice's logits processors (its grammar state)."""
         choices = [_Choice(p_idx * n + i, ids) for p_idx, ids in enumerate(prompts) for i in range(n)]
         gens = []
         for ch in choices:
@@ -99,7 +131,8 @@ class OpenAIServing:
                 self.engine.engine.check_prompt(ch.prompt_ids, params)
             except RequestRejected as e:
                 raise bad_request(str(e), param=e.param, code=e.code) from None
-            gens.append(self.engine.generate(f"{base_id}-{ch.index}", ch.prompt_ids, params))
+            gens.append(self.engine.generate(f"{base_id}-{ch.index}", ch.prompt_ids, params,
+                                             constraints() if constraints else None))
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(ch: _Choice, gen: AsyncIterator[RequestOutput]) -> None:
@@ -160,9 +193,10 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             plp = max(req.logprobs, plp or 0)
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, plp) for ids in prompts]
+        constraints = await self._constraints(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices(prompts, params, req.n, rid)
+        choices_iter = self._run_choices(prompts, params, req.n, rid, constraints)
         if req.stream:
             return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter, is_disconnected)
@@ -227,16 +261,17 @@ class OpenAIServing:
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than 'text' (structured output) is not supported yet",
-                              param="response_format")
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("tool calling is not supported yet", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
         try:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except GrammarError as e:
+            raise bad_request(str(e), param=e.param) from None
+        native_tools = self.template_renders_tools
+        try:
+            messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], plan, native_tools)
             prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                                    tools=plan.template_tools() if plan and native_tools else None,
                                                     **(req.chat_template_kwargs or {}))
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
@@ -244,18 +279,20 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, len(prompt_ids), lp, None)
+        constraints = await self._constraints(req, plan)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid)
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, constraints)
         if req.stream:
-            return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True)
+            return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
+                                      tools=plan is not None)
         choices = await _collect(choices_iter, is_disconnected)
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
             "choices": [
-                {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                {"index": ch.index, **_chat_message(ch, plan is not None),
                  "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs, req.return_tokens_as_token_ids) if req.logprobs else None,
-                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                 "stop_reason": ch.stop_reason}
                 for ch in choices
             ],
             "usage": _usage(choices, req.n),
@@ -272,7 +309,8 @@ class OpenAIServing:
         return {"content": content}
 
     # -- streaming -----------------------------------------------------------------------------
-    async def _stream(self, rid: str, created: int, obj: str, choices_iter, req, is_chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, rid: str, created: int, obj: str, choices_iter, req, is_chat: bool,
+                      tools: bool = False) -> AsyncIterator[str]:
         # Errors found before the first engine output (e.g. a prompt too long) must still be a
         # plain HTTP 400, so take the first delta before the response starts.
         first = await anext(choices_iter, None)
@@ -280,6 +318,7 @@ class OpenAIServing:
         async def events() -> AsyncIterator[str]:
             seen: set[int] = set()
             all_choices: dict[int, _Choice] = {}
+            parsers: dict[int, ToolCallParser] = {}  # per choice, when tools may be called
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -302,12 +341,26 @@ class OpenAIServing:
                         if ch.index not in seen:
                             delta["role"] = "assistant"
                             seen.add(ch.index)
-                        if out.new_text or not out.finished:
+                        finish_reason = out.finish_reason
+                        if tools:
+                            parser = parsers.setdefault(ch.index, ToolCallParser())
+                            content, calls = parser.feed(out.new_text)
+                            if out.finished:
+                                more_content, more_calls = parser.finish()
+                                content, calls = content + more_content, calls + more_calls
+                                finish_reason = _tool_finish_reason(out.finish_reason, parser)
+                            if content:
+                                delta["content"] = content
+                            if calls:
+                                delta["tool_calls"] = calls
+                            if not delta and not out.finished and not req.logprobs:
+                                continue  # text held back (maybe the start of a call): nothing to send yet
+                        elif out.new_text or not out.finished:
                             delta["content"] = out.new_text
                         c = {"index": ch.index, "delta": delta,
                              "logprobs": self._chat_logprobs(out.new_token_ids, out.logprobs,
                                                             req.return_tokens_as_token_ids) if req.logprobs else None,
-                             "finish_reason": out.finish_reason}
+                             "finish_reason": finish_reason}
                     else:
                         text = out.new_text
                         if req.echo and ch.index not in seen:
@@ -333,6 +386,25 @@ class OpenAIServing:
                 await choices_iter.aclose()
 
         return events()
+
+
+def _chat_message(ch: _Choice, tools: bool) -> dict:
+    """A finished chat choice's message and finish_reason; with tools, the calls parsed out."""
+    if not tools:
+        return {"message": {"role": "assistant", "content": ch.text}, "finish_reason": ch.finish_reason}
+    parser = ToolCallParser()
+    parser.feed(ch.text)
+    parser.finish()
+    message: dict = {"role": "assistant", "content": parser.content if parser.content.strip() or not parser.calls
+                     else None}
+    if parser.calls:
+        message["tool_calls"] = [call.openai() for call in parser.calls]
+    return {"message": message, "finish_reason": _tool_finish_reason(ch.finish_reason, parser)}
+
+
+def _tool_finish_reason(reason: str | None, parser: ToolCallParser) -> str | None:
+    # OpenAI: a reply that ends in tool calls finishes with "tool_calls"; a cut-off one stays "length".
+    return "tool_calls" if reason == "stop" and parser.calls else reason
 
 
 def _accumulate(ch: _Choice, out: RequestOutput) -> None:

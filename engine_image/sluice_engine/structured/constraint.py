@@ -1,0 +1,87 @@
+"""One request's grammar state, as the engine's TokenConstraint (request.py): an xgrammar
+GrammarMatcher that masks what may come next and advances with every token emitted.
+
+All methods run on the engine thread; the API thread only constructs the object.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("sluice.structured")
+
+
+class GrammarConstraint:
+    __slots__ = ("matcher", "_stop_row")
+
+    def __init__(self, compiled, stop_row: torch.Tensor):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self._stop_row = stop_row
+
+    @staticmethod
+    def stop_row(vocab_size: int, stop_token_ids: list[int]) -> torch.Tensor:
+        """The bitmask row that allows only the stop tokens: what a grammar that has ended allows."""
+        import xgrammar as xgr
+
+        words = [0] * xgr.get_bitmask_shape(1, vocab_size)[1]
+        for t in stop_token_ids:
+            if t < vocab_size:
+                words[t // 32] |= 1 << (t % 32)
+        # Bit 31 set is a negative int32.
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+    # -- TokenConstraint -----------------------------------------------------------------------
+    def accept(self, token_id: int) -> None:
+        m = self.matcher
+        if m.is_terminated():
+            return  # past the grammar's end (only with ignore_eos): stop tokens again, nothing to track
+        if not m.accept_token(token_id):
+            # The mask allowed only grammar tokens, so this means a bug, not bad user input: say so,
+            # and keep serving (the request goes on unconstrained from the grammar's last state).
+            log.error("grammar rejected emitted token %d; output may not match the grammar", token_id)
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        m = self.matcher
+        if m.is_terminated():
+            return 0
+        n = 0
+        for t in token_ids:
+            if not m.accept_token(t):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
+    @classmethod
+    def apply_batch(cls, logits: torch.Tensor, rows: list[tuple[int, GrammarConstraint, list[int]]]) -> None:
+        """Fills one bitmask for every constrained row of the step, then masks them in one call.
+        Row first + i is masked by the state after drafts[:i]: the drafts are accepted while
+        filling and rolled back at the end, so each matcher ends where it started."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+        indices: list[int] = []
+        for first, c, drafts in rows:
+            m = c.matcher
+            accepted = 0
+            for i in range(len(drafts) + 1):
+                if m.is_terminated():
+                    bitmask[first + i] = c._stop_row
+                else:
+                    m.fill_next_token_bitmask(bitmask, first + i)
+                indices.append(first + i)
+                # Drafts were cut to what the grammar accepts (engine._propose_drafts); should one
+                # still fail, the rows after it keep this state's mask and the verifier rejects it.
+                if i < len(drafts) and accepted == i and m.accept_token(drafts[i]):
+                    accepted += 1
+            if accepted:
+                m.rollback(accepted)
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend="cpu")
+        else:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)

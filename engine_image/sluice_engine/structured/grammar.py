@@ -1,0 +1,212 @@
+"""Grammar specs from API fields, and their compilation: once per spec, off the event loop and the
+engine loop, cached.
+
+xgrammar is imported on first use: it imports transformers, which costs seconds that a server
+never asked for structured output should not pay (docs/architecture.md, "No transformers").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..tokenizer import Tokenizer
+from .constraint import GrammarConstraint
+
+log = logging.getLogger("sluice.structured")
+
+# Compiled grammars kept (a JSON schema compiles in ~5-30 ms, a grammar holds a few hundred KB at most).
+GRAMMAR_CACHE_SIZE = 256
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
+
+class GrammarError(ValueError):
+    """A grammar the request gave (or implied) is malformed: a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What to constrain the output to. `kind` and `source` (the spec as text) are the cache key;
+    `param` is the request field it came from, named when it does not compile."""
+
+    kind: str
+    source: str
+    param: str
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, self.kind
+
+
+def grammar_spec(req: Any) -> GrammarSpec | None:
+    """The grammar a completions or chat request asks for: OpenAI's `response_format`, or one of
+    vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. None: free text."""
+    given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, name, None) is not None]
+    if given == ["response_format"] or not given:
+        return _from_response_format(getattr(req, "response_format", None))
+    if "response_format" in given and _from_response_format(req.response_format) is None:
+        given.remove("response_format")  # {"type": "text"} beside a guided_* field
+    if len(given) > 1:
+        raise GrammarError(f"at most one of {', '.join(given)} may be set", param=given[1])
+    name = given[0]
+    value = getattr(req, name)
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"guided_json is not valid JSON: {e}", param=name) from None
+        return _schema_spec(value, name)
+    if name == "guided_regex":
+        return GrammarSpec("regex", value, name)
+    if name == "guided_choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise GrammarError("guided_choice must be a non-empty list of non-empty strings", param=name)
+        # EBNF string literals take JSON's escapes, so json.dumps quotes any choice exactly.
+        return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value), name)
+    return GrammarSpec("ebnf", value, name)
+
+
+def _from_response_format(rf: dict[str, Any] | None) -> GrammarSpec | None:
+    param = "response_format"
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", param)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise GrammarError("response_format of type json_schema needs json_schema.schema", param=param)
+        return _schema_spec(js["schema"], param)
+    raise GrammarError(f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                       param=param)
+
+
+def _schema_spec(schema: Any, param: str) -> GrammarSpec:
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{param}: a JSON schema must be an object", param=param)
+    # Not sort_keys: the order of `properties` is the order the output follows.
+    return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False), param)
+
+
+class StructuredOutputs:
+    """Compiles grammars against one engine's vocabulary and makes per-request constraints.
+
+    Compilation runs on a worker thread, so neither the event loop nor the engine loop waits for
+    it, and each distinct spec compiles once: the cache holds the future, so concurrent requests
+    with the same schema share one compilation. The xgrammar vocabulary index (TokenizerInfo) is
+    built on the first compile.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's (the logits' width), which may exceed the tokenizer's
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], asyncio.Future] = OrderedDict()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-grammar")
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._stop_row = None  # bitmask row allowing only the stop tokens (a terminated grammar)
+
+    async def compile(self, spec: GrammarSpec):
+        """The compiled grammar for spec; GrammarError (naming spec.param) if it does not compile."""
+        key = (spec.kind, spec.source)
+        fut = self._cache.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, self.compile_sync, spec)
+            self._cache[key] = fut
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        try:
+            # Shielded: a client leaving must not cancel a compilation other requests wait on.
+            return await asyncio.shield(fut)
+        except GrammarError as e:
+            if self._cache.get(key) is fut:
+                del self._cache[key]  # failures are not cached
+            raise GrammarError(str(e), param=spec.param) from None
+
+    def compile_sync(self, spec: GrammarSpec):
+        compiler = self._get_compiler()
+        try:
+            if spec.kind == "json_schema":
+                # Compact JSON (no free whitespace): a small model cannot stall in an endless run of
+                # newlines, and the output is what json.dumps would print.
+                return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.source)
+            if spec.kind == "ebnf":
+                return compiler.compile_grammar(spec.source)
+            return compiler.compile_structural_tag(spec.source)
+        except Exception as e:  # xgrammar reports malformed input as RuntimeError/ValueError/pydantic errors
+            raise GrammarError(f"{spec.param} does not compile: {_clean_error(e)}", param=spec.param) from None
+
+    def constraint(self, compiled) -> GrammarConstraint:
+        """A fresh per-request constraint (one per choice: each has its own grammar state)."""
+        return GrammarConstraint(compiled, self._stop_row)
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # we cache, by spec
+                self._stop_row = GrammarConstraint.stop_row(self.vocab_size, self.stop_token_ids)
+                log.info("structured output: vocabulary indexed (%d tokens, %s)", self.vocab_size,
+                         info.vocab_type.name)
+            return self._compiler
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary, built from tokenizer.json alone (no transformers tokenizer).
+
+    Ids past the tokenizer's vocabulary (a model's padded vocab) and special tokens get the empty
+    string, which xgrammar never allows; the stop tokens are allowed where the grammar can end.
+    """
+    import xgrammar as xgr
+
+    backend = tokenizer.backend
+    encoded: list[str] = [""] * vocab_size
+    for token, idx in backend.get_vocab(with_added_tokens=True).items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    for idx, added in backend.get_added_tokens_decoder().items():
+        if added.special and idx < vocab_size:
+            encoded[idx] = ""  # <|im_start|> and the like: never grammar text
+    # NOTE: the byte-level / byte-fallback detection is xgrammar's own, from the serialized
+    # tokenizer (what TokenizerInfo.from_huggingface uses), so both agree on how tokens decode.
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _clean_error(e: Exception) -> str:
+    """xgrammar's C++ messages start with a timestamp and a source location; keep the message."""
+    text = str(e).strip()
+    text = _LOG_PREFIX.sub("", text.splitlines()[0] if text else type(e).__name__)
+    return text or type(e).__name__
