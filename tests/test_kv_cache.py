@@ -79,3 +79,32 @@ def test_no_prefix_caching_means_no_hits():
 def test_hash_chains_parent():
     assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0]), [1, 2])
     assert hash_block(5, (1, 2)) == hash_block(5, [1, 2])
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    src = req("src", list(range(10)))  # blocks: [0-3] [4-7] [8-9 + room]
+    assert kv.allocate(src, 10)
+    src.num_computed_tokens = 10
+    child = req("child", list(range(10)))
+    copies = kv.fork(child, src, 9)  # share 9 tokens: 2 full blocks + 1 partial
+    src_ids, child_ids = kv.block_ids("src"), kv.block_ids("child")
+    assert child_ids[:2] == src_ids[:2] and child_ids[2] != src_ids[2]
+    assert copies == [(src_ids[2], child_ids[2])]
+    assert [b.ref_cnt for b in kv.req_blocks["src"]] == [2, 2, 1]
+    # A block-aligned fork copies nothing; the child gets a fresh block for its next token.
+    aligned = req("aligned", list(range(10)))
+    assert kv.fork(aligned, src, 8) == [] and len(kv.block_ids("aligned")) == 3
+    kv.free(src)
+    kv.free(child)
+    kv.free(aligned)
+    assert kv.num_free_blocks() == 8
+
+
+def test_fork_without_room_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    src = req("src", list(range(10)))
+    assert kv.allocate(src, 10)
+    child = req("child", list(range(10)))
+    assert kv.fork(child, src, 9) is None
+    assert kv.block_ids("child") == [] and [b.ref_cnt for b in kv.req_blocks["src"]] == [1, 1, 1]

@@ -36,3 +36,23 @@ def test_rejected_prompt_leaves_engine_clean(llm):
 def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=8, temperature=0))
     assert out.text and out.prompt_token_ids[0] == llm.tokenizer.token_to_id("<|im_start|>")
+
+
+def test_n_siblings_fork_the_prompt_instead_of_prefilling_it(model_dir):
+    # No prefix cache and a small step budget: without forking every sibling would prefill the whole
+    # prompt in chunks; forked, each computes one token of it and shares (or copies) the rest.
+    llm = LLM(str(model_dir), max_model_len=256, enable_prefix_caching=False, max_num_batched_tokens=16,
+              kv_cache_memory=16 << 20)
+    prompt = "Write one sentence about the sea and the wind and the old lighthouse keeper who"
+    (single,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))
+    outs = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, n=3))
+    assert [o.token_ids for o in outs] == [single.token_ids] * 3
+    n_prompt = len(single.prompt_token_ids)
+    assert n_prompt % llm.engine.cfg.block_size != 1  # the fork has a partial block to copy
+    assert [o.num_cached_tokens for o in outs] == [0, n_prompt - 1, n_prompt - 1]
+    kv = llm.engine.kv
+    assert kv.num_free_blocks() == kv.num_blocks and not kv.req_blocks  # nothing leaked
+    seeded = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3))
+    again = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3))
+    assert [o.token_ids for o in seeded] == [o.token_ids for o in again]
+    assert len({tuple(o.token_ids) for o in seeded}) > 1

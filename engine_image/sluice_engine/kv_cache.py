@@ -213,6 +213,27 @@ class KVCacheManager:
                 self.pool.cache_block(block, h)
         return True
 
+    def fork(self, child: Request, source: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` the KV of `source`'s first `num_tokens` tokens (the same prompt) plus room for
+        one more token: full blocks are shared (reference-counted), the partial last block is copied
+        into a fresh block (copy-on-write at fork time: the source keeps appending to its own).
+        Returns the (src, dst) block copies for the runner, or None (changing nothing) if the pool
+        cannot supply the fresh blocks."""
+        bs = self.block_size
+        src_blocks = self.req_blocks[source.request_id]
+        num_full = num_tokens // bs
+        need = self.blocks_needed(num_tokens + 1) - num_full
+        if need > self.pool.num_free_blocks:
+            return None
+        shared = src_blocks[:num_full]
+        self.pool.touch(shared)
+        fresh = self.pool.allocate(need)
+        copies = [(src_blocks[num_full].block_id, fresh[0].block_id)] if num_tokens % bs else []
+        self.req_blocks[child.request_id] = shared + fresh
+        if source.request_id in self.req_hashes:  # same tokens, same chained hashes
+            self.req_hashes[child.request_id] = self.req_hashes[source.request_id][:num_full]
+        return copies
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self.req_hashes.pop(request.request_id, None)

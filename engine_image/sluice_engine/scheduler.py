@@ -21,6 +21,9 @@ class SchedulerOutput:
     # Requests in batch order with the number of tokens each computes this step.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # KV blocks to copy (src block id, dst block id) before the forward: a forked request's own copy
+    # of its source's partial last prompt block (copy-on-write at fork time).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -101,26 +104,58 @@ class Scheduler:
             break  # req itself was preempted; everything after it already was
 
         # Admit waiting requests only if nobody was preempted this step (they would thrash).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[idx]
+            fork = self._fork_state(req)
+            if fork == "wait":
+                idx += 1  # its source is still computing the shared prompt; later requests may pass
+                continue
+            if fork == "now":
+                copies = self.kv.fork(req, req.fork_source, req.num_prompt_tokens - 1)
+                if copies is None:
+                    break
+                del self.waiting[idx]
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = req.num_computed_tokens
+                out.block_copies.extend(copies)
+                self._admit(req, 1, now, out)
+                budget -= 1
+                continue
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate(req, num_new, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[idx]
             if req.num_cached_tokens < 0:  # first admission: report prefix-cache use once
                 req.num_cached_tokens = num_cached
                 self.kv.prefix_queries += req.num_prompt_tokens
                 self.kv.prefix_hits += num_cached
             req.num_computed_tokens += num_cached
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            self.running.append(req)
-            out.scheduled.append((req, num_new))
+            self._admit(req, num_new, now, out)
             budget -= num_new
         return out
+
+    def _fork_state(self, req: Request) -> str:
+        """'now': share the source's prompt KV; 'wait': the source will have it soon; 'no': prefill."""
+        src = req.fork_source
+        if src is None or req.num_computed_tokens != 0:
+            return "no"
+        if src.is_finished:
+            req.fork_source = None
+            return "no"
+        if src.status is RequestStatus.RUNNING and src.num_computed_tokens >= req.num_prompt_tokens - 1:
+            return "now"
+        return "wait"
+
+    def _admit(self, req: Request, num_new: int, now: float, out: SchedulerOutput) -> None:
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
+        out.scheduled.append((req, num_new))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
