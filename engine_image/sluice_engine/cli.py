@@ -42,8 +42,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     obs.add_argument("--gpu-hour-usd", type=float, default=None,
                      help="price of one GPU-hour, exported so Prometheus can compute cost per token")
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-method", default=None, choices=["ngram"],
-                      help="propose draft tokens and verify them in one forward (default: off)")
+    spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                      help="propose draft tokens and verify them in one forward (default: off; --draft-model "
+                           "alone means draft)")
+    spec.add_argument("--draft-model", default=None, metavar="PATH",
+                      help="a smaller model with the target's tokenizer (HF directory or GGUF) that drafts greedily")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step (k)")
     spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by prompt lookup")
     spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by prompt lookup")
@@ -87,6 +90,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.cli import run  # aiohttp, tqdm and the tokenizer are imported only when a bench runs
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="LLM inference endpoints on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                                              "external scaler")
     add_gateway_args(gateway)
     gateway.set_defaults(func=cmd_gateway)
+    from .bench.cli import add_bench_args  # argparse only
+
+    bench = sub.add_parser("bench", help="load an OpenAI-compatible server (or several, --compare) with a seeded "
+                                         "workload; report throughput, TTFT/TPOT/ITL percentiles and goodput")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -46,6 +46,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_disable_batch_size: int = 8
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,4 +76,4 @@ class EngineConfig:
         from .spec_decode import SpeculativeConfig
 
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min,
-                                 self.ngram_max, self.speculative_disable_batch_size)
+                                 self.ngram_max, self.speculative_disable_batch_size, self.draft_model)

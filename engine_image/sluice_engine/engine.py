@@ -23,7 +23,7 @@ from .request import FinishReason, LogitsProcessor, Request
 from .sampler import TokenLogprobs
 from .sampling_params import InvalidParam, SamplingParams
 from .scheduler import Scheduler
-from .spec_decode import build_proposer
+from .spec_decode import DraftQuery, build_proposer
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("sluice.engine")
@@ -97,8 +97,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self.metrics = EngineMetrics.from_config(cfg, self.runner.device)
         self.spec_config = cfg.speculative_config()
-        self.proposer = build_proposer(self.spec_config)
+        self.proposer = build_proposer(self.spec_config, self.runner, self.tokenizer, capacity)
         self._out: dict[str, _OutputState] = {}
+        self._prompt_leaders: dict[tuple[int, ...], Request] = {}
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
                  self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
 
@@ -136,6 +137,14 @@ class LLMEngine:
                       logits_processors=list(logits_processors or []))
         if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
             req.arrival_time = arrival_time
+        # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
+        # first of them has computed it) instead of each prefilling it.
+        key = tuple(req.prompt_token_ids)
+        leader = self._prompt_leaders.get(key)
+        if leader is not None and not leader.is_finished and params.prompt_logprobs is None:
+            req.fork_source = leader
+        else:
+            self._prompt_leaders[key] = req
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device)
             req.generator.manual_seed(params.seed)
@@ -150,7 +159,16 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req, FinishReason.ABORT)
             self.stats.finished[FinishReason.ABORT.value] += 1
+            self._on_finished(req)
         self._out.pop(request_id, None)
+
+    def _on_finished(self, req: Request) -> None:
+        """The request is finished: drop what the engine keeps for it besides its output."""
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
+        key = tuple(req.prompt_token_ids)
+        if self._prompt_leaders.get(key) is req:
+            del self._prompt_leaders[key]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -180,17 +198,28 @@ class LLMEngine:
         running = self.scheduler.running
         if len(running) > self.spec_config.disable_batch_size:
             return  # a large batch already uses the compute that speculation would fill
+        queries: list[DraftQuery] = []
+        asking: list[Request] = []
         for req in running:
             p = req.params
-            # Penalties and logits processors depend on the tokens before each position; drafts would
-            # need them applied position by position, which the verifier does not do (yet).
+            # Penalties and plain logits processors depend on the tokens before each position; drafts
+            # would need them applied position by position, which the verifier does not do (yet).
+            # Token constraints (grammars) do: the verifier masks each row by the state after the
+            # drafts before it.
             if (not p.speculative or req.num_computed_tokens != req.num_tokens - 1
                     or req.logits_processors or p.needs_penalties):
                 continue
             # Room for the drafts plus the one token every step produces anyway.
             room = min(p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if room > 0:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids, room)
+                queries.append(DraftQuery(req.request_id, req.all_token_ids, room))
+                asking.append(req)
+        if not queries:
+            return
+        for req, drafts in zip(asking, self.proposer.propose_batch(queries), strict=True):
+            for c in req.constraints:  # a draft the grammar forbids would surely be rejected
+                del drafts[c.valid_prefix(drafts):]
+            req.spec_token_ids = drafts
 
     def _process(self, res: StepResult) -> RequestOutput | None:
         req = res.request
@@ -216,6 +245,8 @@ class LLMEngine:
         new_token_ids: list[int] = []
         for token, lp in zip(res.token_ids, res.logprobs, strict=True):
             req.append_output_token(token)
+            for c in req.constraints:
+                c.accept(token)
             new_token_ids.append(token)
             self.stats.generation_tokens += 1
             if lp is not None:
@@ -240,6 +271,7 @@ class LLMEngine:
 
         if finish is not None:
             self.scheduler.finish(req, finish)
+            self._on_finished(req)
             req.stop_reason = stop_reason
             self.stats.finished[finish.value] += 1
             new_text = state.text[state.emitted :]

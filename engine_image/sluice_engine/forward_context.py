@@ -24,6 +24,28 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
 
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int],
+              block_size: int, device: torch.device) -> AttentionMetadata:
+        """Metadata of a ragged batch: per sequence, its new tokens' count, its context length after
+        the step and its block table; per new token, its cache slot."""
+        max_blocks = max(len(t) for t in tables)
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        return cls(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32,
+                                      device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            block_size=block_size,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -57,6 +57,30 @@ class StepResult:
     num_rejected: int = 0
 
 
+def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, dtype: torch.dtype,
+               max_positions: int) -> LlamaForCausalLM:
+    """The model of an HF directory, built directly in `dtype` on `device` (no fp32 copy of the
+    weights ever exists), in eval mode."""
+    t0 = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(mc, backend, max_positions=max_positions)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    tensors = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f), device=str(device)))
+    if not tensors:
+        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    model.load_hf_weights(tensors)
+    del tensors
+    log.info("loaded %s (%s, %d layers, %.1fM params) on %s in %.1fs", model_dir, mc.architecture, mc.num_layers,
+             sum(p.numel() for p in model.parameters()) / 1e6, device, time.perf_counter() - t0)
+    return model.eval()
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_dir: Path):
         self.cfg = cfg
@@ -67,26 +91,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len(cfg, mc)
         self.backend = select_backend(cfg.attention_backend, self.device)
 
-        t0 = time.perf_counter()
-        # Build directly in the serving dtype on the device: no fp32 copy of the weights ever exists.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = LlamaForCausalLM(mc, self.backend, max_positions=self.max_model_len)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        tensors = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            tensors.update(load_file(str(f), device=str(self.device)))
-        if not tensors:
-            raise ValueError(f"no *.safetensors weights in {model_dir}")
-        model.load_hf_weights(tensors)
-        del tensors
-        self.model = model.eval()
-        log.info("loaded %s (%s, %.1fM params) on %s in %.1fs", model_dir, mc.architecture,
-                 sum(p.numel() for p in self.model.parameters()) / 1e6, self.device, time.perf_counter() - t0)
-
+        self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len)
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
@@ -165,22 +170,14 @@ class ModelRunner:
                 logits_rows.append(base + n - 1)
 
         dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        q_lens = [n for _, n in sched.scheduled]
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table_tensor,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
+        meta = AttentionMetadata.build([n for _, n in sched.scheduled], seq_lens, tables, slots, bs, dev)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        if sched.block_copies:
+            src = torch.tensor([a for a, _ in sched.block_copies], dtype=torch.long, device=dev)
+            dst = torch.tensor([b for _, b in sched.block_copies], dtype=torch.long, device=dev)
+            for cache in self.kv_caches:  # [2, num_blocks, ...]: K and V of each block in one copy
+                cache.index_copy_(1, dst, cache.index_select(1, src))
         with forward_context(ForwardContext(meta, self.kv_caches)):
             hidden = self.model(ids_t, pos_t)
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])

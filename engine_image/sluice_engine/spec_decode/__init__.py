@@ -2,6 +2,7 @@
 when to ask them. Verification (one target forward over all drafts, then rejection sampling) lives in
 the model runner and the sampler, so the output distribution is the target model's."""
 
+from .draft_model import DraftQuery
 from .proposer import DraftProposer, SpeculativeConfig, build_proposer
 
-__all__ = ["DraftProposer", "SpeculativeConfig", "build_proposer"]
+__all__ = ["DraftProposer", "DraftQuery", "SpeculativeConfig", "build_proposer"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from .draft_model import DraftQuery
+
 
 def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the sequence's last n
@@ -37,3 +39,9 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         return ngram_propose(token_ids, min(self.k, max_tokens), self.n_min, self.n_max)
+
+    def propose_batch(self, queries: list[DraftQuery]) -> list[list[int]]:
+        return [self.propose(q.token_ids, q.max_tokens) for q in queries]
+
+    def release(self, request_id: str) -> None:
+        pass  # stateless

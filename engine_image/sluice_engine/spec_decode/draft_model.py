@@ -1,0 +1,145 @@
+"""Draft-model speculation: a smaller model of the same tokenizer proposes the next k tokens greedily,
+batched over every request that speculates this step, in k short forwards over its own paged KV cache.
+
+The draft keeps a shadow of each request: the tokens whose KV its cache holds. Each round it first
+catches up on what the target accepted since the last round (the whole prompt the first time; the
+bonus token, plus the last draft when every draft was accepted, afterwards), which yields the first
+draft; each further forward feeds one draft and yields the next. Rejected drafts roll back by counter,
+as in the target: the shadow keeps the prefix that still matches the request and later rounds
+overwrite the rest.
+
+Greedy drafts are a deterministic function of the context, so the verifier treats them exactly like
+n-gram drafts (a one-hot proposal distribution) and the output distribution stays the target's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..forward_context import AttentionMetadata, ForwardContext, forward_context
+from ..kv_cache import KVCacheManager
+from ..models.model_config import ModelConfig
+from ..request import Request
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger("sluice.engine")
+
+
+@dataclass(slots=True)
+class DraftQuery:
+    request_id: str
+    token_ids: list[int]  # the request's known tokens; the last one is not in the target's cache yet
+    max_tokens: int  # at most this many drafts
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model_dir: Path, k: int, *, backend, device: torch.device, dtype: torch.dtype,
+                 block_size: int, num_tokens: int, max_positions: int, target_vocab_size: int):
+        from ..model_runner import load_model  # the runner imports this package: import lazily
+
+        self.k = k
+        self.device = device
+        self.block_size = block_size
+        mc = ModelConfig.from_dir(model_dir)
+        if mc.vocab_size > target_vocab_size:
+            raise ValueError(f"--draft-model {model_dir}: its vocabulary ({mc.vocab_size}) is larger than the "
+                             f"target's ({target_vocab_size}); draft and target must share a tokenizer")
+        self.model = load_model(model_dir, mc, backend, device, dtype, max_positions)
+        # As many tokens as the target's cache holds, so the draft never runs out first; a draft's KV
+        # per token is a fraction of the target's.
+        num_blocks = -(-num_tokens // block_size)
+        shape = (2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(mc.num_layers)]
+        # No prefix caching: shadows hold drafts that were never verified, which must not be shared.
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self._shadows: dict[str, Request] = {}
+        log.info("draft model: %d layers, KV cache %d blocks (%.1f MiB)", mc.num_layers, num_blocks,
+                 sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
+
+    # -- the proposer interface ----------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_batch(self, queries: list[DraftQuery]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in queries]
+        # Forward 0: catch up and draft one token.
+        feeds: list[tuple[int, Request, int]] = []  # (query index, shadow, tokens fed)
+        for i, q in enumerate(queries):
+            if q.max_tokens < 1:
+                continue
+            shadow = self._sync(q)
+            fed = shadow.num_tokens - shadow.num_computed_tokens
+            # Room for everything this round feeds: the catch-up and all drafts but the last.
+            if not self.kv.allocate(shadow, fed + min(self.k, q.max_tokens) - 1):
+                self.release(q.request_id)  # the draft cache is full: this request goes without
+                continue
+            feeds.append((i, shadow, fed))
+        while feeds:
+            next_ids = self._forward(feeds)
+            still: list[tuple[int, Request, int]] = []
+            for (i, shadow, fed), token in zip(feeds, next_ids, strict=True):
+                shadow.num_computed_tokens += fed
+                drafts[i].append(token)
+                if len(drafts[i]) < min(self.k, queries[i].max_tokens):
+                    shadow.all_token_ids.append(token)
+                    still.append((i, shadow, 1))
+            feeds = still
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        shadow = self._shadows.pop(request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _sync(self, q: DraftQuery) -> Request:
+        """The request's shadow, rolled back to the longest prefix its cache shares with the request."""
+        shadow = self._shadows.get(q.request_id)
+        if shadow is None:
+            shadow = Request(q.request_id, [], SamplingParams(max_tokens=1))
+            self._shadows[q.request_id] = shadow
+        held = shadow.all_token_ids[: shadow.num_computed_tokens]
+        valid = 0
+        # Tokens never change once known, so only the tail (drafts of the last round) can differ;
+        # a shadow longer than the request means the request was replaced under the same id.
+        if len(held) <= len(q.token_ids):
+            valid = len(held)
+            for j in range(max(0, len(held) - self.k - 1), len(held)):
+                if held[j] != q.token_ids[j]:
+                    valid = j
+                    break
+        shadow.all_token_ids = list(q.token_ids)
+        # At least the last token is fed: its logits give the first draft.
+        shadow.num_computed_tokens = min(valid, len(q.token_ids) - 1)
+        return shadow
+
+    def _forward(self, feeds: list[tuple[int, Request, int]]) -> list[int]:
+        """One draft forward over `fed` new tokens of each shadow; the greedy next token of each."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        last_rows: list[int] = []
+        for _, shadow, fed in feeds:
+            start = shadow.num_computed_tokens
+            end = start + fed
+            table = self.kv.block_ids(shadow.request_id)
+            ids.extend(shadow.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            tables.append(table)
+            last_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata.build([fed for _, _, fed in feeds], seq_lens, tables, slots, bs, dev)
+        with forward_context(ForwardContext(meta, self.kv_caches)):
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(positions, dtype=torch.long, device=dev))
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])
+        return logits.argmax(dim=-1).tolist()

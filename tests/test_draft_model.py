@@ -1,0 +1,110 @@
+"""Draft-model speculative decoding on the real model: lossless (greedy identical with drafts mostly
+rejected and mostly accepted), the draft cache is returned, bad flags are refused, and the server's
+flags and metrics work through the real `openai` client."""
+
+import json
+import shutil
+
+import openai
+import pytest
+from distribution import chi_square_pvalue
+
+from sluice_engine.config import EngineConfig
+from sluice_engine.llm import LLM
+from sluice_engine.sampling_params import SamplingParams
+from sluice_engine.spec_decode.layer_draft import write_layer_draft
+
+PROMPTS = [
+    "Repeat exactly: The quick brown fox jumps over the lazy dog near the quiet river bank.",
+    "Write a short poem about the sea.",
+    "What is 2+2? Explain your answer.",
+    "List three primary colors, one per line.",
+    "Copy this code:\ndef add(a, b):\n    return a + b",
+    "Summarise: Kubernetes schedules pods onto nodes; the kubelet starts their containers.",
+    "Translate to French: good morning, my friend.",
+    "Name the planets of the solar system in order.",
+]
+
+
+@pytest.fixture(scope="module")
+def layer_draft(model_dir, tmp_path_factory):
+    """The first 8 of SmolLM2's 30 layers: a weak draft, so most drafts are rejected."""
+    return write_layer_draft(model_dir, tmp_path_factory.mktemp("draft") / "smollm2-8l", 8)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(str(model_dir), kv_cache_memory=64 << 20)
+    encoded = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    want = [c.token_ids for c in llm.generate(encoded, SamplingParams(max_tokens=24, temperature=0))]
+    return encoded, want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["layers-8", "same-model"])
+def test_greedy_output_is_identical_with_a_draft_model(model_dir, layer_draft, reference, draft):
+    encoded, want = reference
+    draft_dir = layer_draft if draft == "layers-8" else model_dir
+    llm = LLM(str(model_dir), kv_cache_memory=64 << 20, draft_model=str(draft_dir), num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    assert [c.token_ids for c in llm.generate(encoded, params)] == want  # concurrent: one draft batch
+    assert [llm.generate([e], params)[0].token_ids for e in encoded[:3]] == want[:3]  # batch 1
+    st = llm.engine.stats
+    assert st.spec_draft_tokens > 0
+    rate = st.spec_accepted_tokens / st.spec_draft_tokens
+    if draft == "same-model":
+        assert rate > 0.9, f"a draft identical to the target should almost always be accepted, got {rate:.2f}"
+    else:
+        assert rate < 0.5, f"an 8-layer draft should be rejected mostly (exercising rollback), got {rate:.2f}"
+    # Every finished request gave its draft blocks back.
+    proposer = llm.engine.proposer
+    assert proposer.kv.num_free_blocks() == proposer.kv.num_blocks
+    assert not proposer._shadows
+
+
+@pytest.mark.slow
+def test_sampled_output_distribution_matches_with_a_draft_model(model_dir):
+    """Many short sampled draws with and without a draft: a chi-square test over the tokens verified
+    against drafts cannot tell the two distributions apart."""
+    base = dict(kv_cache_memory=32 << 20)
+    off = LLM(str(model_dir), **base)
+    on = LLM(str(model_dir), draft_model=str(model_dir), num_speculative_tokens=2, **base)
+    prompt = off.tokenizer.encode_chat([{"role": "user", "content": "Pick a random fruit and name it."}])
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=8)
+    samples = {name: [tuple(c.token_ids[1:3]) for _ in range(12)
+                      for c in llm.generate([prompt] * 8, params) if len(c.token_ids) == 3]
+               for name, llm in (("off", off), ("on", on))}
+    assert on.engine.stats.spec_accepted_tokens > 0
+    for pos in (0, 1):
+        pvalue = chi_square_pvalue([s[pos] for s in samples["off"]], [s[pos] for s in samples["on"]])
+        assert pvalue is None or pvalue > 1e-3, f"position {pos + 1}: distributions differ (p={pvalue:.2g})"
+
+
+def test_draft_flags_are_validated(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="only with --speculative-method draft"):
+        EngineConfig(speculative_method="ngram", draft_model=str(model_dir))
+    assert EngineConfig(draft_model=str(model_dir)).speculative_config().method == "draft"
+    # A draft whose tokenizer differs from the target's is refused at start-up.
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(model_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[1000:1002]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        LLM(str(model_dir), kv_cache_memory=16 << 20, draft_model=str(other))
+
+
+@pytest.mark.slow
+def test_server_with_a_draft_model(start_server, model_dir):
+    server = start_server("--draft-model", str(model_dir), "--num-speculative-tokens", "3", "--kv-cache-memory", "64M")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
+    out = client.completions.create(model=server.model, prompt="one two three four five six", max_tokens=12,
+                                    temperature=0)
+    assert out.usage.completion_tokens == 12
+    m = server.metrics()
+    assert m["sluice_spec_decode_num_draft_tokens_total"] > 0
+    assert m["sluice_spec_decode_num_accepted_tokens_total"] > 0
