@@ -12,7 +12,9 @@ Each routing mode gets two fresh engines (cold prefix caches), one torch thread 
 cores), and a KV cache (--kv-cache-memory) with room for about 6 of the 8 prefixes: with round-robin both
 engines see every prefix and evict reuse; with prefix routing each engine keeps its share (4 of 8, plus
 what bounded-load spill-over brings). Modes: `prefix` (CHWBL, load factor 1.25, the default), `prefix@2`
-(load factor 2: less spill-over), `round-robin`. Reported: the prefix-cache hit rate summed over both engines (sluice_prefix_cache_hits /
+(load factor 2: less spill-over), `round-robin`. `--load-generator sluice-bench` drives the gateway with
+`sluice bench --workload shared-prefix` instead (same shape: 8 prefixes of ~500 tokens, 48 requests,
+4 in flight, 8 output tokens), so the figures come from the project's load generator. Reported: the prefix-cache hit rate summed over both engines (sluice_prefix_cache_hits /
 sluice_prefix_cache_queries from their /metrics: prompt tokens served from cache / looked up), TTFT at
 the client, and the wall time.
 """
@@ -24,6 +26,8 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,8 +70,24 @@ def cache_counters(url: str) -> tuple[float, float]:
     return m.get("sluice_prefix_cache_queries_total", 0.0), m.get("sluice_prefix_cache_hits_total", 0.0)
 
 
+def sluice_bench(url: str, log_dir: Path, routing: str, groups: int, per_group: int, concurrency: int) -> list[dict]:
+    """The shared-prefix workload from `sluice bench`; its per-request records."""
+    out = log_dir / f"bench-{routing}.json"
+    cmd = [sys.executable, "-m", "sluice_engine.cli", "bench", "--base-url", url, "--workload", "shared-prefix",
+           "--endpoint-type", "chat", "--prefix-len", "500", "--num-prefixes", str(groups), "--suffix-len", "24",
+           "--output-len", str(MAX_TOKENS), "--num-requests", str(groups * per_group),
+           "--max-concurrency", str(concurrency), "--seed", str(SEED), "--num-warmups", "0", "--no-progress",
+           "--json", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    doc = json.loads(out.read_text())
+    runs = doc["runs"] if isinstance(doc, dict) and "runs" in doc else doc
+    return [{"ttft": r["ttft_s"], "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"]}
+            for r in runs[0]["requests"] if r["success"]]
+
+
 async def run_mode(routing: str, model_dir: str, log_dir: Path, reqs: list[list[dict]], concurrency: int,
-                   verbose: bool = False) -> dict:
+                   verbose: bool = False, generator: str = "builtin", groups: int = GROUPS,
+                   per_group: int = PER_GROUP) -> dict:
     engines = [start_engine(model_dir, log_dir, f"{routing}-{i}", ["--kv-cache-memory", KV_CACHE], threads=1)
                for i in range(2)]
     gw = None
@@ -84,6 +104,9 @@ async def run_mode(routing: str, model_dir: str, log_dir: Path, reqs: list[list[
         results: list[dict] = [{}] * len(reqs)
         load0 = load_average()
         t0 = time.perf_counter()
+        if generator == "sluice-bench":
+            results = await asyncio.to_thread(sluice_bench, gw.url, log_dir, routing, groups, per_group, concurrency)
+            queue = []
         async with httpx.AsyncClient(timeout=600) as client:
             async def worker() -> None:
                 while queue:
@@ -102,7 +125,7 @@ async def run_mode(routing: str, model_dir: str, log_dir: Path, reqs: list[list[
             gw.stop()
         for e in engines:
             e.stop()
-    if verbose:
+    if verbose and generator == "builtin":
         for i, r in enumerate(results):
             print(f"  #{i:2d} start {r['start']:6.1f}s {r['group']:28s} -> {r['backend'][-5:]} "
                   f"cached {r['cached_tokens']:4d}/{r['prompt_tokens']} TTFT {r['ttft']:.2f}s")
@@ -112,7 +135,7 @@ async def run_mode(routing: str, model_dir: str, log_dir: Path, reqs: list[list[
             "ttft_mean": statistics.mean(ttfts), "ttft_median": statistics.median(ttfts), "ttft_p99": pct(ttfts, 99),
             "wall": wall, "requests": len(reqs), "per_engine": served,
             "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in results),
-            "load_avg": f"{load0} -> {load_average()}"}
+            "load_avg": f"{load0} -> {load_average()}", "generator": generator}
 
 
 async def main() -> None:
@@ -123,6 +146,8 @@ async def main() -> None:
     ap.add_argument("--model", default=None, help="model dir (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--verbose", action="store_true", help="print every request: backend, cached tokens, TTFT")
+    ap.add_argument("--load-generator", choices=["builtin", "sluice-bench"], default="builtin",
+                    help="the built-in chat workers, or `sluice bench --workload shared-prefix`")
     ap.add_argument("--routing", nargs="+", default=["prefix", "prefix@2", "round-robin"],
                     help="modes to run; prefix@C: prefix routing with --load-factor C (default 1.25)")
     args = ap.parse_args()
@@ -135,7 +160,8 @@ async def main() -> None:
           flush=True)
     rows = []
     for routing in args.routing:
-        r = await run_mode(routing, model_dir, log_dir, reqs, args.concurrency, args.verbose)
+        r = await run_mode(routing, model_dir, log_dir, reqs, args.concurrency, args.verbose, args.load_generator,
+                           args.groups, args.per_group)
         print(json.dumps(r), flush=True)
         rows.append(r)
     print(f"\n{len(reqs)} requests ({args.groups} system prompts x {args.per_group}, prompt ~"
