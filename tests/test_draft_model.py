@@ -8,22 +8,12 @@ import shutil
 import openai
 import pytest
 from distribution import chi_square_pvalue
+from spec_prompts import PROMPTS
 
 from sluice_engine.config import EngineConfig
 from sluice_engine.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.spec_decode.layer_draft import write_layer_draft
-
-PROMPTS = [
-    "Repeat exactly: The quick brown fox jumps over the lazy dog near the quiet river bank.",
-    "Write a short poem about the sea.",
-    "What is 2+2? Explain your answer.",
-    "List three primary colors, one per line.",
-    "Copy this code:\ndef add(a, b):\n    return a + b",
-    "Summarise: Kubernetes schedules pods onto nodes; the kubelet starts their containers.",
-    "Translate to French: good morning, my friend.",
-    "Name the planets of the solar system in order.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +26,7 @@ def layer_draft(model_dir, tmp_path_factory):
 def reference(model_dir):
     llm = LLM(str(model_dir), kv_cache_memory=64 << 20)
     encoded = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    want = [c.token_ids for c in llm.generate(encoded, SamplingParams(max_tokens=24, temperature=0))]
+    want = [c.token_ids for c in llm.generate(encoded, SamplingParams(max_tokens=16, temperature=0))]
     return encoded, want
 
 
@@ -46,9 +36,11 @@ def test_greedy_output_is_identical_with_a_draft_model(model_dir, layer_draft, r
     encoded, want = reference
     draft_dir = layer_draft if draft == "layers-8" else model_dir
     llm = LLM(str(model_dir), kv_cache_memory=64 << 20, draft_model=str(draft_dir), num_speculative_tokens=4)
-    params = SamplingParams(max_tokens=24, temperature=0)
-    assert [c.token_ids for c in llm.generate(encoded, params)] == want  # concurrent: one draft batch
-    assert [llm.generate([e], params)[0].token_ids for e in encoded[:3]] == want[:3]  # batch 1
+    params = SamplingParams(max_tokens=16, temperature=0)
+    assert len(encoded) >= 32
+    # Concurrent, in groups of 8 (the default --speculative-disable-batch-size): drafts batched.
+    assert [c.token_ids for i in range(0, 32, 8) for c in llm.generate(encoded[i : i + 8], params)] == want
+    assert [llm.generate([e], params)[0].token_ids for e in encoded[::4]] == want[::4]  # batch 1
     st = llm.engine.stats
     assert st.spec_draft_tokens > 0
     rate = st.spec_accepted_tokens / st.spec_draft_tokens

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 from distribution import chi_square_pvalue
+from spec_prompts import PROMPTS
 
 from sluice_engine.config import EngineConfig
 from sluice_engine.llm import LLM
@@ -113,20 +114,6 @@ def test_verification_with_a_seeded_request_is_reproducible():
 
 
 # -- end to end on the real model -----------------------------------------------------------------
-PASSAGES = [
-    "The quick brown fox jumps over the lazy dog near the quiet river bank.",
-    "Kubernetes schedules pods onto nodes; the kubelet starts their containers.",
-    "Paged attention stores keys and values in fixed-size blocks of sixteen tokens.",
-    "Prometheus scrapes metrics over HTTP and evaluates recording rules every minute.",
-    "A binary search halves the interval until the target value is found or not.",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    "The treaty was signed in 1648 and ended thirty years of war in central Europe.",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
-]
-PROMPTS = [f"{verb} the following text{suffix}:\n{p}" for p in PASSAGES
-           for verb, suffix in (("Repeat", " exactly"), ("Copy", ""), ("Summarise", " briefly"), ("Translate", " to French"))]
-
-
 @pytest.fixture(scope="module")
 def engines(model_dir):
     base = dict(kv_cache_memory=64 << 20, seed=0)

@@ -36,7 +36,10 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "attention-backend": ("auto", "torch", "triton"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
-    "speculative-method": ("ngram",),
+    "speculative-method": ("ngram", "draft"),
+    # A path inside the pod (e.g. a directory next to the model on its volume) or what --model accepts:
+    # the operator does not fetch drafts yet.
+    "draft-model": str,
     "num-speculative-tokens": int,
     "ngram-min": int,
     "ngram-max": int,
