@@ -71,3 +71,19 @@ def test_short_query_path_matches_dense_attention(q_lens, seq_lens, monkeypatch)
     v_new = torch.cat([v[-n:] for v, n in zip(v_full, q_lens, strict=True)])
     looped = backend.attend(torch.cat(q_rows), k_new, v_new, cache, meta, 0.25)
     torch.testing.assert_close(looped, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [
+    ([1, 20, 1, 3], [30, 20, 7, 12]),  # a whole prompt beside decodes and a verification
+    ([1, 16, 1], [5, 40, 64]),  # a prompt chunk after a cached prefix, between decodes
+    ([12, 1], [12, 9]),  # one short query: the loop alone
+])
+def test_mixed_step_batches_its_short_queries(q_lens, seq_lens):
+    """A step with a prompt chunk (longer than SHORT_QUERY_LEN) beside short queries: the short ones go
+    in one padded call and the long ones loop; both match dense attention."""
+    q, cache, meta, k_full, v_full = _case(q_lens, seq_lens, seed=1)
+    # The loop path reads this step's own K/V for a prompt without a cached prefix.
+    k_new = torch.cat([k[-n:] for k, n in zip(k_full, q_lens, strict=True)])
+    v_new = torch.cat([v[-n:] for v, n in zip(v_full, q_lens, strict=True)])
+    got = TorchPagedAttention().attend(q, k_new, v_new, cache, meta, 0.25)
+    torch.testing.assert_close(got, _dense(q, meta, k_full, v_full, 0.25), atol=1e-5, rtol=1e-5)
