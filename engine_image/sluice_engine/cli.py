@@ -63,10 +63,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api.server import build_app
+    from .async_engine import AsyncEngine
     from .engine import LLMEngine
 
-    engine = LLMEngine(engine_config_from_args(args))
-    app = build_app(engine)
+    cfg = engine_config_from_args(args)
+    async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
+    engine = async_engine.engine
+    app = build_app(async_engine)
     logging.getLogger("sluice").info("serving %r on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
