@@ -65,10 +65,37 @@ class StaticBatcher:
 
         from ..tokenizer import Tokenizer
 
-        torch.set_num_threads(threads)
         self.torch = torch
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.threads = threads
+        self.waiting: queue.Queue[Job] = queue.Queue()
+        self.batches = 0
+        # The model loads in the thread that runs generate(): on CPU, torch's OpenMP workers serve the
+        # thread that first ran parallel work, and a model stepped from another thread ran ~45% slower
+        # per step here (the same holds for `sluice serve`, see AsyncEngine.build).
+        loaded = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                torch.set_num_threads(threads)
+                self._load(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval())
+            except BaseException as e:
+                failure.append(e)
+                return
+            finally:
+                loaded.set()
+            self._loop()
+
+        threading.Thread(target=main, name="hf-static-batcher", daemon=True).start()
+        loaded.wait()
+        if failure:
+            raise failure[0]
+
+    def _load(self, model) -> None:
+        self.model = model
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         pad = self.model.generation_config.pad_token_id
         if pad is None:
@@ -80,12 +107,6 @@ class StaticBatcher:
         self.gen_config = copy.deepcopy(self.model.generation_config)
         self.gen_config.eos_token_id = []
         self.gen_config.pad_token_id = self.pad_id
-        self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_s
-        self.threads = threads
-        self.waiting: queue.Queue[Job] = queue.Queue()
-        self.batches = 0
-        threading.Thread(target=self._loop, name="hf-static-batcher", daemon=True).start()
 
     def submit(self, job: Job) -> None:
         if len(job.prompt_ids) + job.max_tokens > self.max_len:
