@@ -66,6 +66,7 @@ def test_short_query_path_matches_dense_attention(q_lens, seq_lens, monkeypatch)
     got = backend.attend(q, None, None, cache, meta, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(torch_paged, "SHORT_QUERY_LEN", 0)  # the per-sequence loop
+    meta.per_step.clear()  # the plan is made once per step: this is a new one
     q_rows = [q[s : s + n] for s, n in zip(meta.query_start_loc[:-1].tolist(), q_lens, strict=True)]
     k_new = torch.cat([k[-n:] for k, n in zip(k_full, q_lens, strict=True)])
     v_new = torch.cat([v[-n:] for v, n in zip(v_full, q_lens, strict=True)])
@@ -87,3 +88,32 @@ def test_mixed_step_batches_its_short_queries(q_lens, seq_lens):
     v_new = torch.cat([v[-n:] for v, n in zip(v_full, q_lens, strict=True)])
     got = TorchPagedAttention().attend(q, k_new, v_new, cache, meta, 0.25)
     torch.testing.assert_close(got, _dense(q, meta, k_full, v_full, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group_cost", [0, 64, 10**9])
+def test_decode_groups_by_context_length_match_dense_attention(group_cost, monkeypatch):
+    """Decodes of very different lengths: grouped by length (many groups at cost 0, one at a huge
+    cost), with a verification and a prompt chunk in the same step, all match dense attention."""
+    monkeypatch.setattr(torch_paged, "GROUP_COST_ROWS", group_cost)
+    q_lens = [1, 1, 3, 1, 12, 1, 1]
+    seq_lens = [200, 5, 70, 9, 40, 130, 17]
+    q, cache, meta, k_full, v_full = _case(q_lens, seq_lens, seed=2)
+    k_new = torch.cat([k[-n:] for k, n in zip(k_full, q_lens, strict=True)])
+    v_new = torch.cat([v[-n:] for v, n in zip(v_full, q_lens, strict=True)])
+    got = TorchPagedAttention().attend(q, k_new, v_new, cache, meta, 0.25)
+    torch.testing.assert_close(got, _dense(q, meta, k_full, v_full, 0.25), atol=1e-5, rtol=1e-5)
+    _, groups, long = meta.per_step["torch_paged"]
+    assert long == [4]
+    if group_cost == 10**9:
+        assert len(groups) == 1
+    else:
+        assert len(groups) > 1
+
+
+def test_length_groups_trade_padding_for_calls():
+    lens = [16, 16, 16, 16, 400, 400]
+    # Four short and two long sequences: padding the short ones to 400 costs 4 x 384 rows.
+    assert torch_paged._length_groups(list(range(6)), lens, 16) == [[0, 1, 2, 3], [4, 5]]
+    assert 4 * 384 > torch_paged.GROUP_COST_ROWS  # the split above pays for its extra call
+    assert torch_paged._length_groups([0, 1, 2], [100, 110, 120], 16) == [[0, 1, 2]]
+    assert torch_paged._length_groups([], [], 16) == []

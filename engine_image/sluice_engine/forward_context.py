@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # What a backend derives once per step from the fields above and reuses in every layer.
+    per_step: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int],
