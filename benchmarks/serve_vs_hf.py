@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sluice_engine.bench.corpus import CORPUS  # the paragraphs prompts are cut from
+from sluice_engine.bench.machine import CpuMeter  # other processes' CPU share during a run
 
 # -- workload ------------------------------------------------------------------------------------
 SEED = 0
@@ -99,38 +100,6 @@ class RunResult:
 
 def lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
     return min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma))))
-
-
-class CpuMeter:
-    """How busy the rest of the machine was during a run: whole-machine busy CPU time (/proc/stat) minus
-    this process's and the server's. Other engineers' jobs on a 2-core box skew results badly (OpenMP
-    threads that lose their core stall each other), so every run reports it. None where /proc is missing."""
-
-    def __init__(self, pids: list[int]):
-        self.pids = pids
-        self.ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def _sample(self) -> tuple[float, float, float] | None:
-        try:
-            vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-            busy = vals[0] + vals[1] + vals[2] + vals[5] + vals[6]  # user nice system irq softirq
-            ours = 0
-            for pid in self.pids:
-                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                ours += int(f[11]) + int(f[12])  # utime stime (all threads)
-        except (OSError, ValueError, IndexError):
-            return None
-        return busy / self.ticks, ours / self.ticks, time.monotonic()
-
-    def start(self) -> None:
-        self._t0 = self._sample()
-
-    def other_pct(self) -> float | None:
-        t1 = self._sample()
-        if self._t0 is None or t1 is None or t1[2] <= self._t0[2]:
-            return None
-        other = (t1[0] - self._t0[0]) - (t1[1] - self._t0[1])
-        return max(0.0, 100 * other / ((t1[2] - self._t0[2]) * (os.cpu_count() or 1)))
 
 
 def make_workload(encode, seed: int, concurrency: int, n: int, max_output: int, repeat: int = 0) -> list[BenchRequest]:
