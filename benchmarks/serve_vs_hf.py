@@ -33,7 +33,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import shlex
 import socket
@@ -46,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sluice_engine.bench.corpus import CORPUS  # the paragraphs prompts are cut from
-from sluice_engine.bench.machine import CpuMeter  # other processes' CPU share during a run
+from sluice_engine.bench.machine import CpuMeter, cpu_name  # other processes' CPU share; the CPU model
 
 # -- workload ------------------------------------------------------------------------------------
 SEED = 0
@@ -465,16 +464,6 @@ def print_table(runs: list[RunResult]) -> None:
               f"| {s['output_tok_s']:.1f} | {_ms(s['ttft_mean_s'])} | {_ms(s['ttft_median_s'])} "
               f"| {_ms(s['ttft_p99_s'])} | {_ms(s['tpot_median_s'])} "
               f"| {'-' if run.other_cpu_pct is None else f'{run.other_cpu_pct:.0f}%'} |")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

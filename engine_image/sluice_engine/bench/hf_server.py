@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ class StaticBatcher:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from ..owner_thread import start_owner_thread
         from ..tokenizer import Tokenizer
 
         self.torch = torch
@@ -72,27 +72,13 @@ class StaticBatcher:
         self.threads = threads
         self.waiting: queue.Queue[Job] = queue.Queue()
         self.batches = 0
-        # The model loads in the thread that runs generate(): on CPU, torch's OpenMP workers serve the
-        # thread that first ran parallel work, and a model stepped from another thread ran ~45% slower
-        # per step here (the same holds for `sluice serve`, see AsyncEngine.build).
-        loaded = threading.Event()
-        failure: list[BaseException] = []
+        # The model loads in the thread that runs generate(), as `sluice serve`'s does (see owner_thread.py),
+        # so the peer is not slowed by stepping from another thread.
+        def build() -> None:
+            torch.set_num_threads(threads)
+            self._load(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval())
 
-        def main() -> None:
-            try:
-                torch.set_num_threads(threads)
-                self._load(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval())
-            except BaseException as e:
-                failure.append(e)
-                return
-            finally:
-                loaded.set()
-            self._loop()
-
-        threading.Thread(target=main, name="hf-static-batcher", daemon=True).start()
-        loaded.wait()
-        if failure:
-            raise failure[0]
+        start_owner_thread(build, self._loop, "hf-static-batcher")
 
     def _load(self, model) -> None:
         self.model = model
