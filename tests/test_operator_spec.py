@@ -207,7 +207,7 @@ def test_engine_args_values_and_rendering():
     check_arg("kv-cache-memory", "4GiB")
     check_arg("attention-backend", "torch")
     for flag, value, why in [("max-num-seqs", "many", "takes an integer"),
-                             ("attention-backend", "flash", "one of auto, torch, triton"),
+                             ("attention-backend", "flash", "one of auto, cpu, torch, triton"),
                              ("no-prefix-caching", "yes", 'a switch: "true" or "false"'),
                              ("seed", 1.5, "quote it")]:
         with pytest.raises(ValueError, match=why):

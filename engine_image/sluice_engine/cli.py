@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="waiting requests beyond this are refused with 503 and Retry-After")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     obs = p.add_argument_group("metrics (docs/metrics.md)")
     obs.add_argument("--endpoint-label", default=os.environ.get("SLUICE_ENDPOINT") or None, metavar="NAME",

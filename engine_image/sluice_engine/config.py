@@ -38,7 +38,7 @@ class EngineConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     gpu_hour_usd: float | None = None
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
     seed: int = 0
     # Speculative decoding (None: off). See spec_decode/proposer.py.
     speculative_method: str | None = None
@@ -59,8 +59,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:

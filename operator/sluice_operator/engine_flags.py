@@ -33,7 +33,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "max-num-batched-tokens": int,
     "no-prefix-caching": bool,
     "max-queue-len": int,
-    "attention-backend": ("auto", "torch", "triton"),
+    "attention-backend": ("auto", "cpu", "torch", "triton"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
     "speculative-method": ("ngram", "draft"),

@@ -25,9 +25,22 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: the Triton kernels on CUDA when triton imports, the torch reference elsewhere."""
+    """auto: the Triton kernels on CUDA when triton imports; on CPU the C++ kernel when it builds
+    (a C++ compiler is there), else the torch reference."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if _triton_available() else "torch"
+        else:
+            name = "cpu" if _cpu_kernel() is not None else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU, not {device.type}")
+        lib = _cpu_kernel()
+        if lib is None:
+            raise ValueError("--attention-backend cpu: the C++ kernel could not be built (see the log)")
+        from .cpu_paged import CpuPagedAttention
+
+        return CpuPagedAttention(lib)
     if name == "torch":
         from .torch_paged import TorchPagedAttention
 
@@ -39,6 +52,12 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError(f"--attention-backend triton needs the triton package ({e})") from e
         return TritonPagedAttention(device)
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _cpu_kernel():
+    from . import cpu_extension
+
+    return cpu_extension.load()
 
 
 def _triton_available() -> bool:

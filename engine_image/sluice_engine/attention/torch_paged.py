@@ -27,7 +27,6 @@ class TorchPagedAttention:
         kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
         plan = meta.per_step.get("torch_paged")
         if plan is None:  # once per step, shared by every layer
             plan = meta.per_step["torch_paged"] = _plan(meta, q.device)
@@ -39,23 +38,28 @@ class TorchPagedAttention:
         for rows, tables, lens, qls, max_len in groups:
             out[rows] = _short_queries(q[rows], kv_cache, tables, lens, qls, max_len, scale)
         for i in long:
-            q_len, seq_len = q_lens[i], seq_lens[i]
-            start, end = starts[i], starts[i + 1]
-            qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
-            if q_len == seq_len:
-                # No cached prefix: this step's K/V are the whole context; no gather needed.
-                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len)
-                # Query j sits at absolute position seq_len - q_len + j and sees keys up to there.
-                pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
-                oi = F.scaled_dot_product_attention(
-                    qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            out[start:end] = oi.transpose(0, 1)
+            out[starts[i] : starts[i + 1]] = long_query(q, k, v, kv_cache, meta, i, starts[i], starts[i + 1], scale)
         return out
+
+
+def long_query(q, k, v, kv_cache, meta: AttentionMetadata, i: int, start: int, end: int,
+               scale: float) -> torch.Tensor:
+    """Attention of sequence i's query rows start:end (a prompt chunk) over its context, [q_len, Hq, D]."""
+    q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+    qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
+    if q_len == seq_len:
+        # No cached prefix: this step's K/V are the whole context; no gather needed.
+        ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        ki, vi = _gather(kv_cache, meta.block_tables[i], seq_len)
+        # Query j sits at absolute position seq_len - q_len + j and sees keys up to there.
+        pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
+        oi = F.scaled_dot_product_attention(
+            qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    return oi.transpose(0, 1)
 
 
 def _plan(meta: AttentionMetadata, device: torch.device):

@@ -1,0 +1,124 @@
+"""The C++ CPU attention kernel (attention/cpu_paged.py) against dense causal attention, the torch
+reference path, and an engine run; plus its build cache and the fallback without a compiler."""
+
+import pytest
+import torch
+from test_torch_attention import _case, _dense
+
+from sluice_engine.attention import cpu_extension
+from sluice_engine.attention.backend import select_backend
+from sluice_engine.attention.cpu_paged import CpuPagedAttention
+from sluice_engine.attention.torch_paged import TorchPagedAttention
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    lib = cpu_extension.load()
+    if lib is None:
+        pytest.fail("the CPU attention kernel did not build (is g++ installed?); see the log")
+    return CpuPagedAttention(lib)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,hq,hkv,d,bs", [
+    ([1, 1, 1], [1, 17, 40], 6, 2, 64, 4),  # decode, GQA
+    ([5, 1, 3], [9, 33, 5], 6, 2, 64, 4),  # verification rows beside a decode (causal within a sequence)
+    ([8, 2], [8, 64], 4, 4, 32, 16),  # MHA; a whole short prompt
+    ([1, 2], [300, 70], 8, 1, 128, 16),  # MQA, head dim 128, a long context
+    ([1, 20, 1, 3], [30, 20, 7, 12], 6, 2, 64, 4),  # a prompt (the torch loop) beside short queries
+    ([1, 16, 1], [5, 40, 64], 6, 2, 96, 8),  # a prompt chunk after a cached prefix
+])
+def test_kernel_matches_dense_attention(kernel, q_lens, seq_lens, hq, hkv, d, bs):
+    q, cache, meta, k_full, v_full = _case(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, bs=bs)
+    k_new = torch.cat([k[-n:] for k, n in zip(k_full, q_lens, strict=True)])
+    v_new = torch.cat([v[-n:] for v, n in zip(v_full, q_lens, strict=True)])
+    got = kernel.attend(q, k_new, v_new, cache, meta, d**-0.5)
+    torch.testing.assert_close(got, _dense(q, meta, k_full, v_full, d**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_strided_queries_and_bf16(kernel):
+    """Queries as the model makes them (a view into the fused QKV output, rows strided), and a bf16
+    cache: the kernel computes in fp32 and rounds once, so it stays within bf16 rounding of the
+    reference."""
+    q, cache, meta, _, _ = _case([1, 1, 4], [50, 9, 31], hq=6, hkv=2, d=64, bs=4, seed=3)
+    qkv = torch.randn(q.shape[0], 6 * 64 + 2 * 2 * 64)
+    qkv[:, : 6 * 64] = q.flatten(1)
+    strided = qkv[:, : 6 * 64].view(-1, 6, 64)
+    assert not strided.is_contiguous()
+    want = TorchPagedAttention().attend(q, None, None, cache, meta, 0.125)
+    meta.per_step.clear()
+    torch.testing.assert_close(kernel.attend(strided, None, None, cache, meta, 0.125), want, atol=1e-5, rtol=1e-5)
+    meta.per_step.clear()
+    got = kernel.attend(q.bfloat16(), None, None, cache.bfloat16(), meta, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_unsupported_head_dim_falls_back_to_torch(kernel):
+    q, cache, meta, k_full, v_full = _case([1, 1], [10, 20], hq=2, hkv=1, d=24, bs=4)
+    got = kernel.attend(q, None, None, cache, meta, 0.2)
+    torch.testing.assert_close(got, _dense(q, meta, k_full, v_full, 0.2), atol=1e-5, rtol=1e-5)
+    assert "torch_paged" in meta.per_step  # the reference path made this step's plan
+
+
+def test_auto_picks_the_kernel_on_cpu(kernel):
+    assert select_backend("auto", CPU).name == "cpu"
+    assert select_backend("torch", CPU).name == "torch"
+
+
+def test_kernel_builds_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_extension, "_loaded", {})
+    lib = cpu_extension.load()
+    assert lib is not None
+    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_extension, "_loaded", {})
+    assert cpu_extension.load() is not None
+    assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_no_compiler_means_the_torch_path(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_extension, "_loaded", {})
+    monkeypatch.setattr(cpu_extension, "_compiler", lambda: None)
+    assert cpu_extension.load() is None
+    assert "no C++ compiler" in caplog.text
+    assert select_backend("auto", CPU).name == "torch"
+    with pytest.raises(ValueError, match="could not be built"):
+        select_backend("cpu", CPU)
+
+
+def test_broken_build_is_reported_not_raised(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_extension, "_loaded", {})
+    monkeypatch.setattr(cpu_extension, "FLAGS", [*cpu_extension.FLAGS, "-DSLUICE_BROKEN", "-include", "/nonexistent.h"])
+    assert cpu_extension.load() is None
+    assert "kernel unavailable" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+@pytest.mark.slow
+def test_engine_tokens_and_logprobs_match_the_torch_path(model_dir, kernel):
+    """The real model through the whole engine -- chunked prefill, decode, n-gram verification rows --
+    with the kernel and with the torch reference: the same greedy tokens, logprobs within float noise."""
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "def fib(n):\n    if n < 2:\n        return n\n    return",
+               "One two three four five six seven eight nine ten eleven twelve one two three four five",
+               "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(str(model_dir), max_model_len=512, max_num_batched_tokens=16, kv_cache_memory=32 << 20,
+                  attention_backend=backend,
+                  speculative_method="ngram", num_speculative_tokens=3)
+        assert llm.engine.runner.backend.name == backend
+        runs[backend] = llm.generate(prompts, params)
+    for a, b in zip(runs["cpu"], runs["torch"], strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(la[0] - lb[0]) < 1e-4
