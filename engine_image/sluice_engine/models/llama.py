@@ -14,7 +14,7 @@ from torch import nn
 from ..attention.backend import AttentionBackend
 from ..forward_context import get_forward_context
 from .model_config import ModelConfig
-from .rotary import RotaryEmbedding, apply_rotary
+from .rotary import RotaryEmbedding, rotate
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused op; the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -46,13 +48,16 @@ class Attention(nn.Module):
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Q and K heads sit side by side in the fused output: rotate them in one pass.
+            qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = rotate(q, cos_sin), rotate(k, cos_sin)
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_idx]
         self.backend.write_kv(cache, k, v, ctx.attn)
