@@ -61,6 +61,14 @@ inline const float* load_row(const T* src, float* buf) {
     }
 }
 
+// Ask for the next block's rows of this KV head while the current block is computed.
+template <typename T, int D>
+inline void prefetch_rows(const T* first, int rows, int64_t row_stride) {
+    constexpr int kLine = 64 / sizeof(T);  // elements per cache line
+    for (int o = 0; o < rows; ++o)
+        for (int d = 0; d < D; d += kLine) __builtin_prefetch(first + o * row_stride + d);
+}
+
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(uint16_t* dst, float x) {  // bf16, round to nearest even (no NaNs arise here)
     uint32_t bits;
@@ -100,6 +108,10 @@ void paged_attention(T* out, int64_t out_row_stride, const T* q, int64_t q_row_s
             for (int p0 = 0, blk = 0; p0 < seq_len; p0 += block_size, ++blk) {  // block by block
                 const T* kb = k_cache + static_cast<int64_t>(table[blk]) * block_size * slot_stride + kvh * D;
                 const int n = std::min(block_size, seq_len - p0);
+                if (p0 + block_size < seq_len) {  // blocks are scattered: the hardware cannot guess the next
+                    prefetch_rows<T, D>(k_cache + static_cast<int64_t>(table[blk + 1]) * block_size * slot_stride + kvh * D,
+                                        std::min(block_size, seq_len - p0 - block_size), slot_stride);
+                }
                 for (int o = 0; o < n; ++o) {
                     const int p = p0 + o;
                     const float* k = load_row<T, D>(kb + o * slot_stride, kv_row.data());
@@ -131,6 +143,10 @@ void paged_attention(T* out, int64_t out_row_stride, const T* q, int64_t q_row_s
             for (int p0 = 0, blk = 0; p0 < seq_len; p0 += block_size, ++blk) {
                 const T* vb = v_cache + static_cast<int64_t>(table[blk]) * block_size * slot_stride + kvh * D;
                 const int n = std::min(block_size, seq_len - p0);
+                if (p0 + block_size < seq_len) {
+                    prefetch_rows<T, D>(v_cache + static_cast<int64_t>(table[blk + 1]) * block_size * slot_stride + kvh * D,
+                                        std::min(block_size, seq_len - p0 - block_size), slot_stride);
+                }
                 for (int o = 0; o < n; ++o) {
                     const int p = p0 + o;
                     const float* v = load_row<T, D>(vb + o * slot_stride, kv_row.data());
