@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_torch_attention import _case, _dense
 
-from sluice_engine.attention import cpu_extension
+from sluice_engine import cpu_kernels
 from sluice_engine.attention.backend import select_backend
 from sluice_engine.attention.cpu_paged import CpuPagedAttention
 from sluice_engine.attention.torch_paged import TorchPagedAttention
@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def kernel():
-    lib = cpu_extension.load()
+    lib = cpu_kernels.load()
     if lib is None:
         pytest.fail("the CPU attention kernel did not build (is g++ installed?); see the log")
     return CpuPagedAttention(lib)
@@ -69,22 +69,22 @@ def test_auto_picks_the_kernel_on_cpu(kernel):
 
 def test_kernel_builds_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_extension, "_loaded", {})
-    lib = cpu_extension.load()
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    lib = cpu_kernels.load()
     assert lib is not None
-    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    built = list((tmp_path / "kernels").glob("sluice_cpu_kernels-*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu_extension, "_loaded", {})
-    assert cpu_extension.load() is not None
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert cpu_kernels.load() is not None
     assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
 def test_no_compiler_means_the_torch_path(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_extension, "_loaded", {})
-    monkeypatch.setattr(cpu_extension, "_compiler", lambda: None)
-    assert cpu_extension.load() is None
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    assert cpu_kernels.load() is None
     assert "no C++ compiler" in caplog.text
     assert select_backend("auto", CPU).name == "torch"
     with pytest.raises(ValueError, match="could not be built"):
@@ -93,10 +93,10 @@ def test_no_compiler_means_the_torch_path(tmp_path, monkeypatch, caplog):
 
 def test_broken_build_is_reported_not_raised(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_extension, "_loaded", {})
-    monkeypatch.setattr(cpu_extension, "FLAGS", [*cpu_extension.FLAGS, "-DSLUICE_BROKEN", "-include", "/nonexistent.h"])
-    assert cpu_extension.load() is None
-    assert "kernel unavailable" in caplog.text
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-DSLUICE_BROKEN", "-include", "/nonexistent.h"])
+    assert cpu_kernels.load() is None
+    assert "kernels unavailable" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))
 
 

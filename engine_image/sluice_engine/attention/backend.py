@@ -55,9 +55,9 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 def _cpu_kernel():
-    from . import cpu_extension
+    from .. import cpu_kernels
 
-    return cpu_extension.load()
+    return cpu_kernels.load()
 
 
 def _triton_available() -> bool:

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache on CPU with the C++ kernel (csrc/paged_attention_cpu.cpp) for
+"""Attention over the paged KV cache on CPU with the C++ kernel (cpu_kernels/paged_attention.cpp) for
 short queries -- decode and speculative verification, most of a busy server's attention time -- and
 the torch reference for prompt chunks, where SDPA's blocked matmuls are the better tool.
 

@@ -1,7 +1,10 @@
-"""Builds and loads the C++ CPU attention kernel (csrc/paged_attention_cpu.cpp) with the system's
-C++ compiler, once per machine: the shared object is cached under the sluice cache dir, keyed by the
-source, the flags, the compiler and the CPU (it is built for this CPU's vector units). No compiler, or a
-failed build, means `load()` returns None and the engine keeps the torch reference path."""
+"""The engine's C++ kernels for CPU (paged attention for short queries, fp32 GEMM for linear layers),
+built with the system's C++ compiler once per machine into one shared object and loaded with ctypes
+(which releases the GIL during a call). The library is cached under the sluice cache dir, keyed by the
+sources, the flags, the compiler and the CPU (it is built for this CPU's vector units). Plain C++ and
+OpenMP, no torch headers: a build takes a few seconds. It links the `libgomp` torch has already loaded,
+so torch's ops and these kernels share one OpenMP thread pool. No compiler, or a failed build, means
+`load()` returns None and the engine keeps its torch paths."""
 
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ from ..model_fetch import cache_root
 
 log = logging.getLogger("sluice.engine")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 2
+ABI_VERSION = 2  # of paged_attention.cpp's entry points
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -48,17 +51,18 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_model(), platform.machine()]).encode()
+        "\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), version, _cpu_model(),
+                   platform.machine()]).encode()
     ).hexdigest()[:16]
-    return cache_root() / "kernels" / f"paged_attention_cpu-{key}.so"
+    return cache_root() / "kernels" / f"sluice_cpu_kernels-{key}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the CPU attention kernel (once per machine) -> %s", target)
+    log.info("compiling the CPU kernels (once per machine) -> %s", target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True,
                               check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -66,14 +70,14 @@ def _build(compiler: str, target: Path) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None where it cannot be built (logged once)."""
+    """The kernels' library, built on first use; None where it cannot be built (logged once)."""
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]
         lib = None
         compiler = _compiler()
         if compiler is None:
-            log.warning("no C++ compiler (g++/c++/clang++, or $CXX): CPU attention uses the torch path")
+            log.warning("no C++ compiler (g++/c++/clang++, or $CXX): the CPU kernels are off, torch paths used")
         else:
             try:
                 path = library_path(compiler)
@@ -81,7 +85,7 @@ def load() -> ctypes.CDLL | None:
                     _build(compiler, path)
                 lib = _bind(ctypes.CDLL(str(path)))
             except (OSError, RuntimeError) as e:
-                log.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+                log.warning("CPU kernels unavailable, using the torch paths: %s", e)
                 lib = None
         _loaded["lib"] = lib
         return lib
@@ -96,4 +100,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = [p, i64, p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = None
     lib.sluice_paged_attention_supports_head_dim.argtypes = [i32]
+    lib.sluice_gemm_f32.argtypes = [p, i64, p, i32, i32, i32, p, i64, i32]
+    lib.sluice_gemm_f32.restype = None
     return lib

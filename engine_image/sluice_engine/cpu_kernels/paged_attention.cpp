@@ -4,7 +4,7 @@
 // over it: the K/V bytes cross memory three times. Here each (sequence, KV head) reads its keys and
 // values once, straight from the block-table slots, for all the query heads that share them (GQA) and
 // all its query rows (causal within the sequence). Plain C++ with OpenMP, no torch headers, so it
-// compiles in a second or two at first use; loaded with ctypes (attention/cpu_extension.py).
+// compiles in a second or two at first use; loaded with ctypes (cpu_kernels/__init__.py).
 //
 // Layouts (the engine's):
 //   q, out       [T, Hq, D] rows with row stride q_row_stride / out_row_stride (elements); heads and

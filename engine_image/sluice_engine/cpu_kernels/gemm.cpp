@@ -1,0 +1,86 @@
+// fp32 GEMM for linear layers on CPU: y[M, N] = x[M, K] . W^T, with W packed once at load into
+// panels of 32 output columns, [ceil(N / 32), K, 32] (zero-padded), so that a panel is one contiguous
+// stream. Why: MKL's sgemm (what F.linear calls) is tuned for big matrices; at the row counts a
+// serving engine decodes with (1-64 rows) it reached half of what this machine's memory and FMA units
+// allow, and a decode step is mostly these matmuls. Here each thread takes whole panels; a panel's
+// rows stream from memory once per chunk of MC rows of x (prefetched ahead: the weights are read
+// once, so nothing else would bring them in early), while 8 rows x 32 columns of y accumulate in 16
+// vector registers. Needs AVX-512F; elsewhere sluice_gemm_available() is 0 and the engine keeps
+// F.linear. Sums run in a different order from MKL's: results differ from F.linear by float rounding.
+
+#include <algorithm>
+#include <cstdint>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kPanel = 32;     // output columns per panel: two 16-float vectors
+constexpr int kMaxRows = 8;    // rows of x per register tile: 2 x 8 accumulators
+constexpr int kRowChunk = 128; // rows of x per pass over the weights (stays in L2 across panels)
+constexpr int kPrefetch = 32;  // panel rows (128 bytes each) to prefetch ahead
+
+template <int MR>
+inline void tile(const float* x, int64_t ldx, const float* panel, int K, float* y, int64_t ldy, int ncols) {
+    __m512 lo[MR], hi[MR];
+    for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; ++k) {
+        const float* w = panel + static_cast<int64_t>(k) * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel + 16), _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+            lo[m] = _mm512_fmadd_ps(xv, w0, lo[m]);
+            hi[m] = _mm512_fmadd_ps(xv, w1, hi[m]);
+        }
+    }
+    const __mmask16 mask_lo = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+    const __mmask16 mask_hi = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+    for (int m = 0; m < MR; ++m) {
+        _mm512_mask_storeu_ps(y + m * ldy, mask_lo, lo[m]);
+        _mm512_mask_storeu_ps(y + m * ldy + 16, mask_hi, hi[m]);
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int, float*, int64_t, int);
+constexpr TileFn kTiles[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+
+}  // namespace
+
+extern "C" {
+
+int sluice_gemm_available() { return 1; }
+
+void sluice_gemm_f32(const float* x, int64_t ldx, const float* packed, int M, int K, int N, float* y, int64_t ldy,
+                     int num_threads) {
+    const int panels = (N + kPanel - 1) / kPanel;
+    for (int m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int rows = std::min(kRowChunk, M - m0);
+        const float* xc = x + static_cast<int64_t>(m0) * ldx;
+        float* yc = y + static_cast<int64_t>(m0) * ldy;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int p = 0; p < panels; ++p) {
+            const float* panel = packed + static_cast<int64_t>(p) * K * kPanel;
+            const int n0 = p * kPanel, ncols = std::min(kPanel, N - n0);
+            for (int m = 0; m < rows; m += kMaxRows) {
+                const int mr = std::min(kMaxRows, rows - m);
+                kTiles[mr](xc + m * ldx, ldx, panel, K, yc + m * ldy + n0, ldy, ncols);
+            }
+        }
+    }
+}
+
+}  // extern "C"
+
+#else  // no AVX-512: the engine keeps F.linear
+
+extern "C" {
+int sluice_gemm_available() { return 0; }
+void sluice_gemm_f32(const float*, int64_t, const float*, int, int, int, float*, int64_t, int) {}
+}
+
+#endif
+
+extern "C" int sluice_gemm_panel_width() { return 32; }

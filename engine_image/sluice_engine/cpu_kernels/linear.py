@@ -1,0 +1,87 @@
+"""Linear layers on the C++ fp32 GEMM (gemm.cpp): weights packed once into 32-column panels.
+
+Used with the `cpu` attention backend (the engine's C++ CPU path) for fp32 models. A decode step is
+mostly these matmuls at a handful of rows, where F.linear (MKL) is far from this machine's limits; see
+gemm.cpp for why the packed layout and docs/BENCHMARKS.md for the figures."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import load
+
+log = logging.getLogger("sluice.engine")
+
+PANEL = 32  # output columns per packed panel (gemm.cpp's kPanel)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (nn.Linear layout) -> [ceil(N / 32), K, 32], zero-padded columns."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = weight.new_zeros(panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b), W held only in the packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # A parameter (frozen), so the model's parameter count and byte size stay what they are.
+        self.packed = nn.Parameter(pack_weight(weight.detach()), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._gemm = lib.sluice_gemm_f32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
+        if m:
+            self._gemm(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), m, self.in_features,
+                       self.out_features, y.data_ptr(), self.out_features, torch.get_num_threads())
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Every fp32 CPU nn.Linear of `model` replaced by a PackedLinear, and a tied output layer given
+    its own packed copy (`model.lm_head`); returns how many were packed (0 where the kernels are
+    unavailable or the CPU lacks AVX-512)."""
+    lib = load()
+    if lib is None or not lib.sluice_gemm_available():
+        log.info("linear layers: F.linear (the C++ GEMM needs AVX-512 and a C++ compiler)")
+        return 0
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if type(mod) is nn.Linear and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu"]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, PackedLinear(mod.weight, mod.bias, lib))
+    count = len(targets)
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", False) is None and embed is not None and embed.weight.dtype == torch.float32:
+        # Tied embeddings: the lookup keeps the embedding rows; the output layer gets a packed copy.
+        model.lm_head = PackedLinear(embed.weight, None, lib)
+        count += 1
+    log.info("linear layers: %d packed for the C++ GEMM", count)
+    return count
+
+
+def reference_linear(x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    """F.linear on the unpacked weight (tests)."""
+    n, k = layer.out_features, layer.in_features
+    weight = layer.packed.transpose(1, 2).reshape(-1, k)[:n]
+    return F.linear(x, weight, layer.bias)
