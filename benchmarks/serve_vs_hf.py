@@ -374,7 +374,13 @@ def profile_engine(model_dir: Path, reqs: list[BenchRequest], batch: int, steps:
         "phase: model.compute_logits": (runner.model, "compute_logits"),
         "phase: sampler": (runner, "sampler"),
         "phase: engine._process (detokenize, stops)": (eng, "_process"),
+        # The C++ CPU kernels are ctypes calls, invisible to the op table: label them too.
+        f"phase: attention ({runner.backend.name} backend, all layers)": (type(runner.backend), "attend"),
     }
+    from sluice_engine.cpu_kernels.linear import PackedLinear
+
+    if any(isinstance(m, PackedLinear) for m in runner.model.modules()):
+        phases["phase: C++ GEMM (PackedLinear: every linear layer and the output layer)"] = (PackedLinear, "forward")
 
     def labelled(label, fn):
         def call(*a, **k):
@@ -394,7 +400,11 @@ def profile_engine(model_dir: Path, reqs: list[BenchRequest], batch: int, steps:
     print(f"\n## Profile: one decode step at batch {n} (in-process engine, {threads} threads)\n")
     print(f"prefill of {n} prompts ({prompt_tokens} tokens): {prefill_steps} steps, {prefill_s:.2f}s "
           f"= {prompt_tokens / prefill_s:.0f} prompt tok/s")
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    # Bytes a decode step reads: every weight but the embedding table when the output layer has its own
+    # copy (untied, or packed for the C++ GEMM); a tied output layer reads the table itself.
+    model = runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if not (n.startswith("embed_tokens.") and model.lm_head is not None))
     print(f"decode step at batch {n}, unprofiled mean of {timed}: {step_ms:.1f} ms "
           f"= {n / step_ms * 1e3:.1f} tok/s ceiling for this batch; weights {weight_bytes / 1e6:.0f} MB "
           f"read once per step = {weight_bytes / step_ms / 1e6:.2f} GB/s{_contention(other)}")
