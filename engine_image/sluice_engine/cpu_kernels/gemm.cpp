@@ -22,26 +22,47 @@ constexpr int kMaxRows = 8;    // rows of x per register tile: 2 x 8 accumulator
 constexpr int64_t kChunkBytes = 512 << 10;  // rows of x per pass over the weights: this much of x, kept in L2
 constexpr int kPrefetch = 32;  // panel rows (128 bytes each) to prefetch ahead
 
+// Few rows leave too few independent FMA chains to cover the FMA latency: those tiles keep
+// kSplit partial sums over interleaved k and add them at the end.
 template <int MR>
 inline void tile(const float* x, int64_t ldx, const float* panel, int K, float* y, int64_t ldy, int ncols) {
-    __m512 lo[MR], hi[MR];
-    for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
-    for (int k = 0; k < K; ++k) {
+    constexpr int kSplit = MR <= 2 ? 4 : 1;
+    __m512 lo[kSplit][MR], hi[kSplit][MR];
+    for (int s = 0; s < kSplit; ++s)
+        for (int m = 0; m < MR; ++m) lo[s][m] = hi[s][m] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + kSplit <= K; k += kSplit) {
+        for (int s = 0; s < kSplit; ++s) {
+            const float* w = panel + static_cast<int64_t>(k + s) * kPanel;
+            _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel + 16), _MM_HINT_T0);
+            const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+            for (int m = 0; m < MR; ++m) {
+                const __m512 xv = _mm512_set1_ps(x[m * ldx + k + s]);
+                lo[s][m] = _mm512_fmadd_ps(xv, w0, lo[s][m]);
+                hi[s][m] = _mm512_fmadd_ps(xv, w1, hi[s][m]);
+            }
+        }
+    }
+    for (; k < K; ++k) {  // the last K % kSplit rows
         const float* w = panel + static_cast<int64_t>(k) * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel + 16), _MM_HINT_T0);
         const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
         for (int m = 0; m < MR; ++m) {
             const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
-            lo[m] = _mm512_fmadd_ps(xv, w0, lo[m]);
-            hi[m] = _mm512_fmadd_ps(xv, w1, hi[m]);
+            lo[0][m] = _mm512_fmadd_ps(xv, w0, lo[0][m]);
+            hi[0][m] = _mm512_fmadd_ps(xv, w1, hi[0][m]);
         }
     }
+    for (int s = 1; s < kSplit; ++s)
+        for (int m = 0; m < MR; ++m) {
+            lo[0][m] = _mm512_add_ps(lo[0][m], lo[s][m]);
+            hi[0][m] = _mm512_add_ps(hi[0][m], hi[s][m]);
+        }
     const __mmask16 mask_lo = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
     const __mmask16 mask_hi = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
     for (int m = 0; m < MR; ++m) {
-        _mm512_mask_storeu_ps(y + m * ldy, mask_lo, lo[m]);
-        _mm512_mask_storeu_ps(y + m * ldy + 16, mask_hi, hi[m]);
+        _mm512_mask_storeu_ps(y + m * ldy, mask_lo, lo[0][m]);
+        _mm512_mask_storeu_ps(y + m * ldy + 16, mask_hi, hi[0][m]);
     }
 }
 
