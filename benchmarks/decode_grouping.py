@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="off/on pairs")
     args = ap.parse_args()
     default_cost = torch_paged.GROUP_COST_ROWS
-    llm = LLM(None, kv_cache_memory=512 << 20)
+    llm = LLM(None, kv_cache_memory=512 << 20, attention_backend="torch")  # the grouping is the torch path's
     eng = llm.engine
     rng = random.Random(0)
     base = llm.tokenizer.encode("The history of the city goes back many centuries, and its people " * 40)
