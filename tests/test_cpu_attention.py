@@ -94,10 +94,21 @@ def test_no_compiler_means_the_torch_path(tmp_path, monkeypatch, caplog):
 def test_broken_build_is_reported_not_raised(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-DSLUICE_BROKEN", "-include", "/nonexistent.h"])
+    broken = ["-include", "/nonexistent.h"]
+    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, *broken])
+    monkeypatch.setattr(cpu_kernels, "PORTABLE_FLAGS", [*cpu_kernels.PORTABLE_FLAGS, *broken])
     assert cpu_kernels.load() is None
     assert "kernels unavailable" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_build_retries_without_march_native(tmp_path, monkeypatch, caplog):
+    """A compiler that rejects the native flags (an unknown CPU): the portable build still loads."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-march=no-such-cpu"])
+    assert cpu_kernels.load() is not None
+    assert "-march=no-such-cpu" in caplog.text  # the first attempt failed, and said so
 
 
 @pytest.mark.slow

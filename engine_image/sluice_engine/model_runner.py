@@ -76,12 +76,12 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
         raise ValueError(f"no *.safetensors weights in {model_dir}")
     model.load_hf_weights(tensors)
     del tensors
+    log.info("loaded %s (%s, %d layers, %.1fM params) on %s in %.1fs", model_dir, mc.architecture, mc.num_layers,
+             sum(p.numel() for p in model.parameters()) / 1e6, device, time.perf_counter() - t0)
     if backend.name == "cpu" and dtype == torch.float32:  # the C++ CPU path: linear layers too
         from .cpu_kernels.linear import pack_linears
 
         pack_linears(model)
-    log.info("loaded %s (%s, %d layers, %.1fM params) on %s in %.1fs", model_dir, mc.architecture, mc.num_layers,
-             sum(p.numel() for p in model.parameters()) / 1e6, device, time.perf_counter() - t0)
     return model.eval()
 
 

@@ -25,6 +25,8 @@ log = logging.getLogger("sluice.engine")
 
 SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Where the compiler does not know -march=native for this CPU: the same without it (slower, still right).
+PORTABLE_FLAGS = [f for f in FLAGS if f != "-march=native"]
 ABI_VERSION = 2  # of paged_attention.cpp's entry points
 
 _lock = threading.Lock()
@@ -62,9 +64,13 @@ def _build(compiler: str, target: Path) -> None:
     log.info("compiling the CPU kernels (once per machine) -> %s", target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True,
-                              check=False)
-        if proc.returncode != 0:
+        for flags in (FLAGS, PORTABLE_FLAGS):
+            proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True,
+                                  text=True, check=False)
+            if proc.returncode == 0:
+                break
+            log.warning("%s %s failed: %s", compiler, " ".join(flags), proc.stderr[-500:])
+        else:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: a concurrent builder finds either nothing or the whole file
 
