@@ -400,11 +400,12 @@ def profile_engine(model_dir: Path, reqs: list[BenchRequest], batch: int, steps:
     print(f"\n## Profile: one decode step at batch {n} (in-process engine, {threads} threads)\n")
     print(f"prefill of {n} prompts ({prompt_tokens} tokens): {prefill_steps} steps, {prefill_s:.2f}s "
           f"= {prompt_tokens / prefill_s:.0f} prompt tok/s")
-    # Bytes a decode step reads: every weight but the embedding table when the output layer has its own
-    # copy (untied, or packed for the C++ GEMM); a tied output layer reads the table itself.
+    # Bytes a decode step reads: every weight but an embedding table the output layer does not use
+    # (untied models); a tied output layer reads the table itself, and so does the C++ path's packed one.
     model = runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if not (n.startswith("embed_tokens.") and model.lm_head is not None))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if isinstance(model.embed_tokens, torch.nn.Embedding) and model.lm_head is not None:
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     print(f"decode step at batch {n}, unprofiled mean of {timed}: {step_ms:.1f} ms "
           f"= {n / step_ms * 1e3:.1f} tok/s ceiling for this batch; weights {weight_bytes / 1e6:.0f} MB "
           f"read once per step = {weight_bytes / step_ms / 1e6:.2f} GB/s{_contention(other)}")

@@ -1,13 +1,21 @@
 """The C++ fp32 GEMM behind the CPU path's linear layers (cpu_kernels/gemm.cpp, cpu_kernels/linear.py)
 against F.linear, and the model's linear layers packed for it."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sluice_engine import cpu_kernels
-from sluice_engine.cpu_kernels.linear import PackedLinear, pack_linears, pack_weight, reference_linear
+from sluice_engine.cpu_kernels.linear import (
+    PackedEmbedding,
+    PackedLinear,
+    pack_linears,
+    pack_weight,
+    reference_linear,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +55,25 @@ def test_bias_strided_rows_leading_dims_and_empty(lib):
 
 def test_pack_weight_layout():
     w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # 40 outputs: a panel and 8 columns
-    p = pack_weight(w)
+    p = pack_weight(w, 32)
     assert p.shape == (2, 3, 32)
     assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 7], w[39])
     assert p[1, :, 8:].abs().sum() == 0  # zero padding
+    assert pack_weight(w, 16).shape == (3, 3, 16)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+def test_avx2_build_matches_f_linear(tmp_path, monkeypatch):
+    """The vector-extension path that AVX2 (and AArch64) machines build, compiled here with AVX-512 off."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-mavx2", "-mfma", "-mno-avx512f"])
+    lib = cpu_kernels.load()
+    assert lib is not None and lib.sluice_gemm_available() and lib.sluice_gemm_panel_width() == 16
+    g = torch.Generator().manual_seed(1)
+    for m, k, n in [(1, 64, 96), (5, 576, 960), (6, 40, 7), (13, 33, 50), (300, 128, 1000)]:
+        w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+        torch.testing.assert_close(PackedLinear(w, b, lib)(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
 class _Tied(nn.Module):
@@ -65,8 +88,17 @@ class _Tied(nn.Module):
 def test_pack_linears_replaces_every_linear_and_unties_the_head(lib):
     model = _Tied()
     x = torch.randn(3, 16)
+    ids = torch.tensor([0, 7, 31, 32, 49])  # both sides of a panel edge, and the last row
+    table = model.embed_tokens.weight.detach().clone()
     want = model.inner(model.proj(x))
     assert pack_linears(model) == 3
     assert isinstance(model.proj, PackedLinear) and isinstance(model.inner[0], PackedLinear)
     torch.testing.assert_close(model.inner(model.proj(x)), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(model.lm_head(x), F.linear(x, model.embed_tokens.weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.lm_head(x), F.linear(x, table), atol=1e-5, rtol=1e-5)
+    # The table is held once: the embedding reads the output layer's packed weight.
+    assert isinstance(model.embed_tokens, PackedEmbedding)
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    assert model.embed_tokens.head is model.lm_head
+    params = list(model.parameters())  # a shared tensor is listed once
+    assert len(params) == 4  # packed table, proj's packed weight and bias, inner's packed weight
+    assert any(p is model.lm_head.packed for p in params)

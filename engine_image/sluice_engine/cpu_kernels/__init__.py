@@ -108,4 +108,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sluice_paged_attention_supports_head_dim.argtypes = [i32]
     lib.sluice_gemm_f32.argtypes = [p, i64, p, i32, i32, i32, p, i64, i32]
     lib.sluice_gemm_f32.restype = None
+    for name in ("sluice_gemm_available", "sluice_gemm_panel_width"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     return lib

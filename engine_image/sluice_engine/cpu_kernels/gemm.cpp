@@ -6,7 +6,9 @@
 // streams from memory once per chunk of x's rows (prefetched ahead: nothing else would bring the
 // weights in early), while 8 rows x 32 columns of y accumulate in 16 vector registers. At prefill's
 // thousands of rows it runs ~5-10% behind MKL (measured); decode is where the time goes.
-// Needs AVX-512F; elsewhere sluice_gemm_available() is 0 and the engine keeps F.linear. Sums run in a
+// AVX-512F intrinsics; AVX2 and AArch64 get the same algorithm in vector extensions with a smaller
+// tile (16-column panels: the panel width is the library's to say); elsewhere sluice_gemm_available()
+// is 0 and the engine keeps F.linear. Sums run in a
 // different order from MKL's: results differ from F.linear by float rounding.
 
 #include <algorithm>
@@ -71,9 +73,70 @@ constexpr TileFn kTiles[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, til
 
 }  // namespace
 
+#elif defined(__AVX2__) || defined(__aarch64__)
+// The same algorithm in GCC/Clang vector extensions for AVX2 (8-float ymm) and AArch64 (NEON, a
+// 32-byte vector is two q registers): 6 rows x 16 columns, 12 accumulators (of 16 ymm registers).
+#include <cstring>
+
+namespace {
+
+constexpr int kLanes = 8;
+constexpr int kPanel = 2 * kLanes;
+constexpr int kMaxRows = 6;
+constexpr int64_t kChunkBytes = 512 << 10;
+constexpr int kPrefetch = 64;  // panel rows (64 bytes each) to prefetch ahead
+
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+    vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+template <int MR>
+void tile(const float* x, int64_t ldx, const float* panel, int K, float* y, int64_t ldy, int ncols) {
+    vec lo[MR] = {}, hi[MR] = {};
+    for (int k = 0; k < K; ++k) {
+        const float* w = panel + static_cast<int64_t>(k) * kPanel;
+        __builtin_prefetch(w + kPrefetch * kPanel);
+        const vec w0 = load(w), w1 = load(w + kLanes);
+        for (int m = 0; m < MR; ++m) {
+            const float xs = x[m * ldx + k];
+            lo[m] += xs * w0;
+            hi[m] += xs * w1;
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        float row[kPanel];
+        std::memcpy(row, &lo[m], sizeof(vec));
+        std::memcpy(row + kLanes, &hi[m], sizeof(vec));
+        std::memcpy(y + m * ldy, row, static_cast<size_t>(ncols) * sizeof(float));
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int, float*, int64_t, int);
+constexpr TileFn kTiles[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+}  // namespace
+
+#define SLUICE_GEMM_PORTABLE 1
+
+#else  // neither: the engine keeps F.linear
+
+extern "C" {
+int sluice_gemm_available() { return 0; }
+int sluice_gemm_panel_width() { return 32; }
+void sluice_gemm_f32(const float*, int64_t, const float*, int, int, int, float*, int64_t, int) {}
+}
+
+#endif
+
+#if defined(__AVX512F__) || defined(SLUICE_GEMM_PORTABLE)
 extern "C" {
 
 int sluice_gemm_available() { return 1; }
+int sluice_gemm_panel_width() { return kPanel; }
 
 void sluice_gemm_f32(const float* x, int64_t ldx, const float* packed, int M, int K, int N, float* y, int64_t ldy,
                      int num_threads) {
@@ -96,14 +159,4 @@ void sluice_gemm_f32(const float* x, int64_t ldx, const float* packed, int M, in
 }
 
 }  // extern "C"
-
-#else  // no AVX-512: the engine keeps F.linear
-
-extern "C" {
-int sluice_gemm_available() { return 0; }
-void sluice_gemm_f32(const float*, int64_t, const float*, int, int, int, float*, int64_t, int) {}
-}
-
 #endif
-
-extern "C" int sluice_gemm_panel_width() { return 32; }

@@ -16,16 +16,14 @@ from . import load
 
 log = logging.getLogger("sluice.engine")
 
-PANEL = 32  # output columns per packed panel (gemm.cpp's kPanel)
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] (nn.Linear layout) -> [ceil(N / 32), K, 32], zero-padded columns."""
+def pack_weight(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """[N, K] (nn.Linear layout) -> [ceil(N / panel), K, panel], zero-padded columns. The panel width
+    is the library's (`sluice_gemm_panel_width`: 32 with AVX-512, 16 with AVX2 or NEON)."""
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = weight.new_zeros(panels * PANEL, k)
+    panels = -(-n // panel)
+    padded = weight.new_zeros(panels * panel, k)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
 
 class PackedLinear(nn.Module):
@@ -35,7 +33,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # A parameter (frozen), so the model's parameter count and byte size stay what they are.
-        self.packed = nn.Parameter(pack_weight(weight.detach()), requires_grad=False)
+        self.packed = nn.Parameter(pack_weight(weight.detach(), lib.sluice_gemm_panel_width()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._gemm = lib.sluice_gemm_f32
 
@@ -57,13 +55,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class PackedEmbedding(nn.Module):
+    """The input embedding of a model with tied embeddings, read from the output layer's packed
+    weight (row v lives in panel v // width, column v % width), so the table is held once."""
+
+    def __init__(self, head: PackedLinear):
+        super().__init__()
+        self.head = head
+        self.width = head.packed.shape[2]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.packed[ids // self.width, :, ids % self.width]
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Every fp32 CPU nn.Linear of `model` replaced by a PackedLinear, and a tied output layer given
-    its own packed copy (`model.lm_head`); returns how many were packed (0 where the kernels are
-    unavailable or the CPU lacks AVX-512)."""
+    """Every fp32 CPU nn.Linear of `model` replaced by a PackedLinear; with tied embeddings
+    (`model.lm_head is None`) the table moves into a packed output layer that the input embedding
+    reads too. Returns how many layers were packed (0 where the kernels are unavailable or the CPU
+    has none of AVX-512, AVX2, AArch64)."""
     lib = load()
     if lib is None or not lib.sluice_gemm_available():
-        log.info("linear layers: F.linear (the C++ GEMM needs AVX-512 and a C++ compiler)")
+        log.info("linear layers: F.linear (the C++ GEMM needs a C++ compiler and AVX-512, AVX2 or AArch64)")
         return 0
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu"]
@@ -72,9 +84,9 @@ def pack_linears(model: nn.Module) -> int:
         setattr(model.get_submodule(parent_name), child, PackedLinear(mod.weight, mod.bias, lib))
     count = len(targets)
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", False) is None and embed is not None and embed.weight.dtype == torch.float32:
-        # Tied embeddings: the lookup keeps the embedding rows; the output layer gets a packed copy.
+    if getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding and embed.weight.dtype == torch.float32:
         model.lm_head = PackedLinear(embed.weight, None, lib)
+        model.embed_tokens = PackedEmbedding(model.lm_head)
         count += 1
     log.info("linear layers: %d packed for the C++ GEMM", count)
     return count
@@ -83,5 +95,5 @@ def pack_linears(model: nn.Module) -> int:
 def reference_linear(x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
     """F.linear on the unpacked weight (tests)."""
     n, k = layer.out_features, layer.in_features
-    weight = layer.packed.transpose(1, 2).reshape(-1, k)[:n]
+    weight = layer.packed.transpose(1, 2).reshape(-1, k)[:n]  # [panels, panel, K] -> rows
     return F.linear(x, weight, layer.bias)
