@@ -212,8 +212,12 @@ def test_num_splits_fill_the_gpu_and_stay_long():
     assert choose_num_splits(1, 8, 200, num_sms=132) == 1  # too short to split
 
 
-def test_auto_is_torch_on_cpu():
-    assert select_backend("auto", torch.device("cpu")).name == "torch"
+def test_auto_is_never_triton_on_cpu():
+    """Off CUDA, auto picks the C++ CPU kernels when they build, else the torch reference."""
+    from sluice_engine import cpu_kernels
+
+    want = "cpu" if cpu_kernels.load() is not None else "torch"
+    assert select_backend("auto", torch.device("cpu")).name == want
 
 
 def test_triton_off_cuda_without_the_interpreter_names_the_flag(monkeypatch):
