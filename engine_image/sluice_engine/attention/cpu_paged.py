@@ -24,10 +24,6 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
 
-    @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype in _KERNELS
-
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if (q.dtype not in _KERNELS or kv_cache.dtype != q.dtype
                 or not self._lib.sluice_paged_attention_supports_head_dim(q.shape[2])):

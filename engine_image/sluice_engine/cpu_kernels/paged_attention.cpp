@@ -69,6 +69,22 @@ inline void prefetch_rows(const T* first, int rows, int64_t row_stride) {
         for (int d = 0; d < D; d += kLine) __builtin_prefetch(first + o * row_stride + d);
 }
 
+// body(p, row) for positions 0..seq_len-1 of one KV head, block by block through the block table,
+// the row as floats; the next block is prefetched while this one is used.
+template <typename T, int D, typename Body>
+inline void for_each_row(const T* cache, const int32_t* table, int seq_len, int block_size, int64_t slot_stride,
+                         int kv_head, float* buf, Body&& body) {
+    const int64_t block_stride = static_cast<int64_t>(block_size) * slot_stride;
+    for (int p0 = 0, blk = 0; p0 < seq_len; p0 += block_size, ++blk) {
+        const T* rows = cache + table[blk] * block_stride + kv_head * D;
+        if (p0 + block_size < seq_len)
+            prefetch_rows<T, D>(cache + table[blk + 1] * block_stride + kv_head * D,
+                                std::min(block_size, seq_len - p0 - block_size), slot_stride);
+        const int n = std::min(block_size, seq_len - p0);
+        for (int o = 0; o < n; ++o) body(p0 + o, load_row<T, D>(rows + o * slot_stride, buf));
+    }
+}
+
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(uint16_t* dst, float x) {  // bf16, round to nearest even (no NaNs arise here)
     uint32_t bits;
@@ -105,26 +121,17 @@ void paged_attention(T* out, int64_t out_row_stride, const T* q, int64_t q_row_s
             }
             // Keys: position p is visible to query j when p <= seq_len - q_len + j.
             const int first_limit = seq_len - q_len;  // last position query 0 sees
-            for (int p0 = 0, blk = 0; p0 < seq_len; p0 += block_size, ++blk) {  // block by block
-                const T* kb = k_cache + static_cast<int64_t>(table[blk]) * block_size * slot_stride + kvh * D;
-                const int n = std::min(block_size, seq_len - p0);
-                if (p0 + block_size < seq_len) {  // blocks are scattered: the hardware cannot guess the next
-                    prefetch_rows<T, D>(k_cache + static_cast<int64_t>(table[blk + 1]) * block_size * slot_stride + kvh * D,
-                                        std::min(block_size, seq_len - p0 - block_size), slot_stride);
-                }
-                for (int o = 0; o < n; ++o) {
-                    const int p = p0 + o;
-                    const float* k = load_row<T, D>(kb + o * slot_stride, kv_row.data());
-                    const int first_row = p <= first_limit ? 0 : (p - first_limit) * group;
-                    for (int r = first_row; r < rows; ++r) {
-                        const float* qr = &qf[r * D];
-                        float s = 0.0f;
+            for_each_row<T, D>(k_cache, table, seq_len, block_size, slot_stride, kvh, kv_row.data(),
+                               [&](int p, const float* k) {
+                const int first_row = p <= first_limit ? 0 : (p - first_limit) * group;
+                for (int r = first_row; r < rows; ++r) {
+                    const float* qr = &qf[r * D];
+                    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                        for (int d = 0; d < D; ++d) s += qr[d] * k[d];
-                        scores[static_cast<size_t>(r) * seq_len + p] = s;
-                    }
+                    for (int d = 0; d < D; ++d) s += qr[d] * k[d];
+                    scores[static_cast<size_t>(r) * seq_len + p] = s;
                 }
-            }
+            });
             inv_sum.resize(rows);
             for (int r = 0; r < rows; ++r) {
                 const int visible = first_limit + r / group + 1;
@@ -140,25 +147,16 @@ void paged_attention(T* out, int64_t out_row_stride, const T* q, int64_t q_row_s
                 }
                 inv_sum[r] = 1.0f / sum;
             }
-            for (int p0 = 0, blk = 0; p0 < seq_len; p0 += block_size, ++blk) {
-                const T* vb = v_cache + static_cast<int64_t>(table[blk]) * block_size * slot_stride + kvh * D;
-                const int n = std::min(block_size, seq_len - p0);
-                if (p0 + block_size < seq_len) {
-                    prefetch_rows<T, D>(v_cache + static_cast<int64_t>(table[blk + 1]) * block_size * slot_stride + kvh * D,
-                                        std::min(block_size, seq_len - p0 - block_size), slot_stride);
-                }
-                for (int o = 0; o < n; ++o) {
-                    const int p = p0 + o;
-                    const float* v = load_row<T, D>(vb + o * slot_stride, kv_row.data());
-                    const int first_row = p <= first_limit ? 0 : (p - first_limit) * group;
-                    for (int r = first_row; r < rows; ++r) {
-                        const float w = scores[static_cast<size_t>(r) * seq_len + p];
-                        float* ar = &acc[r * D];
+            for_each_row<T, D>(v_cache, table, seq_len, block_size, slot_stride, kvh, kv_row.data(),
+                               [&](int p, const float* v) {
+                const int first_row = p <= first_limit ? 0 : (p - first_limit) * group;
+                for (int r = first_row; r < rows; ++r) {
+                    const float w = scores[static_cast<size_t>(r) * seq_len + p];
+                    float* ar = &acc[r * D];
 #pragma omp simd
-                        for (int d = 0; d < D; ++d) ar[d] += w * v[d];
-                    }
+                    for (int d = 0; d < D; ++d) ar[d] += w * v[d];
                 }
-            }
+            });
             for (int r = 0; r < rows; ++r) {
                 T* dst = out + (q0 + r / group) * out_row_stride + (kvh * group + r % group) * D;
                 for (int d = 0; d < D; ++d) store(&dst[d], acc[r * D + d] * inv_sum[r]);
