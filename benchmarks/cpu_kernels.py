@@ -1,6 +1,8 @@
 """The engine's C++ CPU kernels against the torch paths they replace, on SmolLM2-135M's shapes.
 
     .venv/bin/python benchmarks/cpu_kernels.py            # ~1 min on 2 cores
+    MKL_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python benchmarks/cpu_kernels.py --extra-cflags=-mno-avx512f
+                                                          # an AVX2 machine, emulated on an AVX-512 one
 
 GEMM: the 30 decoder layers' four matmuls (qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576) and the output layer (576->49152) at M rows, F.linear (MKL) vs PackedLinear (gemm.cpp),
@@ -12,8 +14,10 @@ cpu backend's kernel, median of 60 calls. Both kernels' outputs are checked agai
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import tempfile
 import time
 from functools import partial
 
@@ -111,9 +115,23 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--extra-cflags", default="",
+                    help="build the kernels with these flags appended (into a temporary cache), e.g. "
+                         "'-mno-avx512f' for the AVX2 path; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the "
+                         "environment so that F.linear is held to the same instruction set")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.extra_cflags:
+        extra = args.extra_cflags.split()
+        os.environ["SLUICE_CACHE_DIR"] = tempfile.mkdtemp(prefix="sluice-kernels-")
+        cpu_kernels.FLAGS = [*cpu_kernels.FLAGS, *extra]
+        cpu_kernels.PORTABLE_FLAGS = [*cpu_kernels.PORTABLE_FLAGS, *extra]
+        print(f"kernels built with extra flags {extra}; MKL_ENABLE_INSTRUCTIONS="
+              f"{os.environ.get('MKL_ENABLE_INSTRUCTIONS', '(unset)')}")
     print(f"machine: {cpu_name()}, {args.threads} torch threads, torch {torch.__version__}\n")
+    lib = cpu_kernels.load()
+    if lib is not None:
+        print(f"GEMM panel width {lib.sluice_gemm_panel_width()} (32: AVX-512 path, 16: AVX2/AArch64 path)\n")
     gemm([int(r) for r in args.rows.split(",")], args.rounds)
     attention([int(b) for b in args.batches.split(",")], 60)
 
