@@ -74,15 +74,16 @@ class ServerProcess:
         self._log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_server(model_dir: Path, tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
-    """Factory: start_server(*flags) -> a ready `sluice serve` on a free port, stopped at session end."""
+    """Factory: start_server(*flags) -> a ready `sluice serve` on a free port, stopped when the test
+    module ends (each server holds ~1.5 GB: kept for the whole session they filled the CI box)."""
     started: list[ServerProcess] = []
 
     def start(*flags: str) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "serve.log"
-        # Servers live until the session ends: a 512 MiB KV cache each (11k tokens, more than the
-        # model's 8192-token window) instead of the 1 GiB default keeps a dozen of them in memory.
+        # A 512 MiB KV cache (11k tokens, more than the model's 8192-token window) instead of the
+        # 1 GiB default: a module may hold several servers at once.
         kv = [] if "--kv-cache-memory" in flags else ["--kv-cache-memory", "512M"]
         server = ServerProcess(["--model", str(model_dir), "--served-model-name", SERVED_NAME, *kv, *flags], log)
         started.append(server)
