@@ -8,8 +8,8 @@
 // thousands of rows it runs ~5-10% behind MKL (measured); decode is where the time goes.
 // AVX-512F intrinsics; AVX2 and AArch64 get the same algorithm in vector extensions with a smaller
 // tile (16-column panels: the panel width is the library's to say); elsewhere sluice_gemm_available()
-// is 0 and the engine keeps F.linear. Sums run in a
-// different order from MKL's: results differ from F.linear by float rounding.
+// is 0 and the engine keeps F.linear. Sums run in a different order from MKL's: results differ from
+// F.linear by float rounding.
 
 #include <algorithm>
 #include <cstdint>

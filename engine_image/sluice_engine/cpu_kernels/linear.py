@@ -1,4 +1,5 @@
-"""Linear layers on the C++ fp32 GEMM (gemm.cpp): weights packed once into 32-column panels.
+"""Linear layers on the C++ fp32 GEMM (gemm.cpp): weights packed once into column panels (32 wide
+with AVX-512, 16 with AVX2 or AArch64: the library says).
 
 Used with the `cpu` attention backend (the engine's C++ CPU path) for fp32 models. A decode step is
 mostly these matmuls at a handful of rows, where F.linear (MKL) is far from this machine's limits; see
@@ -15,6 +16,7 @@ from torch import nn
 from . import load
 
 log = logging.getLogger("sluice.engine")
+
 
 def pack_weight(weight: torch.Tensor, panel: int) -> torch.Tensor:
     """[N, K] (nn.Linear layout) -> [ceil(N / panel), K, panel], zero-padded columns. The panel width
