@@ -100,9 +100,15 @@ INVALID = [
     pytest.param(with_spec(accelerator={"type": "cpu", "product": "NVIDIA-L4"}),
                  "spec.accelerator: accelerator.product and accelerator.gpusPerNode apply to GPUs only",
                  "accelerator.product and accelerator.gpusPerNode apply to GPUs only", id="cpu-product"),
-    pytest.param(with_spec(engine={"args": {"tensor-parallel-size": 2}}),
-                 "spec.engine.args: 'tensor-parallel-size' is not an engine flag",
+    pytest.param(with_spec(engine={"args": {"tensor-parallel": 2}}),
+                 "spec.engine.args: 'tensor-parallel' is not an engine flag",
                  "engine.args keys must be engine flags", id="unknown-flag"),
+    pytest.param(with_spec(engine={"args": {"tensor-parallel-size": 2}}),
+                 "spec.engine.args: 'tensor-parallel-size' is set by the operator from parallelism.tensor",
+                 "engine.args keys must be engine flags", id="layout-flag"),
+    pytest.param(with_spec(engine={"args": {"node-rank": 1}}),
+                 "'node-rank' is set by the operator from (LWS_WORKER_INDEX",
+                 "engine.args keys must be engine flags", id="rendezvous-flag"),
     pytest.param(with_spec(engine={"args": {"--max-num-seqs": 2}}),
                  "'--max-num-seqs' is not an engine flag", "engine.args keys must be engine flags", id="dashed-flag"),
     pytest.param(with_spec(engine={"args": {"served-model-name": "x"}}),
@@ -206,6 +212,8 @@ def test_engine_args_values_and_rendering():
     check_arg("gpu-memory-utilization", "0.85")
     check_arg("kv-cache-memory", "4GiB")
     check_arg("attention-backend", "torch")
+    check_arg("distributed-timeout", "120")
+    check_arg("distributed-timeout", 300)
     for flag, value, why in [("max-num-seqs", "many", "takes an integer"),
                              ("attention-backend", "flash", "one of auto, cpu, torch, triton"),
                              ("no-prefix-caching", "yes", 'a switch: "true" or "false"'),

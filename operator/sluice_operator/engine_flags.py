@@ -18,6 +18,13 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "slo-ttft-ms": "slo.ttftMs",
     "slo-tpot-ms": "slo.tpotMs",
     "gpu-hour-usd": "cost.gpuHourUSD",
+    "tensor-parallel-size": "parallelism.tensor",
+    "pipeline-parallel-size": "parallelism.pipeline",
+    # A multi-node replica's rendezvous: from the layout and the env LeaderWorkerSet injects into each pod.
+    "nnodes": "parallelism (the LeaderWorkerSet group size)",
+    "node-rank": "(LWS_WORKER_INDEX in a LeaderWorkerSet)",
+    "master-addr": "(LWS_LEADER_ADDRESS in a LeaderWorkerSet)",
+    "master-port": "(always 29500 in a pod, the container port named dist)",
     # Not rendered: the ServiceMonitor labels every series with sluice_dev_endpoint (and the Prometheus
     # operator's own `endpoint` target label would shadow this one).
     "endpoint-label": "(the ServiceMonitor's sluice_dev_endpoint label)",
@@ -44,6 +51,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "ngram-min": int,
     "ngram-max": int,
     "speculative-disable-batch-size": int,
+    "distributed-timeout": float,
 }
 
 # What the CRD can type-check and CEL can read: x-kubernetes-int-or-string. So a float is written as a
