@@ -28,6 +28,7 @@ def test_layouts(tensor, pipeline, gpus_per_node, gpus_per_pod, pods):
     assert (layout.gpus_per_pod, layout.pods_per_replica) == (gpus_per_pod, pods)
     assert layout.multi_node == (pods > 1)
     assert layout.gpus_per_replica == tensor * pipeline
+    assert layout.ranks_per_pod == gpus_per_pod  # one rank per GPU
 
 
 @pytest.mark.parametrize(("tensor", "pipeline", "gpus_per_node", "message"), [
@@ -44,8 +45,39 @@ def test_unplaceable_layouts(tensor, pipeline, gpus_per_node, message):
 def test_cpu_layout():
     layout = plan_layout(1, 1, None, cpu=True)
     assert (layout.gpus_per_pod, layout.pods_per_replica, layout.multi_node) == (0, 1, False)
-    with pytest.raises(LayoutError, match="CPU-only endpoint"):
-        plan_layout(1, 2, None, cpu=True)
+    assert not layout.distributed
+    # Ranks on CPU share the pod's cores (gloo); the pod asks for no GPU.
+    layout = plan_layout(3, 2, None, cpu=True)
+    assert (layout.gpus_per_pod, layout.pods_per_replica, layout.ranks_per_pod) == (0, 1, 6)
+    assert layout.distributed and not layout.multi_node
+    # parallelism.nodes spreads a CPU replica's pipeline stages over pods: the kind e2e's two-node case.
+    layout = plan_layout(1, 2, None, cpu=True, nodes=2)
+    assert (layout.gpus_per_pod, layout.pods_per_replica, layout.ranks_per_pod) == (0, 2, 1)
+    assert layout.multi_node and layout.gpus_per_replica == 0
+    with pytest.raises(LayoutError, match=r"pipeline \(3\) does not split evenly over parallelism.nodes \(2\)"):
+        plan_layout(1, 3, None, cpu=True, nodes=2)
+
+
+@pytest.mark.parametrize(("tensor", "pipeline", "gpus_per_node", "nodes", "gpus_per_pod", "pods"), [
+    (8, 2, 8, 2, 8, 2),  # what the default gives
+    (2, 2, 8, 2, 2, 2),  # wider than needed: two pods of 2 GPUs
+    (2, 4, None, 4, 2, 4),  # without gpusPerNode
+    (2, 5, 4, 5, 2, 5),  # 10 GPUs at 4 per node: the default (3 nodes) cannot split 5 stages, 5 nodes can
+    (4, 2, 8, 1, 8, 1),
+])
+def test_explicit_nodes(tensor, pipeline, gpus_per_node, nodes, gpus_per_pod, pods):
+    layout = plan_layout(tensor, pipeline, gpus_per_node, nodes=nodes)
+    assert (layout.gpus_per_pod, layout.pods_per_replica) == (gpus_per_pod, pods)
+    assert layout.gpus_per_replica == layout.ranks == tensor * pipeline
+
+
+def test_explicit_nodes_refused():
+    with pytest.raises(LayoutError, match=r"parallelism.nodes \(1\) is too few: 4x4 GPUs would be 16 per node"):
+        plan_layout(4, 4, 8, nodes=1)
+    with pytest.raises(LayoutError, match="every node holds whole pipeline stages"):
+        plan_layout(2, 4, 8, nodes=3)
+    with pytest.raises(LayoutError, match=r"parallelism.tensor \(16\) exceeds"):
+        plan_layout(16, 2, 8, nodes=2)
 
 
 def test_invariants_over_a_grid():

@@ -94,9 +94,14 @@ INVALID = [
     pytest.param(with_spec(accelerator={"gpusPerNode": 8}, parallelism={"tensor": 4, "pipeline": 3}),
                  "spec: parallelism.pipeline must split evenly",
                  "parallelism.pipeline must split evenly", id="uneven-pipeline"),
-    pytest.param(with_spec(accelerator={"type": "cpu"}, parallelism={"tensor": 2}),
-                 "a CPU-only endpoint (accelerator.type: cpu) runs on one device",
-                 "a CPU-only endpoint (accelerator.type: cpu) runs on one device", id="cpu-parallel"),
+    pytest.param(with_spec(accelerator={"type": "cpu"}, parallelism={"pipeline": 3, "nodes": 2}),
+                 "spec.parallelism: parallelism.pipeline must be a multiple of parallelism.nodes",
+                 "parallelism.pipeline must be a multiple of parallelism.nodes", id="cpu-nodes-uneven"),
+    pytest.param(with_spec(accelerator={"gpusPerNode": 8}, parallelism={"tensor": 4, "pipeline": 4, "nodes": 1}),
+                 "spec: parallelism.nodes is too few", "parallelism.nodes is too few", id="nodes-too-few"),
+    pytest.param(with_spec(parallelism={"nodes": 0}),
+                 "spec.parallelism.nodes: Input should be greater than or equal to 1",
+                 "0 is less than the minimum of 1", id="nodes-zero"),
     pytest.param(with_spec(accelerator={"type": "cpu", "product": "NVIDIA-L4"}),
                  "spec.accelerator: accelerator.product and accelerator.gpusPerNode apply to GPUs only",
                  "accelerator.product and accelerator.gpusPerNode apply to GPUs only", id="cpu-product"),
@@ -150,23 +155,27 @@ def test_errors_name_every_field():
         assert field in text
 
 
-def _layout_doc(tensor: int, pipeline: int, gpus_per_node: int | None, cpu: bool) -> dict[str, Any]:
+def _layout_doc(tensor: int, pipeline: int, gpus_per_node: int | None, cpu: bool,
+                nodes: int | None = None) -> dict[str, Any]:
     accelerator: dict[str, Any] = {"type": "cpu"} if cpu else {}
     if gpus_per_node is not None:
         accelerator["gpusPerNode"] = gpus_per_node
-    return with_spec(accelerator=accelerator, parallelism={"tensor": tensor, "pipeline": pipeline})
+    parallelism = {"tensor": tensor, "pipeline": pipeline}
+    if nodes is not None:
+        parallelism["nodes"] = nodes
+    return with_spec(accelerator=accelerator, parallelism=parallelism)
 
 
 def test_layout_rules_agree_with_layout_maths(schema):
     """The CEL rules, their Python twins and plan_layout accept exactly the same layouts."""
-    cases = itertools.product(range(1, 9), range(1, 5), [None, 1, 2, 4, 6, 8], [False, True])
+    cases = itertools.product(range(1, 9), range(1, 5), [None, 1, 2, 4, 6, 8], [False, True], [None, 1, 2, 4])
     seen = {True: 0, False: 0}
-    for tensor, pipeline, gpn, cpu in cases:
+    for tensor, pipeline, gpn, cpu, nodes in cases:
         if cpu and gpn is not None:
             continue  # rejected for another reason (gpusPerNode on a CPU endpoint)
-        doc = _layout_doc(tensor, pipeline, gpn, cpu)
+        doc = _layout_doc(tensor, pipeline, gpn, cpu, nodes)
         try:
-            plan_layout(tensor, pipeline, gpn, cpu=cpu)
+            plan_layout(tensor, pipeline, gpn, cpu=cpu, nodes=nodes)
             placeable = True
         except LayoutError:
             placeable = False
@@ -176,7 +185,8 @@ def test_layout_rules_agree_with_layout_maths(schema):
         except SpecError:
             python_ok = False
         server_ok = api_server_errors(schema, doc) == []
-        assert placeable == python_ok == server_ok, (tensor, pipeline, gpn, cpu, placeable, python_ok, server_ok)
+        assert placeable == python_ok == server_ok, (tensor, pipeline, gpn, cpu, nodes, placeable, python_ok,
+                                                     server_ok)
         seen[placeable] += 1
     assert seen[True] > 30 and seen[False] > 30
 

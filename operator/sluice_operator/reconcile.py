@@ -23,7 +23,7 @@ SERVICE_PORT = 80
 
 def layout_of(ep: InferenceEndpoint) -> Layout:
     acc, par = ep.spec.accelerator, ep.spec.parallelism
-    return plan_layout(par.tensor, par.pipeline, acc.gpus_per_node, cpu=acc.type == "cpu")
+    return plan_layout(par.tensor, par.pipeline, acc.gpus_per_node, cpu=acc.type == "cpu", nodes=par.nodes)
 
 
 def service_url(ep: InferenceEndpoint, cfg: OperatorConfig) -> str:

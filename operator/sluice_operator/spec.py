@@ -196,14 +196,26 @@ class Accelerator(_Object):
                                description="Node label that names the GPU product.")
     gpus_per_node: int | None = Field(None, ge=1, le=64, description=(
         "GPUs one node offers. Needed only when tensor x pipeline can exceed one node: the replica then "
-        "spans ceil(tensor x pipeline / gpusPerNode) nodes as a LeaderWorkerSet group."))
+        "spans ceil(tensor x pipeline / gpusPerNode) nodes as a LeaderWorkerSet group (or parallelism.nodes, "
+        "when set)."))
 
 
 class Parallelism(_Object):
-    """How one replica splits the model over GPUs. Data parallelism is the replica count."""
+    """How one replica splits the model over devices (one engine rank each). Data parallelism is the replica
+    count."""
 
+    RULES = (
+        Rule("!has(self.nodes) || self.pipeline % self.nodes == 0",
+             "parallelism.pipeline must be a multiple of parallelism.nodes: every node holds whole pipeline stages",
+             lambda p: p.nodes is None or p.pipeline % p.nodes == 0, field_path=".nodes"),
+    )
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel size; one group never spans nodes.")
     pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel stages; stages may span nodes.")
+    nodes: int | None = Field(None, ge=1, le=64, description=(
+        "Pods (one per node) one replica spreads its tensor x pipeline ranks over, each holding whole pipeline "
+        "stages; more than 1 makes the replica a LeaderWorkerSet group. Default: as few as hold the GPUs, "
+        "ceil(tensor x pipeline / gpusPerNode), and 1 on CPU or without gpusPerNode. Set it to spread a CPU "
+        "endpoint's pipeline stages over pods, or GPUs wider than they need."))
 
 
 # -- scaling --------------------------------------------------------------------------------------------
@@ -296,6 +308,8 @@ _T = "(has(self.parallelism) ? self.parallelism.tensor : 1)"
 _P = "(has(self.parallelism) ? self.parallelism.pipeline : 1)"
 _HAS_G = "has(self.accelerator) && has(self.accelerator.gpusPerNode)"
 _G = "self.accelerator.gpusPerNode"
+_HAS_N = "has(self.parallelism) && has(self.parallelism.nodes)"
+_N = "self.parallelism.nodes"
 
 
 class EndpointSpec(_Object):
@@ -305,20 +319,22 @@ class EndpointSpec(_Object):
         Rule("!(has(self.replicas) && has(self.scaling))",
              "set either replicas (a fixed count) or scaling (autoscaling), not both",
              lambda s: s.replicas is None or s.scaling is None),
-        Rule(f"!has(self.accelerator) || self.accelerator.type != 'cpu' || {_T} * {_P} == 1",
-             "a CPU-only endpoint (accelerator.type: cpu) runs on one device: parallelism.tensor and "
-             "parallelism.pipeline must be 1",
-             lambda s: s.accelerator.type != "cpu" or s.parallelism.tensor * s.parallelism.pipeline == 1,
-             field_path=".parallelism"),
         Rule(f"!({_HAS_G}) || {_T} * {_P} <= {_G} || {_T} <= {_G}",
              "parallelism.tensor must not exceed accelerator.gpusPerNode: a tensor-parallel group runs on one "
              "node; span nodes with parallelism.pipeline instead",
              lambda s: (lambda t, p, g: g is None or t * p <= g or t <= g)(*_tp(s)),
              field_path=".parallelism"),
-        Rule(f"!({_HAS_G}) || {_T} * {_P} <= {_G} || {_P} % (({_T} * {_P} + {_G} - 1) / {_G}) == 0",
+        Rule(f"{_HAS_N} || !({_HAS_G}) || {_T} * {_P} <= {_G} || {_P} % (({_T} * {_P} + {_G} - 1) / {_G}) == 0",
              "parallelism.pipeline must split evenly over the ceil(tensor x pipeline / gpusPerNode) nodes of a "
-             "multi-node replica (every node holds the same number of stages)",
-             lambda s: (lambda t, p, g: g is None or t * p <= g or p % -(-(t * p) // g) == 0)(*_tp(s)),
+             "multi-node replica (every node holds the same number of stages); or set parallelism.nodes",
+             lambda s: s.parallelism.nodes is not None or (
+                 lambda t, p, g: g is None or t * p <= g or p % -(-(t * p) // g) == 0)(*_tp(s)),
+             field_path=".parallelism"),
+        Rule(f"!({_HAS_N} && {_HAS_G}) || {_T} * {_P} / {_N} <= {_G}",
+             "parallelism.nodes is too few: tensor x pipeline / nodes GPUs per node must not exceed "
+             "accelerator.gpusPerNode",
+             lambda s: (lambda t, p, g, n: n is None or g is None or t * p // n <= g)(
+                 *_tp(s), s.parallelism.nodes),
              field_path=".parallelism"),
     )
     model: ModelSource = Field(description="The model to serve.")
