@@ -143,8 +143,8 @@ def test_pods_are_hardened_probed_and_wired(path):
             assert ep.spec.startup_grace_seconds <= budget < ep.spec.startup_grace_seconds + startup["periodSeconds"]
             assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
             serves = template["metadata"]["labels"]["sluice.dev/serves"] == "true"
-            if serves:
-                assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+            # A pod that serves is ready to take requests; an LWS worker (ranks only) while its group lives.
+            assert engine["readinessProbe"]["httpGet"]["path"] == ("/ready" if serves else "/health")
             # Each Service selects the pods of its own role that answer HTTP, and no other pod.
             role = template["metadata"]["labels"]["sluice.dev/role"]
             own = ep.name if role == "serving" else f"{ep.name}-warm"
@@ -162,6 +162,13 @@ def test_pods_are_hardened_probed_and_wired(path):
                 assert flag["--max-model-len"] == str(ep.spec.engine.max_model_len)
             for name, value in ep.spec.engine.args.items():
                 assert flag[f"--{name}"] == str(value)
+            assert flag.get("--tensor-parallel-size", "1") == str(ep.spec.parallelism.tensor)
+            assert flag.get("--pipeline-parallel-size", "1") == str(ep.spec.parallelism.pipeline)
+            assert flag.get("--nnodes", "1") == str(layout.pods_per_replica)
+            # shared memory for NCCL and the rank processes, wherever the engine runs more than one process
+            # or a GPU
+            dshm = {v["name"]: v for v in pod["volumes"]}.get("dshm")
+            assert (dshm is not None) == (layout.gpus_per_pod > 0 or layout.distributed)
             # GPUs
             gpu = ep.spec.accelerator.resource_name
             limits = engine.get("resources", {}).get("limits", {})
@@ -222,6 +229,13 @@ def test_multinode_example_is_a_leaderworkerset_of_two():
         assert template["spec"]["priorityClassName"] == "inference-high"
         assert "--model" in engine["args"] and "/models/Llama-3.1-70B-Instruct" in engine["args"]
         assert "initContainers" not in template["spec"]  # pvc:// is mounted, not fetched
+        args = engine["args"]
+        flag = dict(zip(args[::2], args[1::2], strict=True))
+        assert (flag["--tensor-parallel-size"], flag["--pipeline-parallel-size"], flag["--nnodes"]) == ("8", "2", "2")
+        assert flag["--master-addr"] == "$(LWS_LEADER_ADDRESS)"
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert "--node-rank" in lwt["leaderTemplate"]["spec"]["containers"][0]["args"]
     so = one(manifests, "ScaledObject")
     assert so["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1",
                                             "kind": "LeaderWorkerSet", "name": "llama-70b"}
@@ -339,7 +353,7 @@ def test_pods_roll_when_flags_change_and_only_then():
 
 
 def test_reconcile_is_pure():
-    ep = parse_endpoint(load_yaml(EXAMPLES[0]))
+    ep = parse_endpoint(load_yaml(next(p for p in EXAMPLES if p.name == "cpu-smollm2.yaml")))
     before = ep.model_dump()
     first = reconcile(ep)
     first[1]["spec"]["template"]["spec"]["containers"][0]["args"].append("--mutated")

@@ -1,4 +1,9 @@
-"""The serving workload: the engine pod template, as a Deployment or (multi-node) a LeaderWorkerSet."""
+"""The serving workload: the engine pod template, as a Deployment or (multi-node) a LeaderWorkerSet.
+
+Every pod runs one `sluice serve`, which starts one process per rank it holds (layout.py). In a
+LeaderWorkerSet group the leader is node 0 (HTTP API, scheduler, the rendezvous at MASTER_PORT) and each
+worker pod is node LWS_WORKER_INDEX, running ranks only and answering /health on the same port for its probes.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,13 @@ from .model_source import CACHE_DIR, cache_volume, credentials_env_from, model_m
 from .spec import InferenceEndpoint
 
 PORT = 8000
+MASTER_PORT = 29500  # node 0's torch.distributed rendezvous (--master-port), the leader's port named "dist"
+SHM_GIB_PER_RANK = 2  # /dev/shm per rank of a pod: NCCL's shared-memory transport, torch's CUDA IPC
+# What LeaderWorkerSet injects into every container of a group: the leader pod's DNS name (a headless Service
+# that publishes not-ready pods, so the rendezvous resolves while the group loads) and the pod's index (0 for
+# the leader). The kubelet expands $(VAR) in args from the container's env, webhook-injected variables included.
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 RUN_AS = 10001  # the engine image's non-root user (engine_image/Dockerfile)
 STARTUP_PERIOD_S = 10
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -33,6 +45,11 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
             "--dtype", spec.engine.dtype]
     if spec.engine.max_model_len is not None:
         args += ["--max-model-len", str(spec.engine.max_model_len)]
+    # The replica's layout (left out at 1, the engine's default): one process per rank, tensor-fastest.
+    if spec.parallelism.tensor > 1:
+        args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]
+    if spec.parallelism.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(spec.parallelism.pipeline)]
     args += ["--host", "0.0.0.0", "--port", str(PORT)]
     # Goodput and cost metrics (docs/engine-flags.md): the engine counts requests meeting the objectives.
     if spec.slo and spec.slo.ttft_ms is not None:
@@ -44,14 +61,31 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     return args + render_args(spec.engine.args)
 
 
-def probes(ep: InferenceEndpoint) -> dict[str, Any]:
+def rendezvous_args(layout: Layout, *, leader: bool) -> list[str]:
+    """How the pods of a LeaderWorkerSet group find each other: `--nnodes` (the group size), `--node-rank`
+    (0 on the leader, the worker's index on a worker) and node 0's address and port. None for one pod."""
+    if not layout.multi_node:
+        return []
+    return ["--nnodes", str(layout.pods_per_replica),
+            "--node-rank", "0" if leader else f"$({LWS_WORKER_INDEX})",
+            "--master-addr", f"$({LWS_LEADER_ADDRESS})", "--master-port", str(MASTER_PORT)]
+
+
+def shm_size(layout: Layout) -> str:
+    return f"{SHM_GIB_PER_RANK * layout.ranks_per_pod}Gi"
+
+
+def probes(ep: InferenceEndpoint, *, serves: bool = True) -> dict[str, Any]:
+    """A pod that serves is ready when it takes requests (/ready); an LWS worker (ranks only, no API) when
+    its group is alive (/health, 503 once any rank is lost)."""
     http = {"port": "http", "scheme": "HTTP"}
     return {
         # The server listens only once the model is loaded: the startup probe is the load-time budget.
         "startupProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": STARTUP_PERIOD_S,
                          "timeoutSeconds": 5,
                          "failureThreshold": ceil_div(ep.spec.startup_grace_seconds, STARTUP_PERIOD_S)},
-        "readinessProbe": {"httpGet": {"path": "/ready", **http}, "periodSeconds": 5, "timeoutSeconds": 3,
+        "readinessProbe": {"httpGet": {"path": "/ready" if serves else "/health", **http}, "periodSeconds": 5,
+                           "timeoutSeconds": 3,
                            "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": 3},
@@ -85,19 +119,24 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
               *mount.engine_mounts]
     volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(ep), *mount.volumes]
-    if gpu:  # NCCL and torch's CUDA IPC need more shared memory than the container default
+    if gpu or layout.distributed:
+        # NCCL, torch's CUDA IPC and the rank processes need more shared memory than the container's 64 MiB.
+        # A tmpfs: what is written counts against the pod's memory; sizeLimit caps it.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(layout)}})
+    ports = [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
+    if layout.multi_node and serves:  # node 0 hosts the rendezvous the workers dial
+        ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
     engine: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine.image or cfg.engine_image,
         "command": ["sluice", "serve"],
-        "args": serve_args(ep, mount.model_path),
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "args": serve_args(ep, mount.model_path) + rendezvous_args(layout, leader=serves),
+        "ports": ports,
         "env": env,
         "volumeMounts": mounts,
         "securityContext": CONTAINER_SECURITY,
-        **probes(ep),
+        **probes(ep, serves=serves),
     }
     if spec.model.credentials_secret_ref:
         engine["envFrom"] = credentials_env_from(ep)
@@ -167,18 +206,20 @@ def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name
             spec = {"replicas": replicas, **spec}
         return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec}
 
-    worker = template(serves=False)
-    # Workers hold pipeline stages; the leader answers requests and reports the group's readiness.
-    worker["spec"]["containers"][0].pop("readinessProbe")
+    # The leader (node 0) answers requests; workers hold the other nodes' ranks and serve /health only.
     spec = {
         "leaderWorkerTemplate": {
             "size": layout.pods_per_replica,
-            "restartPolicy": "RecreateGroupOnPodRestart",  # a group is only useful whole
+            # A group is only useful whole, and the engine stops every rank when one is lost: any pod's
+            # restart recreates the group, so it meets again at a fresh rendezvous.
+            "restartPolicy": "RecreateGroupOnPodRestart",
             "leaderTemplate": template(serves=True),
-            "workerTemplate": worker,
+            "workerTemplate": template(serves=False),
         },
         "rolloutStrategy": {"type": "RollingUpdate",
                             "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1}},
+        # Workers start with the leader: it is Ready only once every rank has joined (LeaderReady would wait
+        # forever).
         "startupPolicy": "LeaderCreated",
     }
     if replicas is not None:
