@@ -3,12 +3,17 @@
 What it does (docs/operator.md, "End-to-end test on kind"):
 1. creates a kind cluster (or reuses SLUICE_E2E_CLUSTER), builds the operator image (which also runs the
    gateway) and a CPU build of the engine image, and loads both into the cluster;
-2. installs KEDA (its Helm chart), a bare Prometheus (e2e/prometheus.yaml) and charts/sluice;
+2. installs KEDA (its Helm chart), the LeaderWorkerSet controller (its release manifests), a bare Prometheus
+   (e2e/prometheus.yaml) and charts/sluice;
 3. applies examples/cpu-smollm2.yaml, waits for Ready, sends an OpenAI chat completion through the endpoint's
    Service (kubectl port-forward), scales it to zero (spec.replicas: 0, phase Idle) and back, and asks again;
 4. creates an autoscaled copy (scaling.minReplicas 0), waits until KEDA has scaled it to zero, sends a request
    through the gateway, which holds it while KEDA (external-push) starts a replica, and gets the answer; then
-   waits for the scale to zero again.
+   waits for the scale to zero again;
+5. applies examples/cpu-pipeline-2node.yaml (pipeline 2 over two CPU pods: one LeaderWorkerSet group of a
+   leader and a worker, each one `sluice serve --nnodes 2`), waits for Ready, checks the worker's /health and
+   rendezvous, asks through the Service, deletes the worker pod, and waits until the whole group was restarted
+   and answers again.
 
 Needs docker (a running daemon), kind, kubectl and helm (helm and kubectl may be in .tools/bin), and network
 access for the images, the KEDA chart and the model (Hugging Face Hub). It skips, saying what is missing,
@@ -18,7 +23,8 @@ where any is absent. Not part of `pytest` from the repository root (testpaths = 
 
 Environment: SLUICE_E2E_CLUSTER (reuse this kind cluster; it is then never deleted), SLUICE_E2E_KEEP=1 (keep
 the cluster it created), SLUICE_E2E_SKIP_BUILD=1 (use already built sluice-operator:e2e and
-sluice-engine:e2e images), SLUICE_E2E_KEDA_VERSION (the KEDA chart version; default: the latest).
+sluice-engine:e2e images), SLUICE_E2E_KEDA_VERSION (the KEDA chart version; default: the latest),
+SLUICE_E2E_LWS_VERSION (the LeaderWorkerSet release, e.g. v0.7.0; default: the latest).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ OPERATOR_IMAGE, ENGINE_IMAGE, TAG = "sluice-operator", "sluice-engine", "e2e"
 NS, SYSTEM_NS = "e2e", "sluice-system"
 GATEWAY = "sluice-gateway"  # the chart's gateway for release "sluice"
 CACHE_DIR = "/var/lib/sluice-e2e-cache"  # a hostPath model cache on the kind node, owned by the engine's uid
+LWS = "leaderworkersets.leaderworkerset.x-k8s.io"
 
 
 def _which(tool: str) -> str | None:
@@ -115,6 +122,7 @@ class Cluster:
     def diagnostics(self) -> str:
         parts = []
         for args in (["get", "ie,deploy,pods,svc,scaledobjects,hpa", "-A", "-o", "wide"],
+                     ["get", LWS, "-A", "-o", "wide"],
                      ["describe", "ie", "-n", NS],
                      ["get", "events", "-n", NS, "--sort-by=.lastTimestamp"],
                      ["logs", "-n", SYSTEM_NS, "deployment/sluice", "--tail=150"],
@@ -217,6 +225,12 @@ def stack(cluster: Cluster) -> Cluster:
     version = os.environ.get("SLUICE_E2E_KEDA_VERSION")
     cluster.helm("upgrade", "--install", "keda", "kedacore/keda", "--namespace", "keda", "--create-namespace",
                  "--wait", "--timeout", "10m", *(["--version", version] if version else []))
+    # LeaderWorkerSet (multi-node replicas), before the chart: the operator finds the kinds served when it starts.
+    lws = os.environ.get("SLUICE_E2E_LWS_VERSION")
+    lws_url = (f"https://github.com/kubernetes-sigs/lws/releases/download/{lws}/manifests.yaml" if lws else
+               "https://github.com/kubernetes-sigs/lws/releases/latest/download/manifests.yaml")
+    cluster.kubectl("apply", "--server-side", "-f", lws_url)  # server-side: the CRD is too big for client-side
+    cluster.kubectl("rollout", "status", "-n", "lws-system", "deployment/lws-controller-manager", "--timeout=300s")
     cluster.kubectl("apply", "-f", str(ROOT / "e2e" / "prometheus.yaml"))
     cluster.kubectl("rollout", "status", "-n", "monitoring", "deployment/prometheus", "--timeout=300s")
     # After KEDA: the operator finds the kinds the cluster serves when it starts.
@@ -297,4 +311,63 @@ def test_scale_from_zero_through_the_gateway(stack: Cluster) -> None:
     k.wait_for(f"{name} Ready event", lambda: "Ready" in k.event_reasons(name), timeout=300)
     # No more demand: back to zero after the cooldown.
     k.wait_for(f"{name} Idle again", lambda: k.idle(name), timeout=900)
+    k.kubectl("delete", "ie", name, "-n", NS, "--wait=true")
+
+
+def group_pods(k: Cluster, name: str) -> dict[str, dict[str, Any]]:
+    """The serving pods of a LeaderWorkerSet endpoint by part: "leader" (sluice.dev/serves=true), "worker"."""
+    out = json.loads(k.kubectl("get", "pods", "-n", NS, "-l", f"sluice.dev/endpoint={name},sluice.dev/role=serving",
+                               "-o", "json"))
+    pods = [p for p in out["items"] if not p["metadata"].get("deletionTimestamp")]
+    return {("leader" if p["metadata"]["labels"].get("sluice.dev/serves") == "true" else "worker"): p for p in pods}
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    return sum(c.get("restartCount", 0) for c in pod.get("status", {}).get("containerStatuses", []))
+
+
+@pytest.mark.timeout(5400)
+def test_pipeline_over_two_cpu_pods(stack: Cluster) -> None:
+    """Issue 12: a multi-node replica on CPU (gloo): pipeline 2 over a leader and a worker pod."""
+    import httpx
+
+    k, name = stack, "smollm2-pp2"
+    k.kubectl("apply", "-n", NS, "-f", str(ROOT / "examples" / "cpu-pipeline-2node.yaml"))
+    lws = k.wait_for("the LeaderWorkerSet", lambda: k.get(LWS, name), timeout=120)
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    k.wait_for(f"{name} Ready", lambda: k.phase(name, "Ready"), timeout=1800)
+    pods = k.wait_for("leader and worker Ready", lambda: (lambda p: p if len(p) == 2 and all(
+        pod_ready(x) for x in p.values()) else None)(group_pods(k, name)), timeout=600)
+
+    # Each pod runs one `sluice serve` with the group's rendezvous; LWS injected the variables it expands.
+    for part, pod in pods.items():
+        (engine,) = pod["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+        assert env.get("LWS_LEADER_ADDRESS") and env.get("LWS_WORKER_INDEX") == ("0" if part == "leader" else "1")
+        args = engine["args"]
+        assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--pipeline-parallel-size") + 1] == "2"
+    # The worker serves /health (its probes' endpoint), not the API.
+    worker = pods["worker"]["metadata"]["name"]
+    with k.port_forward(f"pod/{worker}", 8000) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    with k.port_forward(f"svc/{name}", 80) as url:
+        chat(url, name)
+
+    # Lose a rank: the engine stops the group (the leader exits) and LWS recreates it; then it serves again.
+    leader = pods["leader"]
+    k.kubectl("delete", "pod", worker, "-n", NS, "--wait=false")
+
+    def group_restarted() -> bool:
+        now = group_pods(k, name).get("leader")
+        return bool(now) and (now["metadata"]["uid"] != leader["metadata"]["uid"] or restarts(now) > restarts(leader))
+
+    k.wait_for("the leader restarted or recreated with its group", group_restarted, timeout=600)
+    k.wait_for(f"{name} Ready again", lambda: (lambda p: len(p) == 2 and all(pod_ready(x) for x in p.values()))(
+        group_pods(k, name)) and k.phase(name, "Ready"), timeout=1800)
+    with k.port_forward(f"svc/{name}", 80) as url:
+        chat(url, name)
     k.kubectl("delete", "ie", name, "-n", NS, "--wait=true")
