@@ -63,7 +63,7 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
 
 def rendezvous_args(layout: Layout, *, leader: bool) -> list[str]:
     """How the pods of a LeaderWorkerSet group find each other: `--nnodes` (the group size), `--node-rank`
-    (0 on the leader, the worker's index on a worker) and node 0's address and port. None for one pod."""
+    (0 on the leader, the worker's index on a worker) and node 0's address and port. Nothing for one pod."""
     if not layout.multi_node:
         return []
     return ["--nnodes", str(layout.pods_per_replica),
@@ -84,9 +84,8 @@ def probes(ep: InferenceEndpoint, *, serves: bool = True) -> dict[str, Any]:
         "startupProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": STARTUP_PERIOD_S,
                          "timeoutSeconds": 5,
                          "failureThreshold": ceil_div(ep.spec.startup_grace_seconds, STARTUP_PERIOD_S)},
-        "readinessProbe": {"httpGet": {"path": "/ready" if serves else "/health", **http}, "periodSeconds": 5,
-                           "timeoutSeconds": 3,
-                           "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/ready" if serves else "/health", **http},
+                           "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", **http}, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": 3},
     }
