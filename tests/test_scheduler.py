@@ -14,7 +14,10 @@ def make(num_blocks=64, block_size=4, max_seqs=8, budget=16, caching=True):
 def run_step(s: Scheduler, token=7):
     """Plays the model runner: advances counters; a request caught up with its tokens samples one."""
     out = s.schedule()
-    for req, n in out.scheduled:
+    for sr in out.scheduled:
+        req, n = s.requests[sr.request_id], sr.num_tokens
+        assert sr.token_ids == req.all_token_ids[sr.start : sr.end] and sr.start == req.num_computed_tokens
+        assert len(sr.block_ids) * s.kv.block_size >= sr.end  # the plain step holds all the runner needs
         req.num_computed_tokens += n
         if req.num_computed_tokens == req.num_tokens:
             req.append_output_token(token)
@@ -38,12 +41,12 @@ def test_running_first_then_waiting_and_max_num_seqs():
     for r in reqs:
         s.add(r)
     out = run_step(s)
-    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r in out.scheduled] == ["r0", "r1"]
     out = run_step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 1), ("r1", 1)]
+    assert [(r.request_id, r.num_tokens) for r in out.scheduled] == [("r0", 1), ("r1", 1)]
     run_step(s)  # r0, r1 finish
     out = run_step(s)
-    assert [r.request_id for r, _ in out.scheduled] == ["r2"]
+    assert [r.request_id for r in out.scheduled] == ["r2"]
 
 
 def test_preemption_by_recompute_when_blocks_run_out():
@@ -56,7 +59,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     run_step(s)  # both prefilled (7 tokens, 2 blocks each): the pool is full
     run_step(s)  # position 7 still fits in the second block
     out = run_step(s)  # both need a third block: only a can have one -> b (admitted last) is preempted
-    assert b in out.preempted and b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.request_id in out.preempted and b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b and s.num_preemptions == 1
     while s.has_work():
         run_step(s)

@@ -42,9 +42,15 @@ class _Abort:
     request_id: str
 
 
+IDLE_TICK_S = 0.5  # an idle engine thread wakes this often (keepalive of the other ranks)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # Called once (from whichever thread noticed) when the engine can no longer serve: the server
+        # turns /health to 503 and exits non-zero.
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -53,6 +59,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.pending_adds = 0  # submitted but not yet seen by the engine thread
         self.dead: BaseException | None = None
+        self._fail_lock = threading.Lock()
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -67,9 +74,15 @@ class AsyncEngine:
         self.engine, self._thread = start_owner_thread(factory, run, "sluice-engine")
         return self
 
+    def _watch_ranks(self) -> None:
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            executor.on_failure = self.fail
+
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._watch_ranks()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
             self._thread.start()
@@ -81,6 +94,8 @@ class AsyncEngine:
         self._cmds.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.dead is None and self.engine is not None:
+            self.engine.shutdown()  # the other ranks stop with it
 
     # -- API side (event loop) -----------------------------------------------------------------
     @property
@@ -133,26 +148,40 @@ class AsyncEngine:
         torch.set_grad_enabled(False)
         engine = self.engine
         try:
-            while not self._stopped.is_set():
+            while not self._stopped.is_set() and self.dead is None:
                 block = not engine.has_unfinished()
                 errors = self._drain(block)
                 self._deliver_threadsafe(errors)
                 if engine.has_unfinished():
                     outs = engine.step()
                     self._deliver_threadsafe([(o.request_id, o) for o in outs])
+                elif not self._stopped.is_set():
+                    engine.keepalive()
         except BaseException as e:  # the loop must never die silently: fail every open request
             log.exception("engine loop failed")
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        """The engine cannot serve any more (its loop died, or a rank of its group was lost): every
+        open request ends with an error, /health and /ready answer 503, and on_dead runs once."""
+        with self._fail_lock:
+            if self.dead is not None:
+                return
             self.dead = e
-            engine.stats.finished["error"] += len(engine.scheduler.requests)  # every request in flight fails
-            err = EngineDeadError(f"engine loop died: {e!r}")
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))
+        engine = self.engine
+        engine.stats.finished["error"] += len(engine.scheduler.requests)  # every request in flight fails
+        err = EngineDeadError(f"engine loop died: {e!r}")
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))
+        self._cmds.put(None)  # wake an idle engine thread
+        if self.on_dead is not None:
+            self.on_dead(e)
 
     def _drain(self, block: bool) -> list:
         errors = []
         while True:
             try:
-                cmd = self._cmds.get(block=block, timeout=None)
+                cmd = self._cmds.get(block=block, timeout=IDLE_TICK_S if block else None)
             except queue.Empty:
                 return errors
             block = False

@@ -33,6 +33,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond this are refused with 503 and Retry-After")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    par = p.add_argument_group("parallelism (docs/engine-flags.md)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="shard every layer over this many ranks (devices); one process per rank")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                     help="split the layers into this many stages, one rank (group) each")
+    par.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over (evenly)")
+    par.add_argument("--node-rank", type=int, default=0,
+                     help="this machine's index; node 0 serves HTTP, the others run workers and /health only")
+    par.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (torch.distributed rendezvous)")
+    par.add_argument("--master-port", type=int, default=29500, help="node 0's rendezvous port")
+    par.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="a collective that waits longer than this stops the whole group")
     obs = p.add_argument_group("metrics (docs/metrics.md)")
     obs.add_argument("--endpoint-label", default=os.environ.get("SLUICE_ENDPOINT") or None, metavar="NAME",
                      help="add endpoint=NAME to every metric (default: $SLUICE_ENDPOINT)")
@@ -60,6 +72,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import threading
+
     import uvicorn
 
     from .api.server import build_app
@@ -67,12 +81,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .engine import LLMEngine
 
     cfg = engine_config_from_args(args)
+    log = logging.getLogger("sluice")
+    if cfg.node_rank > 0:  # a worker node: its ranks and /health, no API
+        from .distributed.launcher import run_worker_node
+        from .model_fetch import resolve_model
+
+        return run_worker_node(cfg, resolve_model(cfg.model), args.host, args.port)
     async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
     engine = async_engine.engine
     app = build_app(async_engine)
-    logging.getLogger("sluice").info("serving %r on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+
+    def on_dead(e: BaseException) -> None:
+        # /health already says 503; give open streams a moment to carry their error event, then stop
+        # so the process exits non-zero and is restarted.
+        log.error("the engine cannot serve (%r): stopping", e)
+        threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
+
+    async_engine.on_dead = on_dead
+    log.info("serving %r on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
+    server.run()
+    if async_engine.dead is not None:
+        engine.executor.shutdown(graceful=False)
+        code = 1
+    else:
+        code = 0
+    if cfg.world_size > 1:
+        # Skip interpreter teardown: a process group's destructors can wait on ranks that are gone.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -20,6 +20,36 @@ def parse_size(text: str | int) -> int:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    method: str | None = None  # None | "ngram" | "draft"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Above this many running requests, a step does not speculate: the batch already uses the compute
+    # that speculation would otherwise fill (see docs/BENCHMARKS.md for where the crossover lies).
+    disable_batch_size: int = 8
+    draft_model: str | None = None  # an HF directory (or GGUF) of a smaller model with the same tokenizer
+
+    def __post_init__(self) -> None:
+        if self.draft_model is not None and self.method is None:
+            self.method = "draft"  # --draft-model alone means draft-model speculation
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"--speculative-method must be ngram or draft, got {self.method!r}")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("--speculative-method draft needs --draft-model")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("--draft-model is used only with --speculative-method draft")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"--ngram-min/--ngram-max must satisfy 1 <= min <= max, got {self.ngram_min}/{self.ngram_max}"
+            )
+        if self.disable_batch_size < 1:
+            raise ValueError(f"--speculative-disable-batch-size must be >= 1, got {self.disable_batch_size}")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None
@@ -47,6 +77,15 @@ class EngineConfig:
     ngram_max: int = 4
     speculative_disable_batch_size: int = 8
     draft_model: str | None = None
+    # Parallel layout (docs/engine-flags.md): ranks = tensor x pipeline, spread evenly over nnodes
+    # machines; node 0 serves HTTP, the master address is node 0's (torch.distributed's rendezvous).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    distributed_timeout: float = 60.0  # seconds a collective may wait before the group is declared dead
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -70,10 +109,30 @@ class EngineConfig:
                 raise ValueError(f"{flag} must be > 0, got {v}")
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
             raise ValueError(f"--gpu-hour-usd must be >= 0, got {self.gpu_hour_usd}")
+        for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size),
+                        ("--pipeline-parallel-size", self.pipeline_parallel_size), ("--nnodes", self.nnodes)):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (--tensor-parallel-size {self.tensor_parallel_size} x "
+                             f"--pipeline-parallel-size {self.pipeline_parallel_size}) cannot be spread evenly "
+                             f"over --nnodes {self.nnodes}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port (1..65535), got {self.master_port}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"--distributed-timeout must be > 0, got {self.distributed_timeout}")
         self.speculative_config()  # validates the speculative flags
 
-    def speculative_config(self):
-        from .spec_decode import SpeculativeConfig
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min,
                                  self.ngram_max, self.speculative_disable_batch_size, self.draft_model)

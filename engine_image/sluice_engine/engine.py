@@ -15,15 +15,16 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig
+from .distributed.executor import Executor
 from .kv_cache import KVCacheManager
 from .metrics import EngineMetrics
 from .model_fetch import resolve_model
-from .model_runner import ModelRunner, StepResult
 from .request import FinishReason, LogitsProcessor, Request
-from .sampler import TokenLogprobs
+from .sampler import Sampler, TokenLogprobs
 from .sampling_params import InvalidParam, SamplingParams
 from .scheduler import Scheduler
 from .spec_decode import DraftQuery, build_proposer
+from .step_sampler import StepResult, sample_step
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("sluice.engine")
@@ -83,19 +84,25 @@ class LLMEngine:
         self.model_dir: Path = resolve_model(cfg.model)
         self.served_model_name = cfg.served_model_name or (cfg.model and Path(cfg.model).name) or "SmolLM2-135M-Instruct"
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.runner = ModelRunner(cfg, self.model_dir)
-        capacity = self.runner.num_blocks * cfg.block_size
+        if cfg.draft_model is not None and cfg.world_size > 1:
+            raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
+                             "above 1 yet; use --speculative-method ngram")
+        # Every rank of the layout (this process is rank 0): model shards, KV cache shards.
+        self.executor = Executor(cfg, self.model_dir)
+        self.runner = self.executor.runner  # rank 0's shard (model config, device, dtype, backend)
+        capacity = self.executor.num_blocks * cfg.block_size
         if cfg.max_model_len is not None and cfg.max_model_len > capacity:
             raise ValueError(
                 f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({capacity} tokens); "
                 "raise --kv-cache-memory or lower --max-model-len"
             )
         self.max_model_len = min(self.runner.max_model_len, capacity)
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
         self.stats = EngineStats()
-        self.metrics = EngineMetrics.from_config(cfg, self.runner.device)
+        self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
+        self.sampler = Sampler(self.runner.device, cfg.seed)
         self.spec_config = cfg.speculative_config()
         self.proposer = build_proposer(self.spec_config, self.runner, self.tokenizer, capacity)
         self._out: dict[str, _OutputState] = {}
@@ -181,15 +188,26 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        results = self.runner.execute(sched, self.kv)
+        requests = [self.scheduler.requests[s.request_id] for s in sched.scheduled]
+        preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
+        logits = self.executor.execute_model(sched)
+        results = sample_step(self.sampler, logits, sched, requests)
         self.stats.steps += 1
         outputs = []
         for res in results:
             out = self._process(res)
             if out is not None:
                 outputs.append(out)
-        self.metrics.on_step(sched, started)
+        self.metrics.on_step([(r, s.num_tokens) for r, s in zip(requests, sched.scheduled, strict=True)],
+                             preempted, started)
         return outputs
+
+    def keepalive(self) -> None:
+        """Idle: keep the other ranks' wait for the next step alive (a no-op with one rank)."""
+        self.executor.keepalive()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _propose_drafts(self) -> None:
         """The draft-proposal hook: guess the next tokens of each decoding request (speculative

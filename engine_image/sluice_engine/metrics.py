@@ -96,26 +96,27 @@ class EngineMetrics:
     requests_met_tpot: int = 0
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, device) -> EngineMetrics:
+    def from_config(cls, cfg: EngineConfig, num_gpus: int) -> EngineMetrics:
         ms = 1e-3
         return cls(
             slo_ttft=None if cfg.slo_ttft_ms is None else cfg.slo_ttft_ms * ms,
             slo_tpot=None if cfg.slo_tpot_ms is None else cfg.slo_tpot_ms * ms,
             gpu_hour_usd=cfg.gpu_hour_usd or 0.0,
-            # The accelerators this process holds: one CUDA device per engine (no tensor parallelism yet).
-            num_gpus=1 if getattr(device, "type", str(device)) == "cuda" else 0,
+            # The accelerators of the whole replica: every rank's device (TP x PP on CUDA), 0 on CPU.
+            num_gpus=num_gpus,
         )
 
     # -- from the engine ---------------------------------------------------------------------
-    def on_step(self, sched, started: float) -> None:
-        """After a step's outputs are built: `sched` is the step's SchedulerOutput, `started` the
-        monotonic time the step began. Timestamps are the step's end, when its tokens leave the engine."""
+    def on_step(self, scheduled: list, preempted: list, started: float) -> None:
+        """After a step's outputs are built: `scheduled` holds the step's (request, tokens computed),
+        `preempted` the requests it preempted, `started` the monotonic time the step began.
+        Timestamps are the step's end, when its tokens leave the engine."""
         now = time.monotonic()
         prefill_tokens = decode_tokens = 0
-        for req in sched.preempted:
+        for req in preempted:
             if req.metrics is not None:
                 req.metrics.prefilling = True  # its recompute is prefill work again
-        for req, num_tokens in sched.scheduled:
+        for req, num_tokens in scheduled:
             rt = req.metrics
             if rt is None:
                 rt = req.metrics = RequestTimes()

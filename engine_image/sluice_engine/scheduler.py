@@ -10,28 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    # Requests in batch order with the number of tokens each computes this step.
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # KV blocks to copy (src block id, dst block id) before the forward: a forked request's own copy
-    # of its source's partial last prompt block (copy-on-write at fork time).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from .sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -93,11 +75,11 @@ class Scheduler:
             while not self.kv.allocate(req, num_new):
                 victim = self.running.pop()  # most recently admitted
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, num_new))
+                out.scheduled.append(self._plain(req, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -155,7 +137,19 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         self.running.append(req)
-        out.scheduled.append((req, num_new))
+        out.scheduled.append(self._plain(req, num_new))
+
+    def _plain(self, req: Request, num_new: int) -> ScheduledRequest:
+        """The step's part of one request as plain data (its blocks are allocated by now)."""
+        start = req.num_computed_tokens
+        drafts = req.spec_token_ids
+        known_end = start + num_new - len(drafts)
+        tokens = req.all_token_ids[start:known_end] + drafts  # all_token_ids ends where the drafts begin
+        return ScheduledRequest(
+            req.request_id, tokens, start, self.kv.block_ids(req.request_id), len(drafts),
+            samples=known_end == req.num_tokens,
+            prompt_logprobs=req.params.prompt_logprobs is not None and start < req.num_prompt_tokens,
+        )
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -72,7 +72,7 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     @app.get("/health")
     async def health():
         if async_engine.dead is not None:
-            return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=500)
+            return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")

@@ -2,7 +2,8 @@
 when to ask them. Verification (one target forward over all drafts, then rejection sampling) lives in
 the model runner and the sampler, so the output distribution is the target model's."""
 
-from .draft_model import DraftQuery
-from .proposer import DraftProposer, SpeculativeConfig, build_proposer
+from ..config import SpeculativeConfig
+from .interface import DraftProposer, DraftQuery
+from .proposer import build_proposer
 
 __all__ = ["DraftProposer", "DraftQuery", "SpeculativeConfig", "build_proposer"]

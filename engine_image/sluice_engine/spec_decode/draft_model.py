@@ -15,25 +15,21 @@ n-gram drafts (a one-hot proposal distribution) and the output distribution stay
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..forward_context import AttentionMetadata, ForwardContext, forward_context
+from ..forward_context import ForwardContext, forward_context
 from ..kv_cache import KVCacheManager
+from ..model_input import build_model_input
+from ..models.loader import load_model
 from ..models.model_config import ModelConfig
 from ..request import Request
 from ..sampling_params import SamplingParams
+from ..sched_output import ScheduledRequest, SchedulerOutput
+from .interface import DraftQuery
 
 log = logging.getLogger("sluice.engine")
-
-
-@dataclass(slots=True)
-class DraftQuery:
-    request_id: str
-    token_ids: list[int]  # the request's known tokens; the last one is not in the target's cache yet
-    max_tokens: int  # at most this many drafts
 
 
 class DraftModelProposer:
@@ -41,8 +37,6 @@ class DraftModelProposer:
 
     def __init__(self, model_dir: Path, k: int, *, backend, device: torch.device, dtype: torch.dtype,
                  block_size: int, num_tokens: int, max_positions: int, target_vocab_size: int):
-        from ..model_runner import load_model  # the runner imports this package: import lazily
-
         self.k = k
         self.device = device
         self.block_size = block_size
@@ -119,27 +113,14 @@ class DraftModelProposer:
 
     def _forward(self, feeds: list[tuple[int, Request, int]]) -> list[int]:
         """One draft forward over `fed` new tokens of each shadow; the greedy next token of each."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        last_rows: list[int] = []
+        scheduled = []
         for _, shadow, fed in feeds:
             start = shadow.num_computed_tokens
-            end = start + fed
-            table = self.kv.block_ids(shadow.request_id)
-            ids.extend(shadow.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            tables.append(table)
-            last_rows.append(len(ids) - 1)
-        dev = self.device
-        meta = AttentionMetadata.build([fed for _, _, fed in feeds], seq_lens, tables, slots, bs, dev)
-        with forward_context(ForwardContext(meta, self.kv_caches)):
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                                torch.tensor(positions, dtype=torch.long, device=dev))
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])
+            scheduled.append(ScheduledRequest(shadow.request_id, shadow.all_token_ids[start : start + fed], start,
+                                              self.kv.block_ids(shadow.request_id)))
+        rows, _ = SchedulerOutput(scheduled).logits_layout()  # each shadow's last row: its next token
+        inp = build_model_input(scheduled, rows, self.block_size, self.device)
+        with forward_context(ForwardContext(inp.attn, self.kv_caches)):
+            hidden = self.model(inp.input_ids, inp.positions)
+        logits = self.model.compute_logits(hidden[inp.logits_rows])
         return logits.argmax(dim=-1).tolist()

@@ -1,0 +1,196 @@
+"""Model loading: the device and dtype a config names, and the weights of one rank's shard streamed
+from a checkpoint's safetensors files.
+
+Each checkpoint tensor is read through safetensors' lazy slices, tensor by tensor, and only the rows
+or columns this rank holds (distributed/layout.py) ever leave the file: peak memory while loading is
+about the rank's shard plus one tensor slice, never the whole checkpoint. Sharded checkpoints are read
+through their `model.safetensors.index.json`. Q/K/V and gate/up land in their fused projections.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..distributed.layout import RankShard, single_shard
+from .llama import LlamaForCausalLM
+from .model_config import ModelConfig
+
+log = logging.getLogger("sluice.engine")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """auto: CUDA when there is one. With several ranks on a node, rank i takes CUDA device i."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"rank {local_rank} of this node needs CUDA device {local_rank}, but only "
+                             f"{torch.cuda.device_count()} are visible")
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: bf16 matmuls are several times slower for prefill on common x86 CPUs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"{index} names files that are not there: {missing[:3]}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, dtype: torch.dtype,
+               max_positions: int, shard: RankShard | None = None) -> LlamaForCausalLM:
+    """This rank's shard of the model of an HF directory, built directly in `dtype` on `device` (no
+    fp32 copy of the weights ever exists), in eval mode."""
+    t0 = time.perf_counter()
+    shard = shard or single_shard(mc)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(mc, backend, max_positions=max_positions, shard=shard)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, checkpoint_files(model_dir))
+    where = "" if shard.tp * shard.pp == 1 else (
+        f" (rank {shard.rank}: TP {shard.tp_rank}/{shard.tp}, layers {shard.first_layer}-{shard.end_layer - 1})")
+    log.info("loaded %s (%s, %d layers, %.1fM params%s) on %s in %.1fs", model_dir, mc.architecture,
+             shard.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, where, device,
+             time.perf_counter() - t0)
+    if backend.name == "cpu" and dtype == torch.float32:  # the C++ CPU path: linear layers too
+        from ..cpu_kernels.linear import pack_linears
+
+        pack_linears(model)
+    return model.eval()
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Copy this shard's slices of every checkpoint tensor into the model; raise ValueError on a
+    tensor the model does not know, a shape that does not fit, or a parameter left unfilled."""
+    params = dict(model.named_parameters())
+    # parameter name -> the rows of it filled so far (fused projections fill in parts)
+    filled: dict[str, int] = {}
+    with torch.no_grad():
+        for name, get in _checkpoint_tensors(files):
+            for param_name, rows, take in _targets(model, name):
+                if param_name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                param = params[param_name]
+                part = take(get)
+                dst = param if rows is None else param[rows : rows + part.shape[0]]
+                if dst.shape != part.shape:
+                    raise ValueError(f"weight {name}: checkpoint slice {tuple(part.shape)} does not fit "
+                                     f"{param_name} {tuple(dst.shape)}")
+                dst.copy_(part)
+                filled[param_name] = filled.get(param_name, 0) + part.shape[0]
+    sh = model.shard
+    missing = []
+    for pname, p in params.items():
+        want = p.shape[0]
+        if pname in ("embed_tokens.weight", "lm_head.weight"):  # padding rows past the vocabulary stay zero
+            want = max(0, min(sh.vocab_end, model.cfg.vocab_size) - sh.vocab_start)
+        if filled.get(pname, 0) < want:
+            missing.append(pname)
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) of every tensor, one file open at a time."""
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, st.get_slice(name)
+
+
+def _targets(model: LlamaForCausalLM, name: str):
+    """Where checkpoint tensor `name` goes on this rank: (parameter, first row or None for all,
+    slice reader) for each destination; none when another rank or stage holds it."""
+    sh, mc = model.shard, model.cfg
+    d = mc.head_dim
+    name = name.removeprefix("model.")
+    if "rotary_emb" in name:
+        return []
+    vocab_rows = _rows(sh.vocab_start, min(sh.vocab_end, mc.vocab_size))
+    if name == "embed_tokens.weight":
+        out = []
+        if model.embed_tokens is not None:
+            out.append(("embed_tokens.weight", 0, vocab_rows))
+        if mc.tie_word_embeddings and model.lm_head is not None:  # the last stage's copy of a tied table
+            out.append(("lm_head.weight", 0, vocab_rows))
+        return out
+    if name == "lm_head.weight":
+        return [("lm_head.weight", 0, vocab_rows)] if model.lm_head is not None and not mc.tie_word_embeddings else []
+    if name == "norm.weight":
+        return [("norm.weight", None, _all)] if model.norm is not None else []
+    m = _LAYER.match(name)
+    if m is None:
+        return [(name, None, _all)]  # unknown: reported as unexpected
+    layer = int(m.group(1))
+    if not sh.first_layer <= layer < sh.end_layer:
+        return []
+    prefix, rest = f"layers.{layer - sh.first_layer}.", m.group(2)
+    q_rows = sh.num_heads * d
+    kv_rows = sh.num_kv_heads * d
+    heads = _rows(sh.first_head * d, (sh.first_head + sh.num_heads) * d)
+    kv_heads = _rows(sh.first_kv_head * d, (sh.first_kv_head + sh.num_kv_heads) * d)
+    cols = _rows(sh.tp_rank * sh.intermediate, (sh.tp_rank + 1) * sh.intermediate)
+    kind = rest.rsplit(".", 1)[-1]  # weight | bias
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, heads),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, kv_heads),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, kv_heads),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, cols),
+        "mlp.up_proj": ("mlp.gate_up_proj", sh.intermediate, cols),
+    }
+    module = rest.rsplit(".", 1)[0]
+    if module in fused:
+        target, row, take = fused[module]
+        return [(f"{prefix}{target}.{kind}", row, take)]
+    if module == "self_attn.o_proj":  # row-parallel: this rank's input columns
+        return [(f"{prefix}{rest}", None, _cols(sh.first_head * d, (sh.first_head + sh.num_heads) * d))]
+    if module == "mlp.down_proj":
+        return [(f"{prefix}{rest}", None, _cols(sh.tp_rank * sh.intermediate, (sh.tp_rank + 1) * sh.intermediate))]
+    return [(f"{prefix}{rest}", None, _all)]  # norms: whole on every rank
+
+
+def _all(get) -> torch.Tensor:
+    return get[:]
+
+
+def _rows(start: int, end: int):
+    return lambda get: get[start:end]
+
+
+def _cols(start: int, end: int):
+    return lambda get: get[:, start:end]
