@@ -127,7 +127,7 @@ def logits_to_rank0(logits: torch.Tensor | None, shape: tuple[int, int], device:
         return logits if s.rank == 0 else None
     src = (s.pp - 1) * s.tp
     if s.rank == src:
-        dist.send(logits, dst=0)
+        dist.send(logits.contiguous(), dst=0)
     elif s.rank == 0:
         buf = torch.empty(shape, dtype=torch.float32, device=device)
         dist.recv(buf, src=src)
