@@ -572,7 +572,7 @@ def test_dashboards_are_grafana_dashboards() -> None:
 
 # -- a live Prometheus scraping `sluice serve` ----------------------------------------------------------------
 STANDBY_METRICS = b"""\
-# HELP sluice_num_gpus GPUs this engine holds (0 on CPU).
+# HELP sluice_num_gpus GPUs the replica holds: every rank's device (TP x PP on CUDA), 0 on CPU.
 # TYPE sluice_num_gpus gauge
 sluice_num_gpus{model_name="smollm2"} 1.0
 # HELP sluice_gpu_hour_usd Price of one GPU-hour in USD.

@@ -217,7 +217,8 @@ class _EngineCollector:
                     m.slo_tpot or 0.0)
         yield gauge("sluice_gpu_hour_usd", "Price of one GPU-hour in USD (--gpu-hour-usd; 0: not set).",
                     m.gpu_hour_usd)
-        yield gauge("sluice_num_gpus", "GPUs this engine holds (0 on CPU).", m.num_gpus)
+        yield gauge("sluice_num_gpus", "GPUs the replica holds: every rank's device (TP x PP on CUDA), 0 on CPU.",
+                    m.num_gpus)
         # Counters
         yield counter("sluice_prompt_tokens", "Prompt tokens of requests that produced their first token "
                       "(prefix-cache hits included).", stats.prompt_tokens)
