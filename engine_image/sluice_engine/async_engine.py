@@ -2,6 +2,9 @@
 
 Commands (add, abort) reach the thread through a queue; each step's outputs go back to the event
 loop in one `call_soon_threadsafe`, into one asyncio.Queue per request.
+
+`AsyncEngine` is the API layer's one face of the engine (an engine client, as vLLM's EngineClient):
+model info, the tokenizer, request checks, generate, abort, and the engine's health.
 """
 
 from __future__ import annotations
@@ -98,6 +101,21 @@ class AsyncEngine:
             self.engine.shutdown()  # the other ranks stop with it
 
     # -- API side (event loop) -----------------------------------------------------------------
+    @property
+    def model_info(self):
+        return self.engine.model_info
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected (a 400) if the request can never be served; reads only fixed limits."""
+        self.engine.check_prompt(prompt_token_ids, params)
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        return self.engine.default_max_tokens(num_prompt_tokens)
+
     @property
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting + self.pending_adds

@@ -65,6 +65,17 @@ class _OutputState:
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the API layer needs to know of the served model (the engine client's model info)."""
+
+    served_model_name: str
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
 @dataclass(slots=True)
 class EngineStats:
     prompt_tokens: int = 0
@@ -107,6 +118,8 @@ class LLMEngine:
         self.proposer = build_proposer(self.spec_config, self.runner, self.tokenizer, capacity)
         self._out: dict[str, _OutputState] = {}
         self._prompt_leaders: dict[tuple[int, ...], Request] = {}
+        self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
+                                    self.runner.model_config.vocab_size, self.eos_token_ids)
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
                  self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
 

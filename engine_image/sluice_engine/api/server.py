@@ -26,8 +26,9 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     that loaded it (faster on CPU, see AsyncEngine.build)."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     engine = async_engine.engine
-    serving = OpenAIServing(async_engine, engine.served_model_name, engine.cfg.max_queue_len)
-    metrics = PrometheusExporter(engine, async_engine)
+    info = async_engine.model_info
+    serving = OpenAIServing(async_engine, info.served_model_name, engine.cfg.max_queue_len)
+    metrics = PrometheusExporter(engine, async_engine)  # reads the engine's counters (docs/metrics.md)
     started = int(time.time())
 
     @asynccontextmanager
@@ -65,8 +66,8 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": engine.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
-            "root": str(engine.model_dir), "max_model_len": engine.max_model_len,
+            "id": info.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
+            "root": str(info.model_dir), "max_model_len": info.max_model_len,
         }]}
 
     @app.get("/health")
@@ -80,7 +81,7 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
         # The model is loaded before the app exists; ready means the engine loop is alive too.
         if async_engine.dead is not None:
             return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
-        return {"status": "ready", "model": engine.served_model_name}
+        return {"status": "ready", "model": info.served_model_name}
 
     @app.get("/metrics")
     async def prometheus_metrics():

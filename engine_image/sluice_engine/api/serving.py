@@ -50,10 +50,10 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_queue_len: int):
         self.engine = engine
         self.model_name = served_model_name
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.max_queue_len = max_queue_len
-        self.structured = StructuredOutputs(self.tokenizer, engine.engine.runner.model_config.vocab_size,
-                                            engine.engine.eos_token_ids)
+        info = engine.model_info
+        self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self.template_renders_tools = template_renders_tools(self.tokenizer.chat_template)
 
     # -- shared checks -------------------------------------------------------------------------
@@ -79,7 +79,7 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else
-                self.engine.engine.default_max_tokens(num_prompt_tokens),
+                self.engine.default_max_tokens(num_prompt_tokens),
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k,
@@ -128,7 +128,7 @@ class OpenAIServing:
         for ch in choices:
             params = self._child_params(params_list[ch.index // n], ch.index % n)
             try:
-                self.engine.engine.check_prompt(ch.prompt_ids, params)
+                self.engine.check_prompt(ch.prompt_ids, params)
             except RequestRejected as e:
                 raise bad_request(str(e), param=e.param, code=e.code) from None
             gens.append(self.engine.generate(f"{base_id}-{ch.index}", ch.prompt_ids, params,
