@@ -31,6 +31,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its own fault); the engine serves on."""
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -63,6 +67,7 @@ class AsyncEngine:
         self.pending_adds = 0  # submitted but not yet seen by the engine thread
         self.dead: BaseException | None = None
         self._fail_lock = threading.Lock()
+        self.step_started: float | None = None  # monotonic start of the step now running (the watchdog's)
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -116,6 +121,14 @@ class AsyncEngine:
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self.engine.default_max_tokens(num_prompt_tokens)
 
+    def hung_for(self) -> float | None:
+        """Seconds the current step has run past --step-timeout (the watchdog), or None."""
+        started = self.step_started
+        if started is None:
+            return None
+        over = time.monotonic() - started - self.engine.cfg.step_timeout
+        return over if over > 0 else None
+
     @property
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting + self.pending_adds
@@ -136,6 +149,8 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise RequestFailedError(f"request failed in the engine: {item.error}")
                 yield item
                 if item.finished:
                     finished = True
@@ -171,7 +186,9 @@ class AsyncEngine:
                 errors = self._drain(block)
                 self._deliver_threadsafe(errors)
                 if engine.has_unfinished():
+                    self.step_started = time.monotonic()
                     outs = engine.step()
+                    self.step_started = None
                     self._deliver_threadsafe([(o.request_id, o) for o in outs])
                 elif not self._stopped.is_set():
                     engine.keepalive()
@@ -213,5 +230,8 @@ class AsyncEngine:
                                             arrival_time=cmd.arrival_time)
                 except ValueError as e:
                     errors.append((cmd.request_id, e))
+                except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
+                    log.warning("request %s could not be added: %r", cmd.request_id, e)
+                    errors.append((cmd.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
             else:
                 self.engine.abort_request(cmd.request_id)

@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="waiting requests beyond this are refused with 503 and Retry-After")
+    p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="watchdog: a step running longer than this turns /health to 503 (a hung engine)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     par = p.add_argument_group("parallelism (docs/engine-flags.md)")

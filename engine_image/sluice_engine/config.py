@@ -63,6 +63,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_queue_len: int = 1024
+    # The watchdog: a step still running after this many seconds while work is pending turns /health
+    # to 503 (a hung device or kernel), so the pod's liveness probe restarts it.
+    step_timeout: float = 120.0
     # Metrics (docs/metrics.md): the `endpoint` label, the SLO goodput is counted against, the GPU price.
     endpoint_label: str | None = None
     slo_ttft_ms: float | None = None
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:
             raise ValueError("--max-queue-len must be >= 1")
+        if not self.step_timeout > 0:
+            raise ValueError(f"--step-timeout must be > 0, got {self.step_timeout}")
         for flag, v in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)):
             if v is not None and not v > 0:
                 raise ValueError(f"{flag} must be > 0, got {v}")

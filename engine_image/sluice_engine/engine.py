@@ -54,6 +54,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, on the first delta, when asked
+    error: str | None = None  # the request failed (finish_reason "error"): why
 
 
 @dataclass(slots=True)
@@ -157,6 +158,16 @@ class LLMEngine:
                       logits_processors=list(logits_processors or []))
         if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
             req.arrival_time = arrival_time
+        # Everything that can fail comes before the request is registered anywhere: a request that
+        # fails here leaves no trace (a half-registered one once made later identical prompts wait
+        # forever on a leader that never ran).
+        if params.seed is not None:
+            try:
+                req.generator = torch.Generator(device=self.runner.device)
+                req.generator.manual_seed(params.seed)
+            except (RuntimeError, OverflowError, ValueError) as e:
+                raise InvalidParam("seed", f"seed {params.seed} is not usable ({e})") from None
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
         # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
         # first of them has computed it) instead of each prefilling it.
         key = tuple(req.prompt_token_ids)
@@ -165,12 +176,7 @@ class LLMEngine:
             req.fork_source = leader
         else:
             self._prompt_leaders[key] = req
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device)
-            req.generator.manual_seed(params.seed)
-        self._out[request_id] = _OutputState(
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
-        )
+        self._out[request_id] = _OutputState(detok)
         self.scheduler.add(req)
         return req
 
@@ -203,17 +209,53 @@ class LLMEngine:
             return []
         requests = [self.scheduler.requests[s.request_id] for s in sched.scheduled]
         preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
+        # A failure of the forward is the engine's (device, memory, a lost rank): it propagates and
+        # the engine stops. What follows is per request: a failure there fails that request alone.
         logits = self.executor.execute_model(sched)
-        results = sample_step(self.sampler, logits, sched, requests)
+        results, failed = self._sample(logits, sched, requests)
         self.stats.steps += 1
-        outputs = []
+        outputs = [self._fail(req, e) for req, e in failed]
         for res in results:
-            out = self._process(res)
+            try:
+                out = self._process(res)
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop checks, a grammar's accept
+                out = self._fail(res.request, e)
             if out is not None:
                 outputs.append(out)
         self.metrics.on_step([(r, s.num_tokens) for r, s in zip(requests, sched.scheduled, strict=True)],
                              preempted, started)
         return outputs
+
+    def _sample(self, logits, sched, requests: list[Request]) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
+        """Sample the whole batch; if that raises, sample each request on its own, so only the
+        requests whose own state makes sampling fail (a logits processor that raises, say) fail."""
+        try:
+            return sample_step(self.sampler, logits, sched, requests), []
+        except Exception:  # noqa: BLE001 - attributed below, request by request
+            log.warning("sampling the batch failed; sampling its %d requests one by one", len(requests))
+        rows, firsts = sched.logits_layout()
+        results: list[StepResult] = []
+        failed: list[tuple[Request, Exception]] = []
+        for s, req, first in zip(sched.scheduled, requests, firsts, strict=True):
+            one = type(sched)([s])
+            k = s.logits_rows()
+            try:
+                results.extend(sample_step(self.sampler, logits[first : first + k], one, [req]))
+            except Exception as e:  # noqa: BLE001 - this request's failure
+                failed.append((req, e))
+        return results, failed
+
+    def _fail(self, req: Request, e: Exception) -> RequestOutput:
+        """Finish one request with an error; the engine goes on for everyone else."""
+        log.warning("request %s failed: %r", req.request_id, e)
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ERROR)
+            self._on_finished(req)
+            self.stats.finished[FinishReason.ERROR.value] += 1
+        self._out.pop(req.request_id, None)
+        return RequestOutput(req.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             error=f"{type(e).__name__}: {e}")
 
     def keepalive(self) -> None:
         """Idle: keep the other ranks' wait for the next step alive (a no-op with one rank)."""

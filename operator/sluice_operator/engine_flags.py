@@ -40,6 +40,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "max-num-batched-tokens": int,
     "no-prefix-caching": bool,
     "max-queue-len": int,
+    "step-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),

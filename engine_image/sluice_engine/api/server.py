@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..async_engine import AsyncEngine, EngineDeadError
+from ..async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from ..engine import LLMEngine
 from ..metrics import PrometheusExporter
 from .errors import APIError, api_error_handler, validation_error_handler
@@ -49,6 +49,10 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return APIError(500, str(exc), code="engine_dead").response()
 
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return APIError(500, str(exc), code="request_failed").response()
+
     async def respond(result):
         if isinstance(result, dict):
             return JSONResponse(result)
@@ -74,6 +78,9 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     async def health():
         if async_engine.dead is not None:
             return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=503)
+        if async_engine.hung_for() is not None:
+            return JSONResponse({"status": "hung", "error": f"a step has run longer than --step-timeout "
+                                 f"({engine.cfg.step_timeout:g} s)"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -81,6 +88,8 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
         # The model is loaded before the app exists; ready means the engine loop is alive too.
         if async_engine.dead is not None:
             return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
+        if async_engine.hung_for() is not None:
+            return JSONResponse({"status": "not ready", "error": "a step is hung"}, status_code=503)
         return {"status": "ready", "model": info.served_model_name}
 
     @app.get("/metrics")
