@@ -35,6 +35,10 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine (its own fault); the engine serves on."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is draining (SIGTERM): no new requests; open ones cut at the drain deadline."""
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -68,6 +72,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self._fail_lock = threading.Lock()
         self.step_started: float | None = None  # monotonic start of the step now running (the watchdog's)
+        self.draining = False  # SIGTERM received: /ready is 503 and new requests are refused
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -120,6 +125,23 @@ class AsyncEngine:
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return self.engine.default_max_tokens(num_prompt_tokens)
+
+    # -- graceful shutdown ---------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    @property
+    def num_open(self) -> int:
+        """Requests whose client is still being served (open streams, pending adds included)."""
+        return len(self._streams)
+
+    def end_open_requests(self, reason: str) -> None:
+        """The drain deadline passed: every open request ends now with ServerShuttingDownError (an
+        error event and [DONE] on a stream) and is aborted in the engine."""
+        if self._loop is None or self._loop.is_closed():
+            return
+        err = ServerShuttingDownError(reason)
+        self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))
 
     def hung_for(self) -> float | None:
         """Seconds the current step has run past --step-timeout (the watchdog), or None."""

@@ -78,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from .api.draining_server import DrainingServer
     from .api.server import build_app
     from .async_engine import AsyncEngine
     from .engine import LLMEngine
@@ -92,8 +93,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
     engine = async_engine.engine
     app = build_app(async_engine)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5), async_engine, args.shutdown_timeout)
 
     def on_dead(e: BaseException) -> None:
         # /health already says 503; give open streams a moment to carry their error event, then stop
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, let in-flight requests finish for up to this long (new ones get 503)")
     serve.set_defaults(func=cmd_serve)
     render = sub.add_parser("render", help="print the Kubernetes objects the operator creates for an "
                                            "InferenceEndpoint (offline)")

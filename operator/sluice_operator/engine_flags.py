@@ -41,6 +41,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "no-prefix-caching": bool,
     "max-queue-len": int,
     "step-timeout": float,
+    "shutdown-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),

@@ -27,6 +27,12 @@ LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 RUN_AS = 10001  # the engine image's non-root user (engine_image/Dockerfile)
 STARTUP_PERIOD_S = 10
+# Graceful shutdown: the preStop pause lets the Service and the gateway stop sending before SIGTERM; then the
+# engine drains for --shutdown-timeout (in-flight requests finish, new ones get 503) and exits 0. The pod's
+# grace period covers both plus a margin, so Kubernetes never SIGKILLs a drain that is keeping its promise.
+PRESTOP_SLEEP_S = 5
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30
+GRACE_MARGIN_S = 10
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 
 CONTAINER_SECURITY = {
@@ -104,6 +110,11 @@ def component_of(role: str) -> str:
     return "server" if role == SERVING else "standby"
 
 
+def termination_grace_seconds(ep: InferenceEndpoint) -> int:
+    drain = float(ep.spec.engine.args.get("shutdown-timeout", DEFAULT_SHUTDOWN_TIMEOUT_S))
+    return PRESTOP_SLEEP_S + int(-(-drain // 1)) + GRACE_MARGIN_S
+
+
 def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, role: str, serves: bool,
                  config_map: str, config_hash: str) -> dict[str, Any]:
     spec, pod = ep.spec, ep.spec.pod
@@ -136,6 +147,7 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         "volumeMounts": mounts,
         "securityContext": CONTAINER_SECURITY,
         **probes(ep, serves=serves),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
     }
     if spec.model.credentials_secret_ref:
         engine["envFrom"] = credentials_env_from(ep)
@@ -149,6 +161,7 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [engine],
         "volumes": volumes,
+        "terminationGracePeriodSeconds": termination_grace_seconds(ep),
     }
     if mount.init_containers:
         pod_spec["initContainers"] = mount.init_containers

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from ..async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
 from ..engine import LLMEngine
 from ..metrics import PrometheusExporter
 from .errors import APIError, api_error_handler, validation_error_handler
@@ -49,6 +49,14 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return APIError(500, str(exc), code="engine_dead").response()
 
+    @app.exception_handler(ServerShuttingDownError)
+    async def _shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": "1"}).response()
+
+    def refuse_while_draining() -> None:
+        if async_engine.draining:  # another replica takes it: the client (or the gateway) retries
+            raise ServerShuttingDownError("server is shutting down; retry on another replica")
+
     @app.exception_handler(RequestFailedError)
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
         return APIError(500, str(exc), code="request_failed").response()
@@ -61,10 +69,12 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        refuse_while_draining()
         return await respond(await serving.completions(body, request.is_disconnected))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        refuse_while_draining()
         return await respond(await serving.chat(body, request.is_disconnected))
 
     @app.get("/v1/models")
@@ -90,6 +100,8 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
             return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
         if async_engine.hung_for() is not None:
             return JSONResponse({"status": "not ready", "error": "a step is hung"}, status_code=503)
+        if async_engine.draining:
+            return JSONResponse({"status": "not ready", "error": "shutting down"}, status_code=503)
         return {"status": "ready", "model": info.served_model_name}
 
     @app.get("/metrics")

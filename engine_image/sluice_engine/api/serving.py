@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..async_engine import AsyncEngine
+from ..async_engine import AsyncEngine, ServerShuttingDownError
 from ..engine import RequestOutput, RequestRejected
 from ..sampler import TokenLogprobs
 from ..sampling_params import InvalidParam, SamplingParams
@@ -380,6 +380,9 @@ class OpenAIServing:
                 yield "data: [DONE]\n\n"
             except APIError as e:
                 yield e.sse()
+            except ServerShuttingDownError as e:  # the drain timed out: say so, and end the stream properly
+                yield APIError(503, str(e), code="shutting_down").sse()
+                yield "data: [DONE]\n\n"
             except Exception as e:  # e.g. the engine loop died mid-stream: tell the client, do not just hang up
                 yield APIError(500, f"generation failed: {e}", code="internal_error").sse()
             finally:

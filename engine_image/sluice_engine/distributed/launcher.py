@@ -125,7 +125,9 @@ def run_worker_node(cfg: EngineConfig, model_dir: Path, host: str, port: int) ->
     log.info("node %d of %d: ranks %d-%d; /health on http://%s:%d (node 0 at %s:%d serves requests)",
              cfg.node_rank, cfg.nnodes, first, first + cfg.ranks_per_node - 1, host, port, cfg.master_addr,
              cfg.master_port)
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    # SIGTERM (the group is being replaced): keep the ranks until node 0 has drained its requests and
+    # ends the group (its ranks then exit 0), or the group fails; the pod's grace period bounds it.
+    signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: waiting for node 0 to end the group"))
     try:
         done.wait()
     except KeyboardInterrupt:
