@@ -78,3 +78,38 @@ def test_finish_frees_blocks_and_abort_of_waiting():
     s.finish(b, FinishReason.ABORT)
     assert not s.has_work() and kv.num_free_blocks() == kv.num_blocks
     assert a.finish_reason is FinishReason.ABORT
+
+
+def test_virtual_engines_partition_requests_and_preempt_only_their_own():
+    """Pipeline parallelism: two virtual engines step disjoint halves; when blocks run out, the engine
+    being scheduled preempts its own latest request, never one of the other's (whose step may be in flight)."""
+    kv = KVCacheManager(6, 4, False)
+    s = Scheduler(kv, 8, 64, num_virtual=2)
+    reqs = [Request(f"r{i}", list(range(10 * i, 10 * i + 7)), SamplingParams(max_tokens=6)) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    assert [r.virtual_engine for r in reqs] == [0, 1, 0]  # least loaded first
+    assert s.max_num_seqs == 4  # max_num_seqs split over the virtual engines
+
+    def step(ve):
+        out = s.schedule(ve)
+        assert {s.requests[x.request_id].virtual_engine for x in out.scheduled} <= {ve}
+        for sr in out.scheduled:
+            req = s.requests[sr.request_id]
+            req.num_computed_tokens += sr.num_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_output_token(7)
+                if req.num_output_tokens >= req.params.max_tokens:
+                    s.finish(req, FinishReason.LENGTH)
+        return out
+
+    assert [x.request_id for x in step(0).scheduled] == ["r0", "r2"]  # 4 of the 6 blocks
+    assert [x.request_id for x in step(1).scheduled] == ["r1"]  # the last 2
+    step(0)  # position 7 fits
+    step(1)
+    out = step(0)  # r0 and r2 need a third block, none is free: r2 (ve 0's latest) goes, not r1
+    assert out.preempted == ["r2"] and reqs[1].status is RequestStatus.RUNNING
+    while s.has_work():
+        step(0)
+        step(1)
+    assert all(r.num_output_tokens == 6 for r in reqs) and kv.num_free_blocks() == 6

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from .model_fetch import resolve_model
 from .request import FinishReason, LogitsProcessor, Request
 from .sampler import Sampler, TokenLogprobs
 from .sampling_params import InvalidParam, SamplingParams
+from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode import DraftQuery, build_proposer
 from .step_sampler import StepResult, sample_step
@@ -78,6 +79,15 @@ class ModelInfo:
 
 
 @dataclass(slots=True)
+class _InFlightStep:
+    virtual_engine: int
+    sched: SchedulerOutput
+    requests: list[Request]  # of sched.scheduled, in order
+    preempted: list[Request]
+    started: float
+
+
+@dataclass(slots=True)
 class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -110,7 +120,11 @@ class LLMEngine:
             )
         self.max_model_len = min(self.runner.max_model_len, capacity)
         self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # One virtual engine per pipeline stage: disjoint micro-batches keep every stage busy.
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   num_virtual=self.executor.max_in_flight)
+        self._in_flight: deque[_InFlightStep] = deque()
+        self._next_ve = 0
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
         self.stats = EngineStats()
         self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
@@ -197,25 +211,27 @@ class LLMEngine:
             del self._prompt_leaders[key]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        started = time.monotonic()
-        if self.proposer is not None:
-            self._propose_drafts()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        """Start steps until one per pipeline stage is in flight (just one without pipeline
+        parallelism), then finish the oldest: its outputs."""
+        while self.executor.num_in_flight < self.executor.max_in_flight and self._start_step():
+            pass
+        if not self._in_flight:
             return []
-        requests = [self.scheduler.requests[s.request_id] for s in sched.scheduled]
-        preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
+        step = self._in_flight.popleft()
+        sched, requests = step.sched, step.requests
         # A failure of the forward is the engine's (device, memory, a lost rank): it propagates and
         # the engine stops. What follows is per request: a failure there fails that request alone.
-        logits = self.executor.execute_model(sched)
+        logits = self.executor.collect()
         results, failed = self._sample(logits, sched, requests)
         self.stats.steps += 1
         outputs = [self._fail(req, e) for req, e in failed]
         for res in results:
+            if res.request.is_finished:
+                continue  # aborted while its step was in flight
             try:
                 out = self._process(res)
             except Exception as e:  # noqa: BLE001 - detokenizing, stop checks, a grammar's accept
@@ -223,8 +239,30 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         self.metrics.on_step([(r, s.num_tokens) for r, s in zip(requests, sched.scheduled, strict=True)],
-                             preempted, started)
+                             step.preempted, step.started)
         return outputs
+
+    def _start_step(self) -> bool:
+        """Schedule and submit a step of the next virtual engine that has work and no step in flight."""
+        busy = {st.virtual_engine for st in self._in_flight}
+        n = self.scheduler.num_virtual
+        for k in range(n):
+            ve = (self._next_ve + k) % n
+            if ve in busy or not self.scheduler.has_work_on(ve):
+                continue
+            started = time.monotonic()
+            if self.proposer is not None:
+                self._propose_drafts(ve)
+            sched = self.scheduler.schedule(ve)
+            if sched.is_empty:
+                continue
+            self._next_ve = (ve + 1) % n
+            requests = [self.scheduler.requests[s.request_id] for s in sched.scheduled]
+            preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
+            self.executor.submit(sched)
+            self._in_flight.append(_InFlightStep(ve, sched, requests, preempted, started))
+            return True
+        return False
 
     def _sample(self, logits, sched, requests: list[Request]) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
         """Sample the whole batch; if that raises, sample each request on its own, so only the
@@ -264,11 +302,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self, ve: int = 0) -> None:
         """The draft-proposal hook: guess the next tokens of each decoding request (speculative
         decoding). The scheduler computes them after the last known token; the sampler verifies."""
         assert self.proposer is not None
-        running = self.scheduler.running
+        running = [r for r in self.scheduler.running if r.virtual_engine == ve]
         if len(running) > self.spec_config.disable_batch_size:
             return  # a large batch already uses the compute that speculation would fill
         queries: list[DraftQuery] = []

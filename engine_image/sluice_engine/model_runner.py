@@ -98,7 +98,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Run this rank's part of the step. Returns the logits ([rows of logits_layout(), vocab],
-        float32) on rank 0, None on every other rank."""
+        float32) when this rank is rank 0 and holds the last stage; None otherwise (a stage hands its
+        hidden states on; the last stage sends its logits to rank 0, which collects them: executor.py)."""
         inp = self.prepare(sched)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
@@ -109,11 +110,15 @@ class ModelRunner:
         hidden = self.forward(inp, hidden_in)
         if not sh.is_last_stage:
             ps.send_hidden(hidden)
-            logits = None
-        else:
-            logits = self.model.compute_logits(hidden[inp.logits_rows]) if inp.logits_rows.numel() else \
-                torch.empty(0, self.model_config.vocab_size, device=self.device)
-        return ps.logits_to_rank0(logits, (inp.logits_rows.numel(), self.model_config.vocab_size), self.device)
+            return None
+        rows = inp.logits_rows.numel()
+        if not rows:
+            return torch.empty(0, self.model_config.vocab_size, device=self.device) if sh.rank == 0 else None
+        logits = self.model.compute_logits(hidden[inp.logits_rows])  # on the stage's first TP rank only
+        if logits is None or sh.rank == 0:
+            return logits
+        ps.send_logits(logits)
+        return None
 
     def forward(self, inp: ModelInput, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         with forward_context(ForwardContext(inp.attn, self.kv_caches)):

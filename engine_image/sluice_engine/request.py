@@ -84,6 +84,8 @@ class Request:
     # An in-flight request with the same prompt (n > 1 siblings, identical concurrent prompts): once it
     # has computed the prompt, this one shares its blocks instead of prefilling (see KVCacheManager.fork).
     fork_source: Request | None = None
+    # Pipeline parallelism: the virtual engine (scheduler partition) this request is stepped on.
+    virtual_engine: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

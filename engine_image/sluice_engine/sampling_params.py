@@ -4,6 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Bounds every request is held to (docs/reliability.md). The API adds those that need the model
+# (token ids within the vocabulary) and the int64 range for `seed` (vLLM's rule; seed + i for choice
+# i of n must still fit the generator, which takes [-2**63, 2**64 - 1]).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: values >= the vocabulary size mean "off"
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 1024
+# Below this a temperature samples the argmax anyway (vLLM's epsilon); dividing float32 logits by a
+# smaller one overflows them to inf and the draw would be garbage.
+GREEDY_TEMPERATURE = 1e-5
+# top_p below this keeps only the most likely token, exactly as smaller values would, and still is a
+# normal float32 (1e-300 would round to 0 in the sampler's tensors and drop every token).
+MIN_TOP_P = 1e-30
+
 
 class InvalidParam(ValueError):
     """A request parameter is out of range. `param` names the field (OpenAI error shape)."""
@@ -40,10 +58,16 @@ class SamplingParams:
             raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if not self.temperature >= 0:  # written so that NaN fails too
             raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature <= MAX_TEMPERATURE:
+            raise InvalidParam("temperature", f"temperature must be at most {MAX_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidParam("top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k > MAX_TOP_K:
+            raise InvalidParam("top_k", f"top_k must be at most {MAX_TOP_K}, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= self.presence_penalty <= 2:
@@ -52,20 +76,38 @@ class SamplingParams:
             raise InvalidParam(
                 "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
             )
-        if not self.repetition_penalty > 0:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidParam(
-                "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+                "repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"
             )
         if self.n < 1:
             raise InvalidParam("n", f"n must be at least 1, got {self.n}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidParam("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.n > MAX_N:
+            raise InvalidParam("n", f"n must be at most {MAX_N}, got {self.n}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidParam("seed", f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidParam("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidParam("prompt_logprobs",
+                               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise InvalidParam("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
+                               f"got one of {longest}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParam("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, "
+                               f"got {len(self.stop_token_ids)}")
+        bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_TOP_K), None)
+        if bad is not None:
+            raise InvalidParam("stop_token_ids", f"stop_token_ids holds {bad}, which is not a token id")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:

@@ -4,6 +4,12 @@ A step is `{request_id: number of tokens to compute}`. Running requests go first
 until `max_num_batched_tokens` is spent; a long prompt simply gets a chunk this step and the rest in
 later steps. When blocks run out, the most recently admitted running request is preempted by
 recompute: its blocks are freed and it goes back to the front of the queue.
+
+With pipeline parallelism the requests are split over `num_virtual` virtual engines (one per stage, as
+vLLM's virtual engines): each step schedules one of them, so while its micro-batch is in flight the next
+step schedules another, disjoint set and every stage has work. A request stays on its virtual engine;
+a new one joins the least loaded; preemption only ever takes from the virtual engine being scheduled
+(never a request whose step is still in flight). Each virtual engine may run max_num_seqs / num_virtual.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from .sched_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, num_virtual: int = 1):
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
+        self.num_virtual = num_virtual
+        self.max_num_seqs = max(1, -(-max_num_seqs // num_virtual))  # per virtual engine
+        self._load = [0] * num_virtual  # unfinished requests per virtual engine
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -28,8 +36,13 @@ class Scheduler:
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        request.virtual_engine = min(range(self.num_virtual), key=self._load.__getitem__)
+        self._load[request.virtual_engine] += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def has_work_on(self, ve: int) -> bool:
+        return any(r.virtual_engine == ve for r in self.running) or any(r.virtual_engine == ve for r in self.waiting)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -54,16 +67,22 @@ class Scheduler:
         request.finish_reason = reason
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        self._load[request.virtual_engine] -= 1
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ve: int = 0) -> SchedulerOutput:
+        """One step for virtual engine `ve` (the only one without pipeline parallelism)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        mine = self.num_virtual == 1 or (lambda r: r.virtual_engine == ve)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if mine is not True and not mine(req):
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to do (cannot happen unless a step was skipped)
                 i += 1
@@ -73,7 +92,7 @@ class Scheduler:
                 del req.spec_token_ids[budget - num_new :]
                 num_new += len(req.spec_token_ids)
             while not self.kv.allocate(req, num_new):
-                victim = self.running.pop()  # most recently admitted
+                victim = self._pop_victim(mine)  # most recently admitted of this virtual engine
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -86,9 +105,13 @@ class Scheduler:
             break  # req itself was preempted; everything after it already was
 
         # Admit waiting requests only if nobody was preempted this step (they would thrash).
+        running = len(self.running) if mine is True else sum(1 for r in self.running if mine(r))
         idx = 0
-        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while idx < len(self.waiting) and budget > 0 and running < self.max_num_seqs and not out.preempted:
             req = self.waiting[idx]
+            if mine is not True and not mine(req):
+                idx += 1
+                continue
             fork = self._fork_state(req)
             if fork == "wait":
                 idx += 1  # its source is still computing the shared prompt; later requests may pass
@@ -103,6 +126,7 @@ class Scheduler:
                     req.num_cached_tokens = req.num_computed_tokens
                 out.block_copies.extend(copies)
                 self._admit(req, 1, now, out)
+                running += 1
                 budget -= 1
                 continue
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
@@ -117,8 +141,15 @@ class Scheduler:
                 self.kv.prefix_hits += num_cached
             req.num_computed_tokens += num_cached
             self._admit(req, num_new, now, out)
+            running += 1
             budget -= num_new
         return out
+
+    def _pop_victim(self, mine) -> Request:
+        for j in range(len(self.running) - 1, -1, -1):
+            if mine is True or mine(self.running[j]):
+                return self.running.pop(j)
+        raise AssertionError("no running request of this virtual engine to preempt")
 
     def _fork_state(self, req: Request) -> str:
         """'now': share the source's prompt KV; 'wait': the source will have it soon; 'no': prefill."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..async_engine import AsyncEngine, ServerShuttingDownError
 from ..engine import RequestOutput, RequestRejected
 from ..sampler import TokenLogprobs
-from ..sampling_params import InvalidParam, SamplingParams
+from ..sampling_params import MAX_TOP_K, InvalidParam, SamplingParams
 from ..structured import (
     GrammarError,
     StructuredOutputs,
@@ -26,9 +26,11 @@ from ..structured import (
     template_renders_tools,
 )
 from .errors import APIError, bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text
 
 DISCONNECT_POLL_S = 0.2
+# chat_template_kwargs may not name what the request's own fields set (or the renderer's arguments).
+RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "tools", "add_generation_prompt"})
 
 
 @dataclass(slots=True)
@@ -62,6 +64,25 @@ class OpenAIServing:
             raise bad_request(f"model '{model}' does not exist; this server serves '{self.model_name}'",
                               param="model", code="model_not_found")
 
+    def check_fields(self, req) -> None:
+        """The bounds that need the model or span fields (the rest are in protocol.py and
+        SamplingParams): text a tokenizer can take, token ids in the vocabulary, best_of."""
+        bad = invalid_text(req)
+        if bad is not None:
+            raise bad_request(bad[1], param=bad[0])
+        vocab = self.engine.model_info.vocab_size
+        out_of_vocab = next((t for t in req.stop_token_ids if not 0 <= t < vocab), None)
+        if out_of_vocab is not None:
+            raise bad_request(f"stop_token_ids holds {out_of_vocab}, outside the vocabulary (0..{vocab - 1})",
+                              param="stop_token_ids")
+        for key in req.logit_bias or {}:
+            if not 0 <= _as_int(key, -1) < vocab:
+                raise bad_request(f"logit_bias keys must be token ids in the vocabulary (0..{vocab - 1}), "
+                                  f"got {key!r}", param="logit_bias")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra candidates is not "
+                              "supported", param="best_of")
+
     def check_capacity(self, n_requests: int) -> None:
         if n_requests > self.max_queue_len:
             raise bad_request(f"this request needs {n_requests} sequences (prompts x n) but at most "
@@ -76,13 +97,15 @@ class OpenAIServing:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", param="stop")
+        vocab = self.engine.model_info.vocab_size
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else
                 self.engine.default_max_tokens(num_prompt_tokens),
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                # top_k at or past the vocabulary keeps every token: the same as off.
+                top_k=-1 if req.top_k in (None, 0) or (vocab <= req.top_k <= MAX_TOP_K) else req.top_k,
                 min_p=req.min_p, seed=req.seed,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
@@ -184,6 +207,7 @@ class OpenAIServing:
         return prompts
 
     async def completions(self, req: CompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
+        self.check_fields(req)
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
@@ -260,7 +284,12 @@ class OpenAIServing:
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
+        self.check_fields(req)
         self.check_model(req.model)
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: the request's own "
+                              "fields (messages, tools, add_generation_prompt) set those", param="chat_template_kwargs")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
         try:
@@ -273,7 +302,7 @@ class OpenAIServing:
             prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                                     tools=plan.template_tools() if plan and native_tools else None,
                                                     **(req.chat_template_kwargs or {}))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # a template failing on odd content is the request's fault
             raise bad_request(str(e), param="messages") from None
         self.check_capacity(req.n)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -389,6 +418,13 @@ class OpenAIServing:
                 await choices_iter.aclose()
 
         return events()
+
+
+def _as_int(text: str, default: int) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return default
 
 
 def _chat_message(ch: _Choice, tools: bool) -> dict:

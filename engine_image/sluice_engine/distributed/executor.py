@@ -3,7 +3,8 @@
 One rank: the executor is just the model runner. Several: `sluice serve` on node 0 starts this node's
 other ranks as worker processes (launcher.py), joins the group as rank 0, and every step broadcasts
 the SchedulerOutput (plain data) to all ranks before running its own part; the logits come back to
-rank 0. While idle it pings the workers, so their wait for the next step never hits the collective
+rank 0. With pipeline stages, up to one step per stage is in flight (submit / collect): stage 0 starts
+the next micro-batch while later stages work on earlier ones. While idle it pings the workers, so their wait for the next step never hits the collective
 timeout, and a lost rank is noticed within a ping.
 
 Any failure of a rank is the group's: a collective raises (peer gone, timeout) or a local worker
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,8 +42,9 @@ class Executor:
         self.world_size = cfg.world_size
         self.workers = None
         self.on_failure: Callable[[BaseException], None] | None = None
-        self._last_broadcast = time.monotonic()
+        self._last_message = time.monotonic()
         self._closed = False
+        self._in_flight: deque[tuple[SchedulerOutput, torch.Tensor | None]] = deque()
         if self.world_size > 1:
             # Refuse a split that cannot work before any rank loads a weight.
             check_layout(ModelConfig.from_dir(model_dir), cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
@@ -77,19 +80,40 @@ class Executor:
         return self.world_size if self.runner.device.type == "cuda" else 0
 
     # -- steps ---------------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor:
+    @property
+    def max_in_flight(self) -> int:
+        """Steps that may be in flight at once: one per pipeline stage, so every stage has work."""
+        return self.cfg.pipeline_parallel_size
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start a step: every rank gets it; this rank runs its (first) stage and hands it on."""
         if self.world_size > 1:
-            ps.broadcast_from_rank0(sched)
-            self._last_broadcast = time.monotonic()
-        logits = self.runner.execute_model(sched)
-        assert logits is not None
+            ps.send_control(sched)
+            self._last_message = time.monotonic()
+        self._in_flight.append((sched, self.runner.execute_model(sched)))
+
+    def collect(self) -> torch.Tensor:
+        """The logits of the oldest step in flight (waits for the last stage)."""
+        sched, logits = self._in_flight.popleft()
+        if logits is None:
+            rows, _ = sched.logits_layout()
+            logits = ps.recv_logits((len(rows), self.model_config.vocab_size), self.runner.device)
         return logits
+
+    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor:
+        """One step, start to logits."""
+        self.submit(sched)
+        return self.collect()
 
     def keepalive(self) -> None:
         """Called when idle: ping the workers once a ping interval has passed since the last message."""
-        if self.world_size > 1 and time.monotonic() - self._last_broadcast >= PING_INTERVAL_S:
-            ps.broadcast_from_rank0(PING)
-            self._last_broadcast = time.monotonic()
+        if self.world_size > 1 and time.monotonic() - self._last_message >= PING_INTERVAL_S:
+            ps.send_control(PING)
+            self._last_message = time.monotonic()
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers: a stop message when the group is healthy, else kill this node's."""
@@ -98,8 +122,9 @@ class Executor:
         self._closed = True
         if graceful:
             try:
+                ps.send_control(None)
                 done = threading.Event()
-                threading.Thread(target=lambda: (ps.broadcast_from_rank0(None), done.set()), daemon=True).start()
+                threading.Thread(target=lambda: (ps.wait_sends(), done.set()), daemon=True).start()
                 done.wait(5)
             except Exception:  # noqa: BLE001 - the group is already broken: kill below
                 log.warning("could not tell the workers to stop; killing this node's")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -105,42 +106,71 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-# -- pipeline stages ----------------------------------------------------------------------------
+# -- point to point: stages and plain data ----------------------------------------------------------
+# Sends are asynchronous (isend), so a rank goes on with its next micro-batch while its last output
+# travels: that is what lets pipeline stages overlap. Each kind of message has its own tag; between two
+# ranks, messages of one tag arrive in the order they were sent, and every rank receives in step order.
+CONTROL_TAG, HIDDEN_TAG, LOGITS_TAG = 1, 2, 3
+_in_flight_sends: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until sent)
+
+
+def _isend(t: torch.Tensor, dst: int, tag: int, group=None) -> None:
+    _in_flight_sends[:] = [(w, x) for w, x in _in_flight_sends if not w.is_completed()]
+    _in_flight_sends.append((dist.isend(t, dst=dst, group=group, tag=tag), t))
+
+
+def wait_sends() -> None:
+    """Block until every send of this rank has left (before shutdown)."""
+    for w, _ in _in_flight_sends:
+        w.wait()
+    _in_flight_sends.clear()
+
+
 def send_hidden(hidden: torch.Tensor) -> None:
     """To the same TP rank of the next stage (every TP rank holds the whole, all-reduced stream)."""
-    dist.send(hidden.contiguous(), dst=_state.rank + _state.tp)
+    _isend(hidden.contiguous(), _state.rank + _state.tp, HIDDEN_TAG)
 
 
 def recv_hidden(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buf, src=_state.rank - _state.tp)
+    dist.recv(buf, src=_state.rank - _state.tp, tag=HIDDEN_TAG)
     return buf
 
 
-def logits_to_rank0(logits: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
-    """The logits, computed on the last stage's first TP rank, on rank 0 (which samples); None on the
-    other ranks. Every rank knows `shape` from the step's plain data, so no size is exchanged."""
-    s = _state
-    if shape[0] == 0:
-        return torch.empty(shape, dtype=torch.float32, device=device) if s.rank == 0 else None
-    if s.pp == 1:
-        return logits if s.rank == 0 else None
-    src = (s.pp - 1) * s.tp
-    if s.rank == src:
-        dist.send(logits.contiguous(), dst=0)
-    elif s.rank == 0:
-        buf = torch.empty(shape, dtype=torch.float32, device=device)
-        dist.recv(buf, src=src)
-        return buf
-    return None
+def last_stage_rank() -> int:
+    """The rank that computes the logits: the last stage's first TP rank."""
+    return (_state.pp - 1) * _state.tp
 
 
-# -- plain data from rank 0 ---------------------------------------------------------------------
-def broadcast_from_rank0(obj: object = None) -> object:
-    """Rank 0 sends `obj` (picklable plain data) to every rank; the others get it back."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_state.control_group)
-    return box[0]
+def send_logits(logits: torch.Tensor) -> None:
+    _isend(logits.contiguous(), 0, LOGITS_TAG)
+
+
+def recv_logits(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """On rank 0: the logits of the oldest step in flight. Every rank knows `shape` from the step's
+    plain data, so no size is exchanged."""
+    buf = torch.empty(shape, dtype=torch.float32, device=device)
+    if shape[0]:
+        dist.recv(buf, src=last_stage_rank(), tag=LOGITS_TAG)
+    return buf
+
+
+def send_control(obj: object) -> None:
+    """Rank 0: `obj` (picklable plain data: a SchedulerOutput, a ping, None to stop) to every rank."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    size = torch.tensor([len(data)], dtype=torch.long)
+    for r in range(1, _state.world_size):
+        _isend(size, r, CONTROL_TAG, _state.control_group)
+        _isend(payload, r, CONTROL_TAG, _state.control_group)
+
+
+def recv_control() -> object:
+    size = torch.empty(1, dtype=torch.long)
+    dist.recv(size, src=0, group=_state.control_group, tag=CONTROL_TAG)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src=0, group=_state.control_group, tag=CONTROL_TAG)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def all_ranks_min(value: int) -> int:

@@ -31,13 +31,14 @@ def run_worker(cfg: EngineConfig, model_dir: Path, rank: int) -> None:
     torch.set_grad_enabled(False)
     steps = 0
     while True:
-        msg = ps.broadcast_from_rank0()
+        msg = ps.recv_control()
         if msg is None:
             break
         if msg == PING:
             continue
         runner.execute_model(msg)
         steps += 1
+    ps.wait_sends()
     log.info("rank %d: stopped after %d steps", rank, steps)
 
 
