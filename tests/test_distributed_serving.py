@@ -73,8 +73,11 @@ def layout_server(request, start_server, model_dir, tmp_path_factory):
     yield request.param, server, node1
     server.stop()
     if node1 is not None:
-        node1.stop()
-        assert node1.proc.returncode == 0, node1.log_path.read_text()  # rank 0 ended the group cleanly
+        try:
+            code = node1.proc.wait(timeout=60)  # rank 0 ends the group: node 1's ranks stop, it exits
+        finally:
+            node1.stop()
+        assert code == 0, node1.log_path.read_text()  # cleanly
 
 
 def test_layout_serves_like_hf(layout_server, reference):  # noqa: F811 - the fixture
