@@ -62,8 +62,10 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
         what = "missing" if first.get("type") == "missing" else "not a JSON object"
         return bad_request(f"request body is {what}; send a JSON object with Content-Type: application/json",
                            code="invalid_value").response()
-    # Drop the body prefix and the type tags pydantic adds inside unions ('str', 'list[int]', ...).
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    loc = _field_path(first)
+    # A union reports each member's failure: prefer one that is not just "wrong type" (a list too
+    # long says more than "Input should be a valid string").
+    first = next((e for e in errors if not e.get("type", "").endswith("_type") and _field_path(e) == loc), first)
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") == "missing":
@@ -71,6 +73,11 @@ async def validation_error_handler(_: Request, exc: RequestValidationError) -> J
     elif param:
         msg = f"invalid value for '{param}': {msg}"
     return bad_request(msg, param=param, code="invalid_value").response()
+
+
+def _field_path(error: dict) -> list[str]:
+    # Drop the body prefix and the type tags pydantic adds inside unions ('str', 'list[int]', ...).
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(p)]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"}

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling_params import MAX_N
+from ..sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 # vLLM's rule for `seed`: a signed 64-bit integer.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -20,12 +20,22 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_CHAT_TEMPLATE_KWARGS = 64
 MAX_LOGIT_BIAS = 1024
+# Lists: a list over its bound is refused before its items are validated, so an 8 MiB body of
+# wrongly typed items cannot make pydantic build millions of errors on the event loop.
+MAX_PROMPTS = 1024  # prompts in one completions request (prompts x n must also fit --max-queue-len)
+MAX_PROMPT_TOKEN_IDS = 2**20  # token ids in one prompt (the context window refuses far fewer)
+MAX_CONTENT_PARTS = 4096
+MAX_GUIDED_CHOICES = 4096
 # Any one string in a request (a prompt, a message's content, a schema given as text), in characters;
 # 4 Mi characters is several times the longest context a model here can take.
 MAX_TEXT_CHARS = 4 * 2**20
 # Nesting of objects and lists inside a field (a JSON schema, a message's content parts, tool
 # parameters): deeper than this is refused before a template or grammar compiler recurses into it.
 MAX_NESTING = 64
+
+
+_PROMPT_SHAPE = ("prompt must be a non-empty string, list of strings, list of token ids, or list of lists of "
+                 "token ids")
 
 
 class _Base(BaseModel):
@@ -46,7 +56,7 @@ class _SamplingFields(_Base):
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # accepted when it equals n (no ranking of extras)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
@@ -58,7 +68,7 @@ class _SamplingFields(_Base):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Sluice extra: false opts this request out of speculative decoding (when the server runs it).
@@ -70,7 +80,7 @@ class _SamplingFields(_Base):
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: str | None = None  # EBNF (xgrammar's dialect, root rule `root`)
 
 
@@ -82,11 +92,39 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     prompt_logprobs: int | None = None
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler):
+        # Checked here rather than by the union, which validates every item against each member and
+        # reports each failure: a million wrong items would be millions of errors.
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError(_PROMPT_SHAPE)
+        if all(type(x) is str for x in value):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(value)}")
+            return value
+        if all(type(x) is int for x in value):
+            if len(value) > MAX_PROMPT_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} token ids in a prompt, got {len(value)}")
+            return value
+        if all(type(x) is list for x in value):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(value)}")
+            for ids in value:
+                if len(ids) > MAX_PROMPT_TOKEN_IDS:
+                    raise ValueError(f"at most {MAX_PROMPT_TOKEN_IDS} token ids in a prompt, got {len(ids)}")
+                if not all(type(x) is int for x in ids):
+                    raise ValueError(_PROMPT_SHAPE)
+            return value
+        raise ValueError(_PROMPT_SHAPE)
+
 
 class ChatMessage(_Base):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
 

@@ -114,8 +114,13 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
             )
         except InvalidParam as e:
-            # Chat names the top-k count top_logprobs; completions calls it logprobs.
-            param = "top_logprobs" if e.param == "logprobs" and hasattr(req, "top_logprobs") else e.param
+            # Chat names the top-k count top_logprobs; completions calls it logprobs. Chat's limit may
+            # have come as max_completion_tokens.
+            param = e.param
+            if param == "logprobs" and hasattr(req, "top_logprobs"):
+                param = "top_logprobs"
+            elif param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+                param = "max_completion_tokens"
             raise bad_request(str(e).replace(e.param, param, 1), param=param) from None
 
     async def _constraints(self, req, plan: ToolPlan | None = None):

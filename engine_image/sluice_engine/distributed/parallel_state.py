@@ -27,7 +27,12 @@ class ParallelState:
     tp: int = 1
     pp: int = 1
     tp_group: object | None = None  # this stage's TP ranks (device backend)
-    control_group: object | None = None  # every rank, gloo: plain-data broadcasts
+    control_group: object | None = None  # every rank, gloo: plain data from rank 0
+    # Rank 0 and the rank that computes the logits (pipeline parallelism only). Its own communicator:
+    # with NCCL, ops on one communicator run in order, and rank 0's sends of the next micro-batch's
+    # hidden states would otherwise queue ahead of its receive of the last one's logits, while the last
+    # stage's send of those logits queues ahead of its receive of those hidden states: a cycle.
+    logits_group: object | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -69,7 +74,8 @@ def init_distributed(rank: int, tp: int, pp: int, master_addr: str, master_port:
         group = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             tp_group = group
-    _state = ParallelState(rank, world, tp, pp, tp_group, control)
+    logits_group = dist.new_group([0, (pp - 1) * tp], backend=backend, timeout=timeout) if pp > 1 else None
+    _state = ParallelState(rank, world, tp, pp, tp_group, control, logits_group)
     log.info("rank %d of %d joined (%s; TP %d x PP %d; stage %d, TP rank %d)", rank, world, backend, tp, pp,
              _state.pp_rank, _state.tp_rank)
     return _state
@@ -143,7 +149,7 @@ def last_stage_rank() -> int:
 
 
 def send_logits(logits: torch.Tensor) -> None:
-    _isend(logits.contiguous(), 0, LOGITS_TAG)
+    _isend(logits.contiguous(), 0, LOGITS_TAG, _state.logits_group)
 
 
 def recv_logits(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -151,7 +157,7 @@ def recv_logits(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     plain data, so no size is exchanged."""
     buf = torch.empty(shape, dtype=torch.float32, device=device)
     if shape[0]:
-        dist.recv(buf, src=last_stage_rank(), tag=LOGITS_TAG)
+        dist.recv(buf, src=last_stage_rank(), group=_state.logits_group, tag=LOGITS_TAG)
     return buf
 
 
