@@ -14,6 +14,7 @@ process exits, and `on_failure` (set by the async engine) reports the engine dea
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -53,6 +54,7 @@ class Executor:
             configure_rank_threads(cfg)
             self.workers = LocalWorkers(cfg, model_dir, first_rank=1, count=cfg.ranks_per_node - 1,
                                         on_exit=self._worker_exited)
+            atexit.register(self.shutdown)  # a script that never calls shutdown() still stops its ranks cleanly
             ps.init_distributed(0, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.master_addr,
                                 cfg.master_port, _device_hint(cfg), cfg.distributed_timeout)
         self.runner = ModelRunner(cfg, model_dir, rank=0, local_rank=0)
