@@ -138,6 +138,9 @@ class OpenAIServing:
                 return None
             compiled = await self.structured.compile(spec)
         except GrammarError as e:
+            if e.status != 400:  # busy compiling others' grammars
+                raise APIError(e.status, str(e), param=e.param, code="grammar_queue_full",
+                               headers={"Retry-After": "1"}) from None
             raise bad_request(str(e), param=e.param) from None
         return lambda: [self.structured.constraint(compiled)]
 
