@@ -222,10 +222,12 @@ async def test_warm_pool_answers_while_serving_is_cold_then_traffic_moves_back()
 
 async def test_api_keys_per_endpoint(tmp_path):
     keys = tmp_path / "keys.yaml"
-    keys.write_text("locked: [sk-right]\n")
+    keys.write_text("keys:\n  locked: [sk-right]\nopen: [open]\n")
     locked = await FakeBackend("L", model="locked").start()
     opened = await FakeBackend("O", model="open").start()
-    gw = await start_gateway(backends=[f"locked={locked.url}", f"open={opened.url}"], api_keys_file=str(keys))
+    other = await FakeBackend("X", model="unnamed").start()
+    gw = await start_gateway(backends=[f"locked={locked.url}", f"open={opened.url}", f"unnamed={other.url}"],
+                             api_keys_file=str(keys))
     try:
         await wait_until(lambda: all(ep.candidates()[0] for ep in gw.registry.models()))
         async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
@@ -240,10 +242,17 @@ async def test_api_keys_per_endpoint(tmp_path):
             r = await c.post("/v1/chat/completions", json=chat("locked", "hi"), headers=ok)
             assert r.status_code == 200
             assert "authorization" not in {k.lower() for k in locked.headers[-1]}  # not passed to the backend
+            # Opted out: open to anyone. Named nowhere: closed (closed by default once keys are configured).
             assert (await c.post("/v1/chat/completions", json=chat("open", "hi"))).status_code == 200
+            assert (await c.post("/v1/chat/completions", json=chat("unnamed", "hi"), headers=ok)).status_code == 401
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["open"]
             assert [m["id"] for m in (await c.get("/v1/models", headers=ok)).json()["data"]] == ["locked", "open"]
-            keys.write_text('"*": [sk-new]\n')  # rotated, and now every endpoint needs a key
+            # An unknown model's 404 lists only what the caller may use.
+            r = await c.post("/v1/chat/completions", json=chat("nope", "hi"))
+            assert r.status_code == 404 and r.json()["error"]["message"].endswith("models available to you: open")
+            r = await c.post("/v1/chat/completions", json=chat("nope", "hi"), headers=ok)
+            assert r.json()["error"]["message"].endswith("models available to you: locked, open")
+            keys.write_text('"*": [sk-new]\n')  # rotated (the flat form): every endpoint needs a key
             await asyncio.sleep(0.01)
             r = await c.post("/v1/chat/completions", json=chat("open", "hi"))
             assert r.status_code == 401
@@ -252,8 +261,34 @@ async def test_api_keys_per_endpoint(tmp_path):
             assert counter(gw, "unauthorized", "locked") == 2
     finally:
         await gw.stop()
-        await locked.stop()
-        await opened.stop()
+        for b in (locked, opened, other):
+            await b.stop()
+
+
+async def test_api_key_is_checked_before_the_body_is_read(tmp_path, caplog):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text('"*": [sk-secret-123]\n')
+    gw = await start_gateway(backends=["m=http://127.0.0.1:9"], api_keys_file=str(keys), hold_timeout=0.3)
+    try:
+        # Headers announcing a 1 MiB body, and no body at all: the 401 comes anyway, so none of it was awaited.
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1048576\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 401") and b"Connection: close" in head
+        writer.close()
+        assert gw.metrics.refused.labels("unauthorized")._value.get() == 1
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+            # No key material in the logs: a broken file is reported by position, not quoted.
+            keys.write_text('"*": [sk-secret-456\n')
+            await asyncio.sleep(0.01)
+            r = await c.post("/v1/chat/completions", json=chat("m", "hi"), headers={"Authorization": "Bearer sk-secret-123"})
+            assert r.status_code != 401  # the previous keys stay
+        assert "keeping the previous keys" in caplog.text
+        assert "sk-secret" not in caplog.text
+    finally:
+        await gw.stop()
 
 
 async def test_backends_file_is_reread_on_change(tmp_path):

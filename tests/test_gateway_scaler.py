@@ -71,7 +71,7 @@ async def test_external_scaler_per_keda_contract(tmp_path):
         metrics = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(), metricName=METRIC_NAME))
         assert metrics.metricValues[0].metricValueFloat == 0.0
         stream.cancel()
-        await wait_until(lambda: not gw.demand["ns/chat"].subscribers)
+        await wait_until(lambda: not gw.demand.subscribers("ns/chat"))
     finally:
         await channel.close()
         await gw.stop()
@@ -95,6 +95,78 @@ async def test_every_new_hold_is_pushed_even_while_active(tmp_path):
         demand.add(held=-1, inflight=-1)
         assert (await asyncio.wait_for(stream.read(), 2)).result is False
         stream.cancel()
+    finally:
+        await channel.close()
+        await gw.stop()
+
+
+async def test_unknown_endpoints_create_nothing_and_streams_are_bounded():
+    gw = await start_gateway(backends=["chat=http://127.0.0.1:9"], scaler_max_streams=2)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.scaler_port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        before = gw.demand.items()
+        for i in range(50):  # made-up endpoints: inactive, demand 0, and no entry each
+            made_up = ref(endpoint=f"ns/made-up-{i}", model=f"nope-{i}")
+            assert (await stub.IsActive(made_up)).result is False
+            metrics = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=made_up, metricName=METRIC_NAME))
+            assert metrics.metricValues[0].metricValue == 0
+        assert gw.demand.items() == before
+        streams = [stub.StreamIsActive(ref(endpoint=None, model="chat")) for _ in range(2)]
+        for st in streams:
+            assert (await st.read()).result is False
+        extra = stub.StreamIsActive(ref(endpoint=None, model="chat"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await extra.read()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        streams[0].cancel()
+        await wait_until(lambda: gw.demand.subscriber_count == 1)
+        again = stub.StreamIsActive(ref(endpoint=None, model="chat"))
+        assert (await again.read()).result is False  # a slot freed is a slot to take
+        # A subscriber that does not read holds a bounded queue, not one state per flip.
+        demand = gw.demand["chat"]
+        for _ in range(100):
+            demand.add(held=1)
+            demand.add(held=-1)
+        assert all(q.qsize() <= 8 for q in gw.demand.subscribers("chat"))
+        for st in (streams[1], again):
+            st.cancel()
+    finally:
+        await channel.close()
+        await gw.stop()
+
+
+async def test_unauthenticated_scaler_calls_are_refused_when_a_token_is_set(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    gw = await start_gateway(backends=["chat=http://127.0.0.1:9"], scaler_token_file=str(token))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.scaler_port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    try:
+        calls = [
+            lambda r, **kw: stub.IsActive(r, **kw),
+            lambda r, **kw: stub.GetMetricSpec(r, **kw),
+            lambda r, **kw: stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=r, metricName=METRIC_NAME), **kw),
+        ]
+        for call in calls:
+            for bad in (ref(), ref(scalerToken="wrong")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(bad)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            await call(ref(scalerToken="s3cret-token"))  # the trigger's metadata carries it
+            await call(ref(), metadata=(("authorization", "Bearer s3cret-token"),))  # or the call's metadata
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.StreamIsActive(ref()).read()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert gw.demand.subscriber_count == 0
+        stream = stub.StreamIsActive(ref(scalerToken="s3cret-token"))
+        assert (await stream.read()).result is False
+        stream.cancel()
+        token.write_text("rotated\n")  # re-read on change: no restart
+        await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.IsActive(ref(scalerToken="s3cret-token"))
+        assert (await stub.IsActive(ref(scalerToken="rotated"))).result is False
     finally:
         await channel.close()
         await gw.stop()

@@ -36,6 +36,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     hold = p.add_argument_group("holding (scale from zero)")
     hold.add_argument("--max-held", type=int, default=d.max_held,
                       help="requests held per endpoint while it has no ready backend; more get 429")
+    hold.add_argument("--max-held-total", type=int, default=d.max_held_total,
+                      help="requests held over all endpoints together; more get 429")
+    hold.add_argument("--max-held-bytes", type=int, default=d.max_held_bytes,
+                      help="bytes of request bodies held per endpoint; more get 429")
+    hold.add_argument("--max-held-bytes-total", type=int, default=d.max_held_bytes_total,
+                      help="bytes of request bodies held over all endpoints together; more get 429")
     hold.add_argument("--hold-timeout", type=float, default=d.hold_timeout,
                       help="seconds a request is held before 503 with Retry-After")
     hold.add_argument("--keepalive-interval", type=float, default=d.keepalive_interval,
@@ -45,11 +51,25 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between GET /ready polls of a ready backend (cold ones: every "
                         f"{d.health_interval_cold}s)")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout,
+                   help="seconds without a byte from a backend (headers, or a stream's next chunk) before it "
+                        "counts as hung; bounds a non-streamed generation too")
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                     help="largest request body; larger ones get 413")
+    mem.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
+                     help="request bodies in memory at once (being read, held, in flight); beyond: 503")
     p.add_argument("--scaler-target", type=float, default=d.scaler_target,
                    help="KEDA metric target: held + in-flight requests per serving replica (a trigger's "
                         "targetValue metadata overrides it)")
     p.add_argument("--api-keys-file", default=None,
-                   help="YAML map of endpoint (or model, or \"*\") to API keys; off by default")
+                   help="YAML map of endpoint (or model, or \"*\") to API keys; once given, every endpoint needs a "
+                        "key unless the file lists it under `open`; off by default")
+    p.add_argument("--scaler-token-file", default=None,
+                   help="file holding a token every KEDA external scaler call must present (trigger metadata "
+                        "scalerToken, or gRPC metadata 'authorization: Bearer <token>'); off by default")
+    p.add_argument("--scaler-max-streams", type=int, default=d.scaler_max_streams,
+                   help="StreamIsActive subscriptions served at once; more are refused (RESOURCE_EXHAUSTED)")
     p.add_argument("--debug-headers", action="store_true",
                    help="add X-Sluice-Backend and X-Sluice-Role to responses (exposes backend addresses)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROUTING_MODES = ("prefix", "least-loaded", "round-robin")
+MiB = 2**20
 
 
 @dataclass(slots=True)
@@ -26,6 +27,9 @@ class GatewayConfig:
     max_attempts: int = 3  # backends tried per request (retries happen only before any byte reached the client)
     # Holding while an endpoint has no ready backend (scale from zero).
     max_held: int = 256  # per endpoint; over it: 429
+    max_held_total: int = 1024  # all endpoints together; over it: 429
+    max_held_bytes: int = 64 * MiB  # request bodies held per endpoint; over it: 429
+    max_held_bytes_total: int = 256 * MiB  # request bodies held, all endpoints together; over it: 429
     hold_timeout: float = 300.0  # seconds; past it: 503 with Retry-After
     keepalive_interval: float = 5.0  # a held stream gets its headers and an SSE comment this often
     retry_after: int = 10  # Retry-After (seconds) on 429 and hold-timeout 503
@@ -33,9 +37,18 @@ class GatewayConfig:
     health_interval: float = 2.0  # for ready backends
     health_interval_cold: float = 0.25  # for backends not ready yet: a cold start ends within this
     connect_timeout: float = 5.0
+    # Seconds without a byte from a backend (its headers, or the next chunk of a stream) before it counts as
+    # hung. A non-streamed answer comes whole at the end, so this also bounds a non-streamed generation.
+    read_timeout: float = 300.0
+    # Memory: request bodies are read whole (the model is in them) and kept until answered (for retries).
+    max_body_bytes: int = 8 * MiB  # larger bodies: 413 (the engine's own limit)
+    max_buffered_bytes: int = 384 * MiB  # bodies in memory at once (being read, held, in flight); over: 503
     # KEDA: target of the demand metric (held + in-flight requests) per serving replica.
     scaler_target: float = 16.0
     api_keys_file: str | None = None
+    # KEDA external scaler: a shared token callers must present (a file, re-read on change); streams bounded.
+    scaler_token_file: str | None = None
+    scaler_max_streams: int = 256  # StreamIsActive subscriptions at once (KEDA opens one per trigger)
     debug_headers: bool = False  # X-Sluice-Backend / X-Sluice-Role on responses (exposes pod addresses)
 
     def __post_init__(self) -> None:
@@ -49,6 +62,18 @@ class GatewayConfig:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
         if self.max_held < 0:
             raise ValueError(f"--max-held must be >= 0, got {self.max_held}")
+        for name in ("max_held_total", "max_held_bytes", "max_held_bytes_total"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(f"--max-buffered-bytes ({self.max_buffered_bytes}) must be >= --max-body-bytes "
+                             f"({self.max_body_bytes})")
+        if self.read_timeout <= 0:
+            raise ValueError(f"--read-timeout must be > 0, got {self.read_timeout}")
+        if self.scaler_max_streams < 1:
+            raise ValueError(f"--scaler-max-streams must be >= 1, got {self.scaler_max_streams}")
         if self.hold_timeout < 0:
             raise ValueError(f"--hold-timeout must be >= 0, got {self.hold_timeout}")
         if self.keepalive_interval <= 0:

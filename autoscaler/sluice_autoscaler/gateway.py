@@ -18,7 +18,7 @@ import signal
 import prometheus_client
 from aiohttp import web
 
-from .auth import ApiKeys
+from .auth import ApiKeys, ScalerToken
 from .config import GatewayConfig
 from .demand import DemandBoard
 from .kube import KubeAPI, KubeDiscovery
@@ -35,21 +35,26 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.registry = Registry(cfg)
-        self.demand = DemandBoard()
+        self.demand = DemandBoard(cfg.scaler_max_streams)
         self.metrics = GatewayMetrics(self.registry, self.demand)
         self.keys = ApiKeys(cfg.api_keys_file)
+        self.scaler_token = ScalerToken(cfg.scaler_token_file)
         self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys)
         self.discovery: StaticDiscovery | KubeDiscovery
         if cfg.kubernetes:
-            self.discovery = KubeDiscovery(KubeAPI(cfg.kube_api), cfg.namespaces, self.registry.apply)
+            self.discovery = KubeDiscovery(KubeAPI(cfg.kube_api), cfg.namespaces, self._apply)
             self.ready = self.discovery.ready
         else:
-            self.discovery = StaticDiscovery(cfg.backends, cfg.standby, cfg.backends_file, self.registry.apply)
+            self.discovery = StaticDiscovery(cfg.backends, cfg.standby, cfg.backends_file, self._apply)
             self.ready = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._grpc = None
         self.port = cfg.port
         self.scaler_port = cfg.scaler_port
+
+    def _apply(self, specs) -> None:
+        self.registry.apply(specs)
+        self.demand.prune(set(self.registry.endpoints))
 
     @property
     def url(self) -> str:
@@ -69,7 +74,7 @@ class Gateway:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        service = ExternalScaler(self.registry, self.demand, self.cfg.scaler_target)
+        service = ExternalScaler(self.registry, self.demand, self.cfg.scaler_target, self.scaler_token, self.ready)
         self._grpc, self.scaler_port = await start_scaler(service, self.cfg.host, self.cfg.scaler_port)
         log.info("gateway on %s/v1 (routing %s), KEDA external scaler on %s:%d", self.url, self.cfg.routing,
                  self.cfg.host, self.scaler_port)

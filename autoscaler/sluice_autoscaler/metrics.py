@@ -9,6 +9,7 @@ hold histogram are kept as requests finish.
     sluice_gateway_retries_total{endpoint}            requests re-sent to another backend
     sluice_gateway_standby_requests_total{endpoint}   requests the warm pool answered
     sluice_gateway_hold_seconds{endpoint}             time held before a backend took the request
+    sluice_gateway_refused_requests_total{reason}     answered before an endpoint was known (see REFUSALS)
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ OUTCOMES = (
     "ok",  # the backend answered 2xx (streams: to the end)
     "client_error",  # the backend answered 4xx (validation and the like)
     "backend_error",  # the backend answered 5xx and no other backend was left to try
+    "request_failed",  # the backend answered a 5xx it attributed to the request (500 request_failed): not retried
     "backend_failed",  # the backend went away after the response began (streams end with an error event)
     "unavailable",  # no backend could be reached in --max-attempts tries (502)
     "rejected",  # 429: --max-held requests already waiting
     "hold_timeout",  # 503: no backend became ready within --hold-timeout
     "unauthorized",  # 401
     "client_gone",  # the client disconnected first
+)
+REFUSALS = (
+    "unauthorized",  # 401 before the body was read: no key valid anywhere
+    "too_large",  # 413: body over --max-body-bytes
+    "overloaded",  # 503: --max-buffered-bytes of bodies already in memory
+    "invalid_request",  # 400 (not JSON, no model) or 408 (body too slow)
+    "model_not_found",  # 404
 )
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
@@ -72,6 +81,10 @@ class GatewayMetrics:
                                ["endpoint"], registry=self.prom)
         self.standby = Counter("sluice_gateway_standby_requests", "Requests sent to a warm-pool backend.",
                                ["endpoint"], registry=self.prom)
+        self.refused = Counter("sluice_gateway_refused_requests", "Requests answered before an endpoint was "
+                               "known, by reason.", ["reason"], registry=self.prom)
+        for reason in REFUSALS:
+            self.refused.labels(reason)
         self.hold_seconds = Histogram("sluice_gateway_hold_seconds", "Time a request was held before a "
                                       "backend took it.", ["endpoint"], buckets=HOLD_BUCKETS, registry=self.prom)
 

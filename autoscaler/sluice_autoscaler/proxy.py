@@ -1,12 +1,15 @@
 """The OpenAI-compatible reverse proxy: one request's way through the gateway.
 
-    body -> model -> endpoint -> API key check -> routing key (prompt prefix)
+    API key precheck (before the body is read) -> body (bounded: --max-body-bytes, --max-buffered-bytes)
+      -> model -> endpoint -> API key check -> routing key (prompt prefix)
       -> candidates (ready serving; ready standby while serving is cold)
            none: hold (bounded by --max-held and --hold-timeout; demand signalled at once; a held stream gets
                  its headers and SSE keep-alive comments) until the endpoint changes, then look again
       -> router picks one -> forward -> SSE chunks go to the client as they arrive
-      -> the backend fails before any of its bytes reached the client: try another backend
+      -> the backend fails before any of its bytes reached the client: try another backend, unless the
+         failure is the request's own (a 4xx, or a 500 the engine attributed to it: code request_failed)
          after: the stream ends with an OpenAI-shaped error event
+      -> a backend silent for --read-timeout counts as hung (a failure like a reset connection)
 """
 
 from __future__ import annotations
@@ -41,7 +44,47 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 DROP_UPSTREAM = HOP_BY_HOP | {"authorization", "accept-encoding", "cookie"}
 DROP_DOWNSTREAM = HOP_BY_HOP | {"content-encoding", "date", "server"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               429: "rate_limit_error", 503: "service_unavailable"}
+               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
+READ_CHUNK = 64 * 1024
+BODY_READ_TIMEOUT_S = 60.0  # a client must send its whole body within this (a slow sender holds memory)
+ERROR_BODY_MAX = 1 << 20  # a backend's error answer is read whole up to this; beyond, it is replaced
+# A backend's 5xx that another backend may well not repeat: it is retried elsewhere. Anything else, notably
+# a 500 the engine attributed to the request (code "request_failed"), goes to the client as it is: retrying
+# it would only spread a bad request over the replicas.
+RETRY_STATUSES = {502, 503, 504}
+RETRY_500_CODES = {"engine_dead"}
+
+
+def error_code(body: bytes) -> str | None:
+    """The `error.code` of an OpenAI-shaped error body, if it has one."""
+    try:
+        payload = json.loads(body)
+        code = payload["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+def retryable(status: int, body: bytes) -> bool:
+    return status in RETRY_STATUSES or (status == 500 and error_code(body) in RETRY_500_CODES)
+
+
+class BodyBudget:
+    """Bytes of request bodies in memory (being read, held, in flight): --max-buffered-bytes."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -53,6 +96,17 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 def json_error(status: int, message: str, code: str | None = None, param: str | None = None,
                headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(error_body(status, message, code, param), status=status, headers=headers)
+
+
+async def read_capped(up: aiohttp.ClientResponse, cap: int = ERROR_BODY_MAX) -> bytes:
+    """A backend's (error) answer, whole up to `cap` bytes; a longer one is replaced by a note."""
+    out = bytearray()
+    async for chunk in up.content.iter_any():
+        out += chunk
+        if len(out) > cap:
+            return json.dumps(error_body(up.status, f"the backend answered {up.status} with a body over {cap} "
+                                                    "bytes (not relayed)")).encode()
+    return bytes(out)
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -89,12 +143,15 @@ class Proxy:
         self.router = Router(cfg.routing, cfg.load_factor)
         self.session: aiohttp.ClientSession | None = None
         self.started = int(time.time())
+        self.budget = BodyBudget(cfg.max_buffered_bytes)
 
     async def start(self) -> None:
-        # No total or read timeout: a generation may take minutes. Connecting must be quick.
+        # No total timeout: a generation may take minutes. Connecting must be quick, and a backend silent for
+        # --read-timeout (no headers, or no next chunk) is hung.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout,
+                                          sock_read=self.cfg.read_timeout))
 
     async def stop(self) -> None:
         if self.session:
@@ -103,27 +160,75 @@ class Proxy:
     # -- routes ------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/* : every OpenAI call that names a model in its JSON body."""
-        raw = await request.read()
+        auth = request.headers.get("Authorization")
+        denied = self.keys.precheck(auth)  # before the body is read: no memory for callers without a key
+        if denied:
+            return self._refuse("unauthorized", json_error(401, denied, "invalid_api_key",
+                                                            headers={"WWW-Authenticate": "Bearer"}))
+        limit = self.cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return self._refuse("too_large", self._too_large())
+        raw = bytearray()
+        try:
+            try:
+                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                    async for chunk in request.content.iter_chunked(READ_CHUNK):
+                        if len(raw) + len(chunk) > limit:
+                            return self._refuse("too_large", self._too_large())
+                        if not self.budget.take(len(chunk)):
+                            return self._refuse("overloaded", json_error(
+                                503, "the gateway holds as many request bodies as it may "
+                                f"(--max-buffered-bytes {self.cfg.max_buffered_bytes}); retry later",
+                                "gateway_overloaded", headers={"Retry-After": str(self.cfg.retry_after)}), close=True)
+                        raw += chunk
+            except TimeoutError:
+                return self._refuse("invalid_request", json_error(
+                    408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g}s", "body_timeout"),
+                    close=True)
+            return await self._route(request, raw, auth)
+        finally:
+            self.budget.give(len(raw))
+
+    def _too_large(self) -> web.Response:
+        return json_error(413, f"request body is larger than {self.cfg.max_body_bytes} bytes (--max-body-bytes)",
+                          "request_too_large")
+
+    def _refuse(self, reason: str, resp: web.Response, close: bool = True) -> web.Response:
+        """An answer before the request has an endpoint. `close`: the body may be partly unread."""
+        self.metrics.refused.labels(reason).inc()
+        if close:
+            resp.force_close()
+        return resp
+
+    async def _route(self, request: web.Request, raw: bytearray, auth: str | None) -> web.StreamResponse:
         try:
             body = json.loads(raw)
         except ValueError as e:
-            return json_error(400, f"request body is not valid JSON: {e}", "invalid_json")
+            return self._refuse("invalid_request", json_error(400, f"request body is not valid JSON: {e}",
+                                                              "invalid_json"), close=False)
         if not isinstance(body, dict):
-            return json_error(400, "request body must be a JSON object", "invalid_value")
+            return self._refuse("invalid_request", json_error(400, "request body must be a JSON object",
+                                                              "invalid_value"), close=False)
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            return json_error(400, "missing required field 'model'", "invalid_value", "model")
+            return self._refuse("invalid_request", json_error(400, "missing required field 'model'",
+                                                              "invalid_value", "model"), close=False)
         ep = self.registry.by_model(model)
         if ep is None:
-            served = ", ".join(e.model for e in self.registry.models()) or "none"
-            return json_error(404, f"model '{model}' does not exist; this gateway serves: {served}",
-                              "model_not_found", "model")
-        denied = self.keys.check(ep.key, ep.model, request.headers.get("Authorization"))
+            # Only the models this caller may use: the list must not reveal key-protected endpoints.
+            visible = [e.model for e in self.registry.models() if self.keys.check(e.key, e.model, auth) is None]
+            served = ", ".join(visible) or "none"
+            return self._refuse("model_not_found", json_error(
+                404, f"model '{model[:200]}' does not exist; models available to you: {served}",
+                "model_not_found", "model"), close=False)
+        denied = self.keys.check(ep.key, ep.model, auth)
         if denied:
             self.metrics.finished(ep.key, "unauthorized")
             return json_error(401, denied, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         key = routing_key(body, self.cfg.prefix_chars) if self.cfg.routing == "prefix" else None
-        return await Exchange(self, request, ep, raw, body.get("stream") is True, key).run()
+        exchange = Exchange(self, request, ep, raw, body.get("stream") is True, key)
+        del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
+        return await exchange.run()
 
     async def models(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization")
@@ -150,7 +255,8 @@ class Proxy:
 class Exchange:
     """One client request: hold while nothing is ready, pick a backend, forward, maybe retry."""
 
-    def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytes, stream: bool, key: str | None):
+    def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytearray, stream: bool,
+                 key: str | None):
         self.p, self.request, self.ep, self.raw, self.stream, self.key = proxy, request, ep, raw, stream, key
         self.cfg = proxy.cfg
         self.demand = proxy.demand[ep.key]
@@ -217,13 +323,16 @@ class Exchange:
         """Wait until the endpoint changes. Counts as held from the first call until a backend takes it."""
         loop = asyncio.get_running_loop()
         if self.held_since is None:
-            if self.demand.held >= self.cfg.max_held:
-                raise Reject(429, f"{self.demand.held} requests are already waiting for model '{self.ep.model}' "
-                             f"to get a ready backend (--max-held {self.cfg.max_held}); retry later",
-                             "too_many_waiting", "rejected", self.cfg.retry_after)
+            full = self._hold_limit()
+            if full:
+                raise Reject(429, f"{full}; retry later", "too_many_waiting", "rejected", self.cfg.retry_after)
             self.held_since = self._next_keepalive = loop.time()
             self._next_keepalive += self.cfg.keepalive_interval
             self.holding = True
+            board, size = self.p.demand, len(self.raw)
+            board.held_total += 1
+            board.held_bytes_total += size
+            self.demand.held_bytes += size
             self.demand.add(held=1)  # StreamIsActive subscribers hear of it now
         deadline = self.held_since + self.cfg.hold_timeout
         while True:
@@ -242,9 +351,30 @@ class Exchange:
                 self._next_keepalive += self.cfg.keepalive_interval
                 return  # the endpoint may have changed while we wrote: the caller looks again
 
+    def _hold_limit(self) -> str | None:
+        """Why this request may not be held, if a hold limit is reached."""
+        cfg, d, board, size = self.cfg, self.demand, self.p.demand, len(self.raw)
+        model = self.ep.model
+        if d.held >= cfg.max_held:
+            return (f"{d.held} requests are already waiting for model '{model}' to get a ready backend "
+                    f"(--max-held {cfg.max_held})")
+        if board.held_total >= cfg.max_held_total:
+            return f"{board.held_total} requests are already waiting for a ready backend (--max-held-total)"
+        if d.held_bytes + size > cfg.max_held_bytes:
+            return (f"the requests waiting for model '{model}' hold {d.held_bytes} bytes; this one would pass "
+                    f"--max-held-bytes {cfg.max_held_bytes}")
+        if board.held_bytes_total + size > cfg.max_held_bytes_total:
+            return (f"the requests waiting hold {board.held_bytes_total} bytes; this one would pass "
+                    f"--max-held-bytes-total {cfg.max_held_bytes_total}")
+        return None
+
     def _end_hold(self) -> None:
         if self.holding:
             self.holding = False
+            board, size = self.p.demand, len(self.raw)
+            board.held_total -= 1
+            board.held_bytes_total -= size
+            self.demand.held_bytes -= size
             self.demand.add(held=-1)
             assert self.held_since is not None
             self.p.metrics.hold_seconds.labels(self.ep.key).observe(asyncio.get_running_loop().time() - self.held_since)
@@ -274,33 +404,47 @@ class Exchange:
         headers = {k: v for k, v in self.request.headers.items() if k.lower() not in DROP_UPSTREAM}
         try:
             async with self.p.session.post(url, data=self.raw, headers=headers) as up:
-                if up.status >= 500:
-                    body = await up.read()
-                    b.poke.set()  # e.g. a dead engine answers 500: let the health check see it
-                    return Failure(f"backend {b.url} answered {up.status}", up.status, body, up.headers)
-                if up.status != 200 or not up.headers.get("Content-Type", "").startswith(SSE_TYPE):
-                    return await self._reply(up.status, await up.read(), up.headers, b)
+                if up.status >= 400:
+                    body = await read_capped(up)
+                    if up.status >= 500 and retryable(up.status, body):
+                        b.poke.set()  # e.g. a dead engine answers 500 engine_dead: let the health check see it
+                        return Failure(f"backend {b.url} answered {up.status}", up.status, body, up.headers)
+                    # The request's own failure (a 4xx, a 500 the engine attributed to it): not retried.
+                    return await self._reply(up.status, body, up.headers, b)
+                sse = up.headers.get("Content-Type", "").startswith(SSE_TYPE)
                 async for chunk in up.content.iter_any():  # as the backend sends them: no buffering
                     if self.resp is None:
-                        await self._prepare(web.StreamResponse(status=200, headers=self._headers(up.headers, b)))
+                        resp = web.StreamResponse(status=up.status, headers=self._headers(up.headers, b))
+                        if not sse and up.content_length is not None:
+                            resp.content_length = up.content_length
+                        await self._prepare(resp)
                     await self._write(chunk)
                     self.committed = True
                 if self.resp is None:
-                    await self._prepare(web.StreamResponse(status=200, headers=self._headers(up.headers, b)))
+                    await self._prepare(web.StreamResponse(status=up.status, headers=self._headers(up.headers, b)))
                 await self.resp.write_eof()  # type: ignore[union-attr]
                 self.outcome = "ok"
                 return self.resp  # type: ignore[return-value]
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.p.registry.mark_failed(self.ep, b)
-            reason = f"backend {b.url} failed: {type(e).__name__}: {e}"
+            if isinstance(e, asyncio.TimeoutError):
+                what = f"sent nothing for {self.cfg.read_timeout:g}s (--read-timeout)"
+            else:
+                what = f"failed: {type(e).__name__}: {e}"
+            reason = f"backend {b.url} {what}"
             if not self.committed:
                 return Failure(reason)
-            # Part of the answer is out: end the stream with an error event the OpenAI SDKs raise.
-            log.warning("endpoint %s: %s, mid-stream", self.ep.key, reason)
+            log.warning("endpoint %s: %s, mid-response", self.ep.key, reason)
             self.outcome = "backend_failed"
-            await self._write(sse_event(error_body(502, f"the backend serving this stream failed mid-response "
-                                                   f"({type(e).__name__}); the output is incomplete",
-                                                   "backend_failed")))
+            if not self.resp.content_type.startswith(SSE_TYPE):  # type: ignore[union-attr]
+                # A plain body cannot carry an error event: cut the connection, so the client sees it short.
+                if self.request.transport is not None:
+                    self.request.transport.close()
+                return self.resp  # type: ignore[return-value]
+            # Part of the stream is out: end it with an error event the OpenAI SDKs raise.
+            cause = "went silent" if isinstance(e, asyncio.TimeoutError) else f"failed ({type(e).__name__})"
+            await self._write(sse_event(error_body(502, f"the backend serving this stream {cause} mid-response; "
+                                                   "the output is incomplete", "backend_failed")))
             await self.resp.write_eof()  # type: ignore[union-attr]
             return self.resp  # type: ignore[return-value]
 
@@ -333,7 +477,12 @@ class Exchange:
     async def _reply(self, status: int, body: bytes, upstream: CIMultiDictProxy[str] | None,
                      b: Backend | None = None) -> web.StreamResponse:
         """A whole (non-streamed) backend answer."""
-        self.outcome = "ok" if status < 400 else "client_error" if status < 500 else "backend_error"
+        if status < 400:
+            self.outcome = "ok"
+        elif status < 500:
+            self.outcome = "client_error"
+        else:  # a backend's 5xx left after retries, or one the engine attributed to the request (not retried)
+            self.outcome = "backend_error" if retryable(status, body) else "request_failed"
         if self.resp is None:
             return web.Response(status=status, body=body, headers=self._headers(upstream, b))
         # A held stream already answered 200 with SSE headers: an error goes out as an error event.
@@ -360,7 +509,8 @@ class Exchange:
 
 
 def build_app(proxy: Proxy, ready: asyncio.Event) -> web.Application:
-    app = web.Application(client_max_size=64 * 2**20)
+    # Bodies are read by Proxy.completions with its own limits; this bounds any other route's.
+    app = web.Application(client_max_size=proxy.cfg.max_body_bytes)
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -11,10 +11,20 @@ The operator's ScaledObject carries an `external-push` trigger whose metadata na
   begins. A request arriving at zero replicas reaches KEDA in milliseconds, not a polling interval.
 - GetMetricSpec / GetMetrics: `sluice-gateway-demand` = held + in-flight requests, against a target per
   replica (`targetValue` in the metadata, else --scaler-target); the HPA scales 1 <-> N on it.
+
+Hardening (it listens inside the cluster; the chart's NetworkPolicy lets only KEDA reach it):
+- Only endpoints discovery listed have demand. A ref naming another endpoint is inactive with demand 0 and
+  creates nothing; before discovery has listed the endpoints once, calls fail UNAVAILABLE (KEDA then keeps
+  the replicas it has instead of acting on a 0 the gateway does not know yet).
+- StreamIsActive subscriptions are bounded (--scaler-max-streams; more: RESOURCE_EXHAUSTED), and so are
+  concurrent calls.
+- With --scaler-token-file every call must carry the token: the trigger metadata `scalerToken` (KEDA passes
+  the trigger's metadata along) or gRPC metadata `authorization: Bearer <token>`; else UNAUTHENTICATED.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
@@ -22,40 +32,72 @@ import grpc
 
 from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
+from .auth import ScalerToken, bearer
 from .demand import DemandBoard
 from .registry import Registry
 
 log = logging.getLogger("sluice.gateway")
 METRIC_NAME = "sluice-gateway-demand"
+TOKEN_METADATA = "scalerToken"
+EXTRA_CALLS = 64  # concurrent unary calls beyond the stream bound
 
 
 class ExternalScaler(pb_grpc.ExternalScalerServicer):
-    def __init__(self, registry: Registry, demand: DemandBoard, default_target: float):
+    def __init__(self, registry: Registry, demand: DemandBoard, default_target: float,
+                 token: ScalerToken | None = None, ready: asyncio.Event | None = None):
         self.registry, self.demand, self.default_target = registry, demand, default_target
+        self.token = token or ScalerToken(None)
+        self.ready = ready
 
-    def endpoint_key(self, ref: pb.ScaledObjectRef) -> str:
+    async def _admit(self, ref: pb.ScaledObjectRef, context) -> str:
+        """The endpoint key this call is about. Aborts the call when its token is missing or wrong, or when
+        discovery has not listed the endpoints yet."""
+        if self.token.enabled:
+            candidates = [ref.scalerMetadata.get(TOKEN_METADATA, "")]
+            for k, v in context.invocation_metadata() or ():
+                if k == "authorization" and isinstance(v, str):
+                    candidates.append(bearer(v) or "")
+            if not self.token.accepts([c for c in candidates if c]):
+                log.warning("external scaler: refused a call for ScaledObject %s/%s without a valid token",
+                            ref.namespace, ref.name)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this scaler requires its token: set the "
+                                    f"trigger metadata {TOKEN_METADATA!r}")
+        if self.ready is not None and not self.ready.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway has not listed its endpoints yet")
         meta = ref.scalerMetadata
         return self.registry.resolve_key(meta.get("endpoint"), meta.get("model"), f"{ref.namespace}/{ref.name}")
 
+    def _demand(self, key: str) -> tuple[bool, int]:
+        """(active, demand) of a served endpoint; an endpoint this gateway does not serve has none (and gets
+        no entry)."""
+        d = self.demand.get(key) if key in self.registry.endpoints else None
+        return (d.active, d.value) if d is not None else (False, 0)
+
     async def IsActive(self, request: pb.ScaledObjectRef, context) -> pb.IsActiveResponse:
-        return pb.IsActiveResponse(result=self.demand[self.endpoint_key(request)].active)
+        key = await self._admit(request, context)
+        return pb.IsActiveResponse(result=self._demand(key)[0])
 
     async def StreamIsActive(self, request: pb.ScaledObjectRef, context):
-        key = self.endpoint_key(request)
+        key = await self._admit(request, context)  # maybe not served yet: its first hold is pushed all the same
         q = self.demand.subscribe(key)
+        if q is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.demand.max_subscribers} StreamIsActive streams are open (--scaler-max-streams)")
+        assert q is not None
         log.info("KEDA subscribed to activity of %s (ScaledObject %s/%s)", key, request.namespace, request.name)
         try:
-            yield pb.IsActiveResponse(result=self.demand[key].active)
+            yield pb.IsActiveResponse(result=self._demand(key)[0])
             while True:
                 yield pb.IsActiveResponse(result=await q.get())
         finally:
             self.demand.unsubscribe(key, q)
 
     async def GetMetricSpec(self, request: pb.ScaledObjectRef, context) -> pb.GetMetricSpecResponse:
+        await self._admit(request, context)
         text = request.scalerMetadata.get("targetValue")
         try:
             target = float(text) if text else self.default_target
-            if not target > 0:
+            if not target > 0 or math.isinf(target):
                 raise ValueError
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"targetValue must be a number > 0, got {text!r}")
@@ -63,14 +105,15 @@ class ExternalScaler(pb_grpc.ExternalScalerServicer):
             pb.MetricSpec(metricName=METRIC_NAME, targetSize=math.ceil(target), targetSizeFloat=target)])
 
     async def GetMetrics(self, request: pb.GetMetricsRequest, context) -> pb.GetMetricsResponse:
-        value = self.demand[self.endpoint_key(request.scaledObjectRef)].value
+        key = await self._admit(request.scaledObjectRef, context)
+        value = self._demand(key)[1]
         return pb.GetMetricsResponse(metricValues=[
             pb.MetricValue(metricName=request.metricName or METRIC_NAME, metricValue=value,
                            metricValueFloat=float(value))])
 
 
 async def start_scaler(service: ExternalScaler, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(maximum_concurrent_rpcs=service.demand.max_subscribers + EXTRA_CALLS, options=[
         # Ping KEDA's long-lived StreamIsActive connection so idle-timeouts in between do not cut it.
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
