@@ -8,6 +8,7 @@ never asked for structured output should not pay (docs/architecture.md, "No tran
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import re
@@ -25,16 +26,24 @@ log = logging.getLogger("sluice.structured")
 
 # Compiled grammars kept (a JSON schema compiles in ~5-30 ms, a grammar holds a few hundred KB at most).
 GRAMMAR_CACHE_SIZE = 256
+# Bounds on compilation (a "grammar bomb" must not stall other structured requests): a request waits at
+# most this long for its grammar (then a 400: too complex); this many compile at once, in threads
+# (xgrammar releases the GIL while it compiles); at most this many wait to compile (then a 503).
+COMPILE_TIMEOUT_S = 10.0
+COMPILE_THREADS = 4
+MAX_PENDING_COMPILES = 32
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):
-    """A grammar the request gave (or implied) is malformed: a 400 naming `param`."""
+    """A grammar the request gave (or implied) is malformed or too complex: a 400 naming `param`
+    (`status` 503: the server is too busy compiling others' grammars; retry)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,30 +129,50 @@ class StructuredOutputs:
         self.vocab_size = vocab_size  # the model's (the logits' width), which may exceed the tokenizer's
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], asyncio.Future] = OrderedDict()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-grammar")
+        self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
+        self._waiters: dict[concurrent.futures.Future, int] = {}
+        self.timeout = COMPILE_TIMEOUT_S
+        self.max_pending = MAX_PENDING_COMPILES
+        self._executor = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="sluice-grammar")
         self._lock = threading.Lock()
         self._compiler = None
         self._stop_row = None  # bitmask row allowing only the stop tokens (a terminated grammar)
 
     async def compile(self, spec: GrammarSpec):
-        """The compiled grammar for spec; GrammarError (naming spec.param) if it does not compile."""
+        """The compiled grammar for spec; GrammarError (naming spec.param) if it does not compile, does
+        not compile within the timeout, or too many others are waiting to compile (503)."""
         key = (spec.kind, spec.source)
         fut = self._cache.get(key)
         if fut is None:
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, self.compile_sync, spec)
+            if sum(1 for f in self._cache.values() if not f.done()) >= self.max_pending:
+                raise GrammarError(f"{spec.param}: the server is compiling too many grammars; retry shortly",
+                                   param=spec.param, status=503)
+            fut = self._executor.submit(self.compile_sync, spec)
             self._cache[key] = fut
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
+        self._waiters[fut] = self._waiters.get(fut, 0) + 1
         try:
             # Shielded: a client leaving must not cancel a compilation other requests wait on.
-            return await asyncio.shield(fut)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout)
+        except TimeoutError:
+            # It keeps compiling (a thread cannot be stopped): a later request for the same grammar
+            # waits on it rather than starting another.
+            raise GrammarError(f"{spec.param} is too complex: it did not compile within {self.timeout:g} s",
+                               param=spec.param) from None
         except GrammarError as e:
             if self._cache.get(key) is fut:
                 del self._cache[key]  # failures are not cached
             raise GrammarError(str(e), param=spec.param) from None
+        finally:
+            self._waiters[fut] -= 1
+            if not self._waiters[fut]:
+                del self._waiters[fut]
+                # Every request that wanted it has left: drop a compile that has not started yet.
+                if fut.cancel() and self._cache.get(key) is fut:
+                    del self._cache[key]
 
     def compile_sync(self, spec: GrammarSpec):
         compiler = self._get_compiler()
