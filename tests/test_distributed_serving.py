@@ -10,13 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, stop_process
 from openai import OpenAI
-from test_server_parity import PROMPTS, check, complete, reference  # noqa: F401 - reference is a fixture
+from test_server_parity import PROMPTS, check_all_at_once, reference  # noqa: F401 - reference is a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +45,7 @@ class WorkerNode:
         return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
         self._log.close()
 
 
@@ -88,10 +82,7 @@ def test_layout_serves_like_hf(layout_server, reference):  # noqa: F811 - the fi
         r = httpx.get(f"http://127.0.0.1:{node1.port}/v1/models", timeout=2)
         assert r.status_code == 404  # a worker node serves no API
     # Concurrent: all prompts at once, a 64-token budget (chunked prefill), 40 blocks per rank (preemption).
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda pr: complete(client, *pr, server.model), zip(PROMPTS, reference, strict=True)))
-    for result, ref in zip(results, reference, strict=True):
-        check(result, ref)
+    check_all_at_once(client, server.model, reference)
     m = server.metrics()
     assert m["sluice_num_preemptions_total"] > 0, "the KV budget was meant to force preemption"
     # Prefix caching: the long prompt twice in a row; the second finds its blocks in the cache.

@@ -87,6 +87,14 @@ def check(result, ref) -> None:
     assert max(diffs) < LOGPROB_TOL, f"max logprob diff {max(diffs):.2e}"
 
 
+def check_all_at_once(client: OpenAI, model: str, reference) -> None:
+    """Every prompt at once (one client thread each): each matches HF."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda pr: complete(client, *pr, model), zip(PROMPTS, reference, strict=True)))
+    for result, ref in zip(results, reference, strict=True):
+        check(result, ref)
+
+
 def test_parity_one_at_a_time(start_server, reference):
     server = start_server()
     client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -99,10 +107,7 @@ def test_parity_concurrent_chunked_and_preempted(start_server, reference):
     server = start_server("--max-num-batched-tokens", "64", "--kv-cache-memory", str(40 * 16 * 46080),
                           "--max-model-len", "512", "--no-prefix-caching")
     client = OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(pool.map(lambda pr: complete(client, *pr, server.model), zip(PROMPTS, reference, strict=True)))
-    for result, ref in zip(results, reference, strict=True):
-        check(result, ref)
+    check_all_at_once(client, server.model, reference)
     m = server.metrics()
     assert m["sluice_num_preemptions_total"] > 0, "the KV budget was meant to force preemption"
     assert m["sluice_num_requests_running"] == 0
