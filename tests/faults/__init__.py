@@ -1,0 +1,1 @@
+"""The fault suite of issue 13 (docs/reliability.md)."""
