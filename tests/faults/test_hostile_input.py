@@ -226,8 +226,6 @@ def test_regression_lone_surrogate_is_400(server, assert_settled, baseline):
     assert_settled(server, baseline)
 
 
-@pytest.mark.xfail(strict=True, reason="api/server.py does not install errors.BodySizeLimit yet "
-                   "(app.add_middleware(BodySizeLimit)); remove this mark when it does")
 def test_body_over_limit_is_413(server):
     from sluice_engine.api.errors import MAX_BODY_BYTES
 

@@ -10,11 +10,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
 from ..engine import LLMEngine
 from ..metrics import PrometheusExporter
-from .errors import APIError, api_error_handler, validation_error_handler
+from .errors import APIError, BodySizeLimit, api_error_handler, validation_error_handler
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 
@@ -42,8 +43,15 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     app = FastAPI(title="Sluice engine", lifespan=lifespan)
     app.state.engine = engine
     app.state.async_engine = async_engine
+    app.add_middleware(BodySizeLimit)  # 413 before a huge body is read
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own errors (a body that is not UTF-8 or JSON at all, 404, 405) in OpenAI's shape.
+        code = {400: "invalid_request_error", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
