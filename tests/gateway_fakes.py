@@ -1,11 +1,14 @@
 """Test helpers for the gateway: a tiny fake OpenAI backend (aiohttp, loopback) for tests where a real engine
-adds nothing, and a `sluice gateway` subprocess for tests that run real engines."""
+adds nothing, in-process or as its own process (`python tests/gateway_fakes.py NAME`, for SIGKILL and
+SIGSTOP), and a `sluice gateway` subprocess for tests that run real engines."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,7 +29,10 @@ class FakeBackend:
         self.name, self.model, self.chunks, self.delay = name, model, chunks, delay
         self.ready = True
         self.status: int | None = None  # answer every completion with this status instead
+        self.error_code = "fake"  # ... and this error code (the engine's: request_failed, engine_dead, ...)
         self.requests: list[dict[str, Any]] = []
+        self.completed = 0  # answers sent whole
+        self.aborted = 0  # answers cut short because the gateway (the client) went away
         self.headers: list[dict[str, str]] = []
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -40,30 +46,45 @@ class FakeBackend:
         self.headers.append(dict(request.headers))
         if self.status is not None:
             return web.json_response({"error": {"message": f"{self.name} says {self.status}", "type": "x",
-                                                "param": None, "code": "fake"}}, status=self.status,
+                                                "param": None, "code": self.error_code}}, status=self.status,
                                      headers={"Retry-After": "1"})
-        if not body.get("stream"):
-            await asyncio.sleep(self.delay)
-            return web.json_response({"id": "x", "object": "chat.completion", "model": self.model, "backend": self.name,
-                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": self.name},
-                                                   "finish_reason": "stop"}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(self.chunks):
-            await asyncio.sleep(self.delay)
-            chunk = {"id": "x", "object": "chat.completion.chunk", "model": self.model, "backend": self.name,
-                     "choices": [{"index": 0, "delta": {"content": f"{self.name}{i} "}, "finish_reason": None}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        done = False
+        try:
+            if not body.get("stream"):
+                await asyncio.sleep(self.delay)
+                resp = web.json_response({"id": "x", "object": "chat.completion", "model": self.model,
+                                          "backend": self.name, "choices": [{"index": 0, "message": {
+                                              "role": "assistant", "content": self.name}, "finish_reason": "stop"}]})
+                done = True
+                return resp
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(self.chunks):
+                await asyncio.sleep(self.delay)
+                chunk = {"id": "x", "object": "chat.completion.chunk", "model": self.model, "backend": self.name,
+                         "choices": [{"index": 0, "delta": {"content": f"{self.name}{i} "}, "finish_reason": None}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            done = True
+            return resp
+        finally:  # a write to a gone client raises; a cancelled handler lands here too
+            if done:
+                self.completed += 1
+            else:
+                self.aborted += 1
+
+    async def _stats(self, _: web.Request) -> web.Response:
+        return web.json_response({"requests": len(self.requests), "completed": self.completed,
+                                  "aborted": self.aborted})
 
     async def start(self, port: int = 0) -> FakeBackend:
         app = web.Application()
         app.router.add_get("/ready", self._ready)
+        app.router.add_get("/stats", self._stats)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
@@ -140,3 +161,57 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+class FakeBackendProcess:
+    """A FakeBackend in its own process: something to SIGKILL or SIGSTOP."""
+
+    def __init__(self, name: str, *, chunks: int = 3, delay: float = 0.0, model: str = "m"):
+        from conftest import free_port
+
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, __file__, name, "--port", str(self.port), "--model", model,
+                                      "--chunks", str(chunks), "--delay", str(delay)])
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.proc.poll() is None, f"fake backend {name} exited with {self.proc.returncode}"
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"fake backend {name} not ready"
+            time.sleep(0.05)
+
+    def stats(self) -> dict[str, int]:
+        return httpx.get(f"{self.url}/stats", timeout=5).json()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description="a fake OpenAI backend on 127.0.0.1 (tests only)")
+    p.add_argument("name")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", default="m")
+    p.add_argument("--chunks", type=int, default=3)
+    p.add_argument("--delay", type=float, default=0.0)
+    args = p.parse_args()
+
+    async def serve() -> None:
+        await FakeBackend(args.name, args.model, chunks=args.chunks, delay=args.delay).start(args.port)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    _main()

@@ -29,7 +29,7 @@ class GatewayConfig:
     max_held: int = 256  # per endpoint; over it: 429
     max_held_total: int = 1024  # all endpoints together; over it: 429
     max_held_bytes: int = 64 * MiB  # request bodies held per endpoint; over it: 429
-    max_held_bytes_total: int = 256 * MiB  # request bodies held, all endpoints together; over it: 429
+    max_held_bytes_total: int = 128 * MiB  # request bodies held, all endpoints together; over it: 429
     hold_timeout: float = 300.0  # seconds; past it: 503 with Retry-After
     keepalive_interval: float = 5.0  # a held stream gets its headers and an SSE comment this often
     retry_after: int = 10  # Retry-After (seconds) on 429 and hold-timeout 503
@@ -42,7 +42,7 @@ class GatewayConfig:
     read_timeout: float = 300.0
     # Memory: request bodies are read whole (the model is in them) and kept until answered (for retries).
     max_body_bytes: int = 8 * MiB  # larger bodies: 413 (the engine's own limit)
-    max_buffered_bytes: int = 384 * MiB  # bodies in memory at once (being read, held, in flight); over: 503
+    max_buffered_bytes: int = 256 * MiB  # bodies in memory at once (being read, held, in flight); over: 503
     # KEDA: target of the demand metric (held + in-flight requests) per serving replica.
     scaler_target: float = 16.0
     api_keys_file: str | None = None
