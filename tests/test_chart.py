@@ -55,6 +55,11 @@ MODES = {
     "all-discovery": (["rbac.discovery=true", "liveness.enabled=false"], "all", None),
     "existing-sa": (["serviceAccount.create=false", "serviceAccount.name=ops"], "all", None),
     "no-gateway": (["gateway.enabled=false"], "all", None),
+    "gateway-secrets": (["gateway.apiKeys.existingSecret=gw-keys", "gateway.scalerToken.existingSecret=gw-token",
+                         "networkPolicy.engines.namespaces={team-a,team-b}",
+                         "networkPolicy.engines.exceptEndpoints={public}",
+                         "networkPolicy.gateway.clients[0].podSelector.matchLabels.role=client"], "all", None),
+    "no-network-policy": (["networkPolicy.enabled=false", "scope=namespace"], "namespace", RELEASE_NS),
 }
 GATEWAY = f"{RELEASE}-gateway"  # the contract's name for the default release (docs/operator.md)
 
@@ -332,7 +337,11 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     (container,) = pod["containers"]
     assert container["command"] == ["sluice"]
     args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090"]
-    assert container["args"] == args + ([] if scope == "all" else ["--namespace", served])
+    args += [] if scope == "all" else ["--namespace", served]
+    if mode == "gateway-secrets":
+        args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",
+                 "--scaler-token-file", "/etc/sluice/scaler-token/token"]
+    assert container["args"] == args
     assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "grpc": 9090}
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -402,3 +411,132 @@ def test_gateway_service_monitor(helm: tuple[str, dict[str, str]]) -> None:
     (svc,) = component(docs, "Service", "gateway")
     assert all(svc["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
     assert monitor["metadata"]["labels"]["release"] == "kps"
+
+
+def test_gateway_mounts_its_secrets(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """docs/gateway.md: the API keys file is a mounted Secret, re-read on rotation (so no subPath)."""
+    (dep,) = component(rendered["gateway-secrets"], "Deployment", "gateway")
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "gw-keys"
+    assert volumes["api-keys"]["secret"]["items"] == [{"key": "api-keys.yaml", "path": "api-keys.yaml"}]
+    assert volumes["scaler-token"]["secret"]["secretName"] == "gw-token"
+    assert volumes["scaler-token"]["secret"]["items"] == [{"key": "token", "path": "token"}]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["api-keys"] == {"name": "api-keys", "mountPath": "/etc/sluice/api-keys", "readOnly": True}
+    assert mounts["scaler-token"]["mountPath"] == "/etc/sluice/scaler-token"
+    assert all("subPath" not in m for m in container["volumeMounts"])
+    args = container["args"]
+    for flag, volume in (("--api-keys-file", "api-keys"), ("--scaler-token-file", "scaler-token")):
+        path = args[args.index(flag) + 1]
+        assert path == f"{mounts[volume]['mountPath']}/{volumes[volume]['secret']['items'][0]['path']}"
+    (plain,) = component(rendered["all"], "Deployment", "gateway")
+    assert "--api-keys-file" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    # The gateway's flags the chart renders are flags `sluice gateway` knows.
+    import argparse
+
+    from sluice_autoscaler.cli import add_gateway_args
+
+    parser = argparse.ArgumentParser()
+    add_gateway_args(parser)
+    parser.parse_args(args[1:])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector's verdict on a set of labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        value, present = labels.get(e["key"]), e["key"] in labels
+        if e["operator"] == "Exists" and not present:
+            return False
+        if e["operator"] == "DoesNotExist" and present:
+            return False
+        if e["operator"] == "In" and value not in e["values"]:
+            return False
+        if e["operator"] == "NotIn" and present and value in e["values"]:
+            return False
+    return True
+
+
+def engine_pod_templates() -> list[tuple[dict[str, str], set[str]]]:
+    """(labels, named container ports) of every engine pod template `sluice render` prints for the examples:
+    Deployments, and LeaderWorkerSet leaders and workers."""
+    out = []
+    for example in EXAMPLES:
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert sluice_main(["render", "-f", str(example), "-o", "yaml"]) == 0
+        for doc in yaml.safe_load_all(buf.getvalue()):
+            templates = []
+            if doc["kind"] == "Deployment":
+                templates.append(doc["spec"]["template"])
+            elif doc["kind"] == "LeaderWorkerSet":
+                lws = doc["spec"]["leaderWorkerTemplate"]
+                templates += [t for t in (lws.get("leaderTemplate"), lws.get("workerTemplate")) if t]
+            for t in templates:
+                ports = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", []) if "name" in p}
+                out.append((t["metadata"]["labels"], ports))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_network_policies(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
+    _, scope, served = MODES[mode]
+    docs = rendered[mode]
+    policies = of_kind(docs, "NetworkPolicy")
+    if mode in ("no-gateway", "no-network-policy"):
+        assert not policies
+        return
+    # The gateway: its API port open (or to the listed clients and Prometheus), its scaler port to KEDA only.
+    (gw_policy,) = component(docs, "NetworkPolicy", "gateway")
+    (dep,) = component(docs, "Deployment", "gateway")
+    gateway_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert gw_policy["metadata"]["namespace"] == RELEASE_NS
+    assert selects(gw_policy["spec"]["podSelector"], gateway_labels)
+    rules = {r["ports"][0]["port"]: r for r in gw_policy["spec"]["ingress"]}
+    assert set(rules) == {"http", "grpc"} and {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0][
+        "ports"]} == {"http", "grpc"}
+    keda = rules["grpc"]["from"]
+    assert keda == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}},
+                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}}}]
+    if mode == "gateway-secrets":
+        assert {"podSelector": {"matchLabels": {"role": "client"}}} in rules["http"]["from"]
+        assert any("monitoring" in json_of(p) for p in rules["http"]["from"])  # Prometheus scrapes /metrics
+    else:
+        assert "from" not in rules["http"]  # clients from anywhere
+    # The engines: one policy per served namespace.
+    engines = component(docs, "NetworkPolicy", "engines")
+    expected = {"namespace": [served], "all": []}[scope] if mode != "gateway-secrets" else ["team-a", "team-b"]
+    assert sorted(p["metadata"]["namespace"] for p in engines) == sorted(expected)
+    pods = engine_pod_templates()
+    assert len(pods) >= 4
+    for policy in engines:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for labels, _ in pods:  # every engine pod the operator runs is covered...
+            assert selects(spec["podSelector"], labels) != (mode == "gateway-secrets" and
+                                                            labels["sluice.dev/endpoint"] == "public")
+        opted_out = {**pods[0][0], "sluice.dev/endpoint": "public"}  # ...except the endpoints opted out
+        assert selects(spec["podSelector"], opted_out) == (mode != "gateway-secrets")
+        # ... and admits the gateway (its pods, in the release namespace) and Prometheus on the API port,
+        gateway_rule, prometheus_rule, group_rule = spec["ingress"][:3]
+        (peer,) = gateway_rule["from"]
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NS}}
+        assert selects(peer["podSelector"], gateway_labels)
+        assert gateway_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+        assert prometheus_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+        assert "monitoring" in json_of(prometheus_rule["from"])
+        # ... and the pods of a distributed replica among themselves (any port), and nobody else.
+        assert "ports" not in group_rule and all(selects(group_rule["from"][0]["podSelector"], lb)
+                                                 for lb, _ in pods if lb["sluice.dev/endpoint"] != "public")
+        assert len(spec["ingress"]) == 3
+    # Engine containers name their API port "http", which the policies open.
+    assert all("http" in ports for labels, ports in pods if labels.get("sluice.dev/serves") == "true")
+
+
+def json_of(value: Any) -> str:
+    import json
+
+    return json.dumps(value)

@@ -159,3 +159,31 @@ EndpointSlices of their Services (the backends, by role), and the Services thems
   resources: [services]
   verbs: [get, list, watch]
 {{- end -}}
+
+{{/*
+The engine pods the operator runs (serving and standby, leaders and workers: every pod it creates), less
+networkPolicy.engines.exceptEndpoints.
+*/}}
+{{- define "sluice.engineSelector" -}}
+matchLabels:
+  app.kubernetes.io/managed-by: sluice-operator
+matchExpressions:
+  - key: sluice.dev/endpoint
+    operator: Exists
+  {{- with .Values.networkPolicy.engines.exceptEndpoints }}
+  - key: sluice.dev/endpoint
+    operator: NotIn
+    values:
+      {{- toYaml . | nindent 6 }}
+  {{- end }}
+{{- end -}}
+
+{{/* The chart's objects about the engine pods (their NetworkPolicies). */}}
+{{- define "sluice.engines.labels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: engines
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
