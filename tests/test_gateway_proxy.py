@@ -325,3 +325,32 @@ async def test_shutdown_answers_held_requests():
         r = await held
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "shutting_down"
+
+
+async def test_hostile_bodies_get_4xx_never_5xx():
+    backend = await FakeBackend("A").start()
+    gw = await start_gateway(backends=[f"m={backend.url}"])
+    try:
+        await wait_until(lambda: gw.registry.by_model("m").candidates()[0])
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+            cases = {
+                b"[" * 100_000 + b"]" * 100_000: 400,  # nested past the parser's recursion
+                b"\xff\xfe not utf-8": 400,
+                b"[1, 2]": 400,
+                b'{"model": 7}': 400,
+                b'{"model": "m" * 3}': 400,
+                b'{"model": "' + b"x" * 100_000 + b'"}': 404,
+                b'{"model": "m", "messages": [1, {"role": {"x": 1}, "content": [null, {"text": 5}]}]}': 200,
+                b'{"model": "m", "prompt": "\\ud800 lone surrogate"}': 200,
+                b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}': 200,
+                b'{"model": "m", "prompt": [[1, 2], [3]]}': 200,
+            }
+            for body, status in cases.items():
+                r = await c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+                assert r.status_code == status, (body[:60], r.status_code, r.text[:200])
+                if status != 200:
+                    assert r.json()["error"]["type"] in ("invalid_request_error", "not_found_error")
+                    assert len(r.content) < 2000  # a long model name is not echoed whole
+    finally:
+        await gw.stop()
+        await backend.stop()

@@ -206,6 +206,9 @@ class Proxy:
         except ValueError as e:
             return self._refuse("invalid_request", json_error(400, f"request body is not valid JSON: {e}",
                                                               "invalid_json"), close=False)
+        except RecursionError:
+            return self._refuse("invalid_request", json_error(400, "request body is nested too deeply",
+                                                              "invalid_json"), close=False)
         if not isinstance(body, dict):
             return self._refuse("invalid_request", json_error(400, "request body must be a JSON object",
                                                               "invalid_value"), close=False)

@@ -29,7 +29,8 @@ class Routable(Protocol):
 
 
 def hash64(data: str) -> int:
-    return int.from_bytes(hashlib.blake2b(data.encode(), digest_size=8).digest(), "big")
+    # surrogatepass: a prompt may hold a lone surrogate (valid JSON, not valid UTF-8); it still hashes.
+    return int.from_bytes(hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
 
 class HashRing:
