@@ -99,8 +99,8 @@ def sample_rss(peak: dict[int, dict[str, float]], done: threading.Event) -> None
 
 
 def send_control(obj: object) -> None:
-    """Rank 0's per-step message to every rank (broadcast_from_rank0; send_control once sends are async)."""
-    (getattr(ps, "broadcast_from_rank0", None) or ps.send_control)(obj)
+    """Rank 0's per-step message to every rank (pickled, sent asynchronously)."""
+    ps.send_control(obj)
 
 
 def kv_budget(mc: ModelConfig, tp: int, pp: int, args, itemsize: int) -> int:

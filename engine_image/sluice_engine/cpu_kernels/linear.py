@@ -23,9 +23,11 @@ def pack_weight(weight: torch.Tensor, panel: int) -> torch.Tensor:
     is the library's (`sluice_gemm_panel_width`: 32 with AVX-512, 16 with AVX2 or NEON)."""
     n, k = weight.shape
     panels = -(-n // panel)
-    padded = weight.new_zeros(panels * panel, k)
-    padded[:n] = weight
-    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+    if n % panel:  # pad the last panel with zero columns (a copy: only for ragged widths)
+        padded = weight.new_zeros(panels * panel, k)
+        padded[:n] = weight
+        weight = padded
+    return weight.reshape(panels, panel, k).transpose(1, 2).contiguous()
 
 
 class PackedLinear(nn.Module):
@@ -79,11 +81,16 @@ def pack_linears(model: nn.Module) -> int:
     if lib is None or not lib.sluice_gemm_available():
         log.info("linear layers: F.linear (the C++ GEMM needs a C++ compiler and AVX-512, AVX2 or AArch64)")
         return 0
-    targets = [(name, mod) for name, mod in model.named_modules()
+    targets = [name for name, mod in model.named_modules()
                if type(mod) is nn.Linear and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu"]
-    for name, mod in targets:
+    # One layer at a time, its plain weight dropped as soon as the packed one replaces it: the peak is
+    # the model plus one layer, not two models.
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, PackedLinear(mod.weight, mod.bias, lib))
+        parent = model.get_submodule(parent_name)
+        mod = getattr(parent, child)
+        setattr(parent, child, PackedLinear(mod.weight, mod.bias, lib))
+        del mod
     count = len(targets)
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding and embed.weight.dtype == torch.float32:

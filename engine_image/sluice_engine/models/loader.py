@@ -1,9 +1,9 @@
 """Model loading: the device and dtype a config names, and the weights of one rank's shard streamed
 from a checkpoint's safetensors files.
 
-Each checkpoint tensor is read through safetensors' lazy slices, tensor by tensor, and only the rows
-or columns this rank holds (distributed/layout.py) ever leave the file: peak memory while loading is
-about the rank's shard plus one tensor slice, never the whole checkpoint. Sharded checkpoints are read
+Each checkpoint tensor is read lazily, tensor by tensor, and only the rows this rank holds
+(distributed/layout.py) are read from the file (columns: the tensor, then sliced): peak memory while
+loading is about the rank's shard plus one tensor, never the whole checkpoint. Sharded checkpoints are read
 through their `model.safetensors.index.json`. Q/K/V and gate/up land in their fused projections.
 """
 
@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..distributed.layout import RankShard, single_shard
 from .llama import LlamaForCausalLM
@@ -125,14 +124,59 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, object]]:
+def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, SafetensorsSlice]]:
     """(name, lazy slice) of every tensor, one file open at a time."""
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, st.get_slice(name)
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+            base = 8 + header_len
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if info["dtype"] not in _ST_DTYPES:
+                    raise ValueError(f"{f}: tensor {name} has dtype {info['dtype']}, which sluice cannot load")
+                start, end = info["data_offsets"]
+                yield name, SafetensorsSlice(fh, _ST_DTYPES[info["dtype"]], tuple(info["shape"]), base + start)
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class SafetensorsSlice:
+    """One tensor of a safetensors file, read on indexing: `[:]` (all), `[a:b]` (rows a..b: only their
+    bytes are read) or `[:, a:b]` (columns: the tensor is read, sliced and the rest dropped).
+
+    NOTE: plain reads, not a memory map: a mapped file's pages count in the process's resident memory
+    for as long as it is open, so a rank reading its column slices of every layer would show most of the
+    checkpoint in its RSS. Read into private buffers, a rank's peak is its shard plus one tensor."""
+
+    def __init__(self, fh, dtype: torch.dtype, shape: tuple[int, ...], offset: int):
+        self.fh, self.dtype, self.shape, self.offset = fh, dtype, shape, offset
+
+    def _read_rows(self, a: int, b: int) -> torch.Tensor:
+        row = self.dtype.itemsize
+        for d in self.shape[1:]:
+            row *= d
+        buf = bytearray((b - a) * row)
+        self.fh.seek(self.offset + a * row)
+        if self.fh.readinto(buf) != len(buf):
+            raise ValueError(f"{self.fh.name}: truncated tensor data")
+        return torch.frombuffer(buf, dtype=self.dtype).view(b - a, *self.shape[1:]) if buf else \
+            torch.empty(0, *self.shape[1:], dtype=self.dtype)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows = self.shape[0] if self.shape else 1
+        if not self.shape:  # a scalar
+            return self._read_rows(0, 1).reshape(())
+        if isinstance(key, slice):
+            a, b, step = key.indices(rows)
+            assert step == 1
+            return self._read_rows(a, b)
+        cols = key[1]
+        return self._read_rows(0, rows)[:, cols].clone()
 def _targets(model: LlamaForCausalLM, name: str):
     """Where checkpoint tensor `name` goes on this rank: (parameter, first row or None for all,
     slice reader) for each destination; none when another rank or stage holds it."""
