@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import threading
 import time
 
@@ -32,8 +31,7 @@ from gateway_fakes import FakeBackend, FakeBackendProcess, GatewayProcess, chat,
 from sluice_autoscaler import externalscaler_pb2 as pb
 from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)] if "pytest_timeout" in sys.modules else [
-    pytest.mark.asyncio]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]  # and every wait below has its own bound
 
 MiB = 2**20
 
@@ -390,7 +388,9 @@ async def test_client_disconnect_aborts_the_request_in_a_real_engine(start_serve
                 seen = 0
                 async for line in r.aiter_lines():
                     seen += line.startswith("data: {")
-                    if seen == 3:
+                    if seen == 3:  # generating for us now; then the client goes
+                        running = await asyncio.to_thread(engine_gauge, engine.url, "sluice_num_requests_running")
+                        assert running == 1
                         break
             running = await asyncio.to_thread(engine_gauge, engine.url, "sluice_num_requests_running")
             t0 = time.monotonic()
