@@ -336,7 +336,8 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["sluice"]
-    args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090"]
+    # --shutdown-timeout: the pod's grace period (60 s by default) less 15 s for the rest of shutdown
+    args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090", "--shutdown-timeout", "45"]
     args += [] if scope == "all" else ["--namespace", served]
     if mode == "gateway-secrets":
         args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",

@@ -54,6 +54,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-timeout", type=float, default=d.read_timeout,
                    help="seconds without a byte from a backend (headers, or a stream's next chunk) before it "
                         "counts as hung; bounds a non-streamed generation too")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM, seconds open streams may run on (held requests get 503 at once); keep it "
+                        "under the pod's terminationGracePeriodSeconds")
     mem = p.add_argument_group("memory")
     mem.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                      help="largest request body; larger ones get 413")

@@ -40,6 +40,8 @@ class GatewayConfig:
     # Seconds without a byte from a backend (its headers, or the next chunk of a stream) before it counts as
     # hung. A non-streamed answer comes whole at the end, so this also bounds a non-streamed generation.
     read_timeout: float = 300.0
+    # On SIGTERM: streams in flight may finish for this long (the chart sets it from the pod's grace period).
+    shutdown_timeout: float = 45.0
     # Memory: request bodies are read whole (the model is in them) and kept until answered (for retries).
     max_body_bytes: int = 8 * MiB  # larger bodies: 413 (the engine's own limit)
     max_buffered_bytes: int = 256 * MiB  # bodies in memory at once (being read, held, in flight); over: 503
@@ -72,6 +74,8 @@ class GatewayConfig:
                              f"({self.max_body_bytes})")
         if self.read_timeout <= 0:
             raise ValueError(f"--read-timeout must be > 0, got {self.read_timeout}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.scaler_max_streams < 1:
             raise ValueError(f"--scaler-max-streams must be >= 1, got {self.scaler_max_streams}")
         if self.hold_timeout < 0:

@@ -69,7 +69,7 @@ class Gateway:
             self.ready.set()
         # handler_cancellation: a client that leaves while held stops being held (and counted) at once.
         self._runner = web.AppRunner(build_app(self.proxy, self.ready), handler_cancellation=True,
-                                     access_log=None, shutdown_timeout=10)
+                                     access_log=None, shutdown_timeout=self.cfg.shutdown_timeout)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
