@@ -103,14 +103,14 @@ def test_failed_request_is_a_500_naming_it_and_the_server_serves_on(llm, monkeyp
 def test_hung_step_fails_health_within_the_watchdog_bound(llm, monkeypatch):
     engine = llm.engine
     monkeypatch.setattr(engine.cfg, "step_timeout", 0.5)
-    orig = engine.executor.execute_model
+    orig = engine.executor.submit  # the forward starts there (rank 0's part of the step)
     release = threading.Event()
 
     def hang(sched):
         release.wait(30)
         return orig(sched)
 
-    monkeypatch.setattr(engine.executor, "execute_model", hang)
+    monkeypatch.setattr(engine.executor, "submit", hang)
     with TestClient(build_app(engine)) as http:
         model = engine.served_model_name
         t = threading.Thread(target=lambda: http.post("/v1/completions", json={"model": model, "prompt": "Hi",
@@ -138,7 +138,7 @@ def test_dead_engine_is_503():
     def boom(_):
         raise torch.cuda.OutOfMemoryError("out of memory (simulated)")
 
-    llm.engine.executor.execute_model = boom
+    llm.engine.executor.submit = boom  # the forward
     with TestClient(build_app(llm.engine)) as http:
         r = http.post("/v1/completions", json={"model": llm.engine.served_model_name, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"

@@ -295,7 +295,7 @@ def test_engines_in_one_process_keep_their_own_metrics_and_count_errors():
     def boom(*_):
         raise RuntimeError("boom")
 
-    b.engine.executor.execute_model = boom
+    b.engine.executor.submit = boom  # the forward raises
     with TestClient(build_app(b.engine)) as http:
         r = http.post("/v1/completions", json={"model": b.engine.served_model_name, "prompt": "hi",
                                                "max_tokens": 2})

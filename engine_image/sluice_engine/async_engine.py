@@ -155,16 +155,27 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting + self.pending_adds
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       logits_processors: list[LogitsProcessor] | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields output deltas until the request finishes. Leaving early (client gone) aborts it.
-        A request the engine refuses (LLMEngine.add_request) ends the stream with its ValueError."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            logits_processors: list[LogitsProcessor] | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request now (it counts as waiting from this call on: the API's queue bound is
+        checked and taken in one go) and return its stream of output deltas. Leaving the stream early
+        aborts the request; a stream never iterated must be aborted by the caller."""
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         self.pending_adds += 1
         self._cmds.put(_Add(request_id, prompt_token_ids, params, logits_processors, time.monotonic()))
+        return self._outputs(request_id, q)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       logits_processors: list[LogitsProcessor] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields output deltas until the request finishes (submitted on first iteration). A request
+        the engine refuses (LLMEngine.add_request) ends the stream with its ValueError."""
+        async for out in self.add(request_id, prompt_token_ids, params, logits_processors):
+            yield out
+
+    async def _outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

@@ -155,15 +155,17 @@ class OpenAIServing:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
         constraints: None, or a factory of one choice's logits processors (its grammar state)."""
         choices = [_Choice(p_idx * n + i, ids) for p_idx, ids in enumerate(prompts) for i in range(n)]
-        gens = []
-        for ch in choices:
-            params = self._child_params(params_list[ch.index // n], ch.index % n)
+        params = [self._child_params(params_list[ch.index // n], ch.index % n) for ch in choices]
+        for ch, p in zip(choices, params, strict=True):
             try:
-                self.engine.check_prompt(ch.prompt_ids, params)
+                self.engine.check_prompt(ch.prompt_ids, p)
             except RequestRejected as e:
                 raise bad_request(str(e), param=e.param, code=e.code) from None
-            gens.append(self.engine.generate(f"{base_id}-{ch.index}", ch.prompt_ids, params,
-                                             constraints() if constraints else None))
+        # NOTE: from the queue check to the last submit nothing awaits, so concurrent requests cannot
+        # all pass the check before any of them counts as waiting (a burst stays within the bound).
+        self.check_capacity(len(choices))
+        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, constraints() if constraints else None)
+                for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(ch: _Choice, gen: AsyncIterator[RequestOutput]) -> None:
@@ -192,8 +194,12 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
-            # Cancelling a pump ends its engine stream, whose cleanup aborts the engine request.
+            # Cancelling a pump ends its engine stream, whose cleanup aborts the engine request; a pump
+            # cancelled before it ever started never ran that cleanup: abort whatever did not finish.
             await asyncio.gather(*tasks, return_exceptions=True)
+            for ch in choices:
+                if ch.finish_reason is None:
+                    self.engine.abort(f"{base_id}-{ch.index}")
 
     # -- completions ---------------------------------------------------------------------------
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -230,7 +236,8 @@ class OpenAIServing:
         created = int(time.time())
         choices_iter = self._run_choices(prompts, params, req.n, rid, constraints)
         if req.stream:
-            return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
+            return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False,
+                                      is_disconnected=is_disconnected)
         choices = await _collect(choices_iter, is_disconnected)
         return {
             "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -322,7 +329,7 @@ class OpenAIServing:
         choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, constraints)
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
-                                      tools=plan is not None)
+                                      tools=plan is not None, is_disconnected=is_disconnected)
         choices = await _collect(choices_iter, is_disconnected)
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
@@ -347,10 +354,11 @@ class OpenAIServing:
 
     # -- streaming -----------------------------------------------------------------------------
     async def _stream(self, rid: str, created: int, obj: str, choices_iter, req, is_chat: bool,
-                      tools: bool = False) -> AsyncIterator[str]:
+                      tools: bool = False, is_disconnected=None) -> AsyncIterator[str]:
         # Errors found before the first engine output (e.g. a prompt too long) must still be a
-        # plain HTTP 400, so take the first delta before the response starts.
-        first = await anext(choices_iter, None)
+        # plain HTTP 400, so take the first delta before the response starts -- watching the client
+        # meanwhile: one that leaves while its request waits is aborted, never prefilled.
+        first = await _first_delta(choices_iter, is_disconnected)
 
         async def events() -> AsyncIterator[str]:
             seen: set[int] = set()
@@ -463,6 +471,26 @@ def _accumulate(ch: _Choice, out: RequestOutput) -> None:
     ch.num_cached_tokens = out.num_cached_tokens
     if out.finished:
         ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def _first_delta(choices_iter, is_disconnected):
+    """The first (choice, delta) of a request, or None; APIError 499 (and the request aborted) if the
+    client leaves first."""
+    if is_disconnected is None:
+        return await anext(choices_iter, None)
+    task = asyncio.ensure_future(anext(choices_iter, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                raise APIError(499, "client disconnected", code="client_closed_request")
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await choices_iter.aclose()
+        raise
 
 
 async def _collect(choices_iter, is_disconnected) -> list[_Choice]:
