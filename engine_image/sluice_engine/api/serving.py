@@ -225,7 +225,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        prompts = self.completion_prompts(req)
+        prompts = await _off_loop(self.completion_prompts, req)
         self.check_capacity(len(prompts) * req.n)
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
@@ -312,11 +312,14 @@ class OpenAIServing:
         except GrammarError as e:
             raise bad_request(str(e), param=e.param) from None
         native_tools = self.template_renders_tools
-        try:
+        def render() -> list[int]:
             messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], plan, native_tools)
-            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                                    tools=plan.template_tools() if plan and native_tools else None,
-                                                    **(req.chat_template_kwargs or {}))
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                              tools=plan.template_tools() if plan and native_tools else None,
+                                              **(req.chat_template_kwargs or {}))
+
+        try:
+            prompt_ids = await _off_loop(render)
         except (ValueError, TypeError) as e:  # a template failing on odd content is the request's fault
             raise bad_request(str(e), param="messages") from None
         self.check_capacity(req.n)
@@ -471,6 +474,12 @@ def _accumulate(ch: _Choice, out: RequestOutput) -> None:
     ch.num_cached_tokens = out.num_cached_tokens
     if out.finished:
         ch.finish_reason, ch.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def _off_loop(fn, *args):
+    """Tokenizing or templating a large input takes milliseconds to seconds: in a worker thread, so
+    the event loop keeps streaming everyone else's tokens meanwhile."""
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _first_delta(choices_iter, is_disconnected):
