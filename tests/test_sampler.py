@@ -458,7 +458,8 @@ def test_nan_param_is_rejected_by_name(field):
         {"min_p": 1.0},
         {"presence_penalty": -2.0, "frequency_penalty": 2.0},
         {"presence_penalty": 2.0, "frequency_penalty": -2.0},
-        {"repetition_penalty": 1e-3},
+        {"repetition_penalty": 0.01},  # the bounds (docs/reliability.md): [0.01, 100]
+        {"repetition_penalty": 100.0},
         {"logprobs": 0, "prompt_logprobs": 20},
         {"logprobs": 20, "prompt_logprobs": 0},
     ],
