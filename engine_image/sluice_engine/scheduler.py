@@ -75,12 +75,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
-        mine = self.num_virtual == 1 or (lambda r: r.virtual_engine == ve)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if mine is not True and not mine(req):
+            if req.virtual_engine != ve:  # another virtual engine's (with one, every request is on 0)
                 i += 1
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -92,7 +91,7 @@ class Scheduler:
                 del req.spec_token_ids[budget - num_new :]
                 num_new += len(req.spec_token_ids)
             while not self.kv.allocate(req, num_new):
-                victim = self._pop_victim(mine)  # most recently admitted of this virtual engine
+                victim = self._pop_victim(ve)  # most recently admitted of this virtual engine
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -105,11 +104,11 @@ class Scheduler:
             break  # req itself was preempted; everything after it already was
 
         # Admit waiting requests only if nobody was preempted this step (they would thrash).
-        running = len(self.running) if mine is True else sum(1 for r in self.running if mine(r))
+        running = len(self.running) if self.num_virtual == 1 else sum(r.virtual_engine == ve for r in self.running)
         idx = 0
         while idx < len(self.waiting) and budget > 0 and running < self.max_num_seqs and not out.preempted:
             req = self.waiting[idx]
-            if mine is not True and not mine(req):
+            if req.virtual_engine != ve:
                 idx += 1
                 continue
             fork = self._fork_state(req)
@@ -145,9 +144,9 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _pop_victim(self, mine) -> Request:
+    def _pop_victim(self, ve: int) -> Request:
         for j in range(len(self.running) - 1, -1, -1):
-            if mine is True or mine(self.running[j]):
+            if self.running[j].virtual_engine == ve:
                 return self.running.pop(j)
         raise AssertionError("no running request of this virtual engine to preempt")
 
