@@ -51,6 +51,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    client_left_at: float | None = None  # time.monotonic() the API noticed its client leave
 
 
 IDLE_TICK_S = 0.5  # an idle engine thread wakes this often (keepalive of the other ranks)
@@ -96,6 +97,7 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._watch_ranks()
+        self.engine.before_schedule = self._take_commands
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
             self._thread.start()
@@ -193,8 +195,10 @@ class AsyncEngine:
             if not finished:
                 self._cmds.put(_Abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._cmds.put(_Abort(request_id))
+    def abort(self, request_id: str, client_left_at: float | None = None) -> None:
+        """Abort a request (a no-op for one that has finished). client_left_at: when its client
+        left, if that is why (the engine counts abandoned requests by how far they got)."""
+        self._cmds.put(_Abort(request_id, client_left_at))
 
     # -- engine thread -------------------------------------------------------------------------
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
@@ -228,6 +232,11 @@ class AsyncEngine:
         except BaseException as e:  # the loop must never die silently: fail every open request
             log.exception("engine loop failed")
             self.fail(e)
+
+    def _take_commands(self) -> None:
+        # Engine thread, right before each schedule: an abort that arrived during the previous step
+        # (a client that left) is applied before its request could be admitted.
+        self._deliver_threadsafe(self._drain(False))
 
     def fail(self, e: BaseException) -> None:
         """The engine cannot serve any more (its loop died, or a rank of its group was lost): every
@@ -267,4 +276,4 @@ class AsyncEngine:
                     log.warning("request %s could not be added: %r", cmd.request_id, e)
                     errors.append((cmd.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
             else:
-                self.engine.abort_request(cmd.request_id)
+                self.engine.abort_request(cmd.request_id, client_left_at=cmd.client_left_at)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,10 @@ class EngineStats:
     generation_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
     steps: int = 0
+    # Requests whose client left, by how far they had got then (queued / prefill / decode), and
+    # those of them scheduled after their client had left: work done for nobody.
+    abandoned: Counter = field(default_factory=Counter)
+    scheduled_after_client_left: int = 0
     # Speculative decoding: drafts verified, drafts accepted, and acceptances by draft position.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -125,6 +130,9 @@ class LLMEngine:
                                    num_virtual=self.executor.max_in_flight)
         self._in_flight: deque[_InFlightStep] = deque()
         self._next_ve = 0
+        # Set by AsyncEngine: takes in the commands (adds, aborts) that arrived since the step
+        # began, so a request whose client has just left is not scheduled.
+        self.before_schedule: Callable[[], None] | None = None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
         self.stats = EngineStats()
         self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
@@ -194,13 +202,27 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, client_left_at: float | None = None) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
+            if client_left_at is not None:
+                self._count_abandoned(req, client_left_at)
             self.scheduler.finish(req, FinishReason.ABORT)
             self.stats.finished[FinishReason.ABORT.value] += 1
             self._on_finished(req)
         self._out.pop(request_id, None)
+
+    def _count_abandoned(self, req: Request, left_at: float) -> None:
+        scheduled = req.first_scheduled_time
+        if scheduled is None or scheduled > left_at:
+            phase = "queued"
+            if scheduled is not None:  # scheduled between the client leaving and this abort
+                self.stats.scheduled_after_client_left += 1
+        elif req.num_output_tokens == 0:
+            phase = "prefill"
+        else:
+            phase = "decode"
+        self.stats.abandoned[phase] += 1
 
     def _on_finished(self, req: Request) -> None:
         """The request is finished: drop what the engine keeps for it besides its output."""
@@ -244,6 +266,8 @@ class LLMEngine:
 
     def _start_step(self) -> bool:
         """Schedule and submit a step of the next virtual engine that has work and no step in flight."""
+        if self.before_schedule is not None:
+            self.before_schedule()
         busy = {st.virtual_engine for st in self._in_flight}
         n = self.scheduler.num_virtual
         for k in range(n):

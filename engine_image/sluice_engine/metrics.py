@@ -229,6 +229,12 @@ class _EngineCollector:
         yield counter("sluice_num_preemptions", "Requests preempted by recompute.", e.scheduler.num_preemptions)
         yield counters("sluice_request_success", "Finished requests by reason.", "finished_reason",
                        {r: stats.finished.get(r, 0) for r in FINISHED_REASONS})
+        yield counters("sluice_request_abandoned", "Requests aborted because their client left, by how far "
+                       "they had got when it left.", "phase",
+                       {ph: stats.abandoned.get(ph, 0) for ph in ("queued", "prefill", "decode")})
+        yield counter("sluice_request_scheduled_after_client_left", "Abandoned requests first scheduled after "
+                      "their client had left (work done for nobody; should stay 0).",
+                      stats.scheduled_after_client_left)
         yield counter("sluice_request_slo", "Completed requests (stop or length) checked against the SLO.",
                       m.requests_slo_checked)
         yield counter("sluice_request_goodput", "Completed requests that met every SLO objective set.",

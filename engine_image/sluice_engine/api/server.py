@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from ..async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
 from ..engine import LLMEngine
 from ..metrics import PrometheusExporter
+from .client_watch import ClientWatch
 from .errors import APIError, BodySizeLimit, api_error_handler, validation_error_handler
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
@@ -69,21 +70,37 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
         return APIError(500, str(exc), code="request_failed").response()
 
-    async def respond(result):
+    async def respond(request: Request, serve):
+        # The client's connection is watched from here until the response is complete: a client
+        # that leaves aborts its engine requests at once (client_watch.py).
+        watch = ClientWatch(request.receive)
+        try:
+            result = await serve(watch)
+        except BaseException:
+            watch.close()
+            raise
         if isinstance(result, dict):
+            watch.close()
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
+
+        async def events():
+            try:
+                async for event in result:
+                    yield event
+            finally:
+                watch.close()
+        return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         refuse_while_draining()
-        return await respond(await serving.completions(body, request.is_disconnected))
+        return await respond(request, lambda watch: serving.completions(body, watch))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         refuse_while_draining()
-        return await respond(await serving.chat(body, request.is_disconnected))
+        return await respond(request, lambda watch: serving.chat(body, watch))
 
     @app.get("/v1/models")
     async def models():

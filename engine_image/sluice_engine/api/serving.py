@@ -25,10 +25,10 @@ from ..structured import (
     render_messages,
     template_renders_tools,
 )
+from .client_watch import ClientWatch, NoWatch, client_left_error
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text
 
-DISCONNECT_POLL_S = 0.2
 # chat_template_kwargs may not name what the request's own fields set (or the renderer's arguments).
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "tools", "add_generation_prompt"})
 
@@ -123,7 +123,7 @@ class OpenAIServing:
                 param = "max_completion_tokens"
             raise bad_request(str(e).replace(e.param, param, 1), param=param) from None
 
-    async def _constraints(self, req, plan: ToolPlan | None = None):
+    async def _constraints(self, req, plan: ToolPlan | None = None, watch: ClientWatch | None = None):
         """The request's grammar (response_format, guided_*, or its tools), compiled off the event
         loop and cached: a factory of each choice's own constraint, or None for free text. A
         malformed schema, regex or grammar is a 400 naming its field."""
@@ -136,7 +136,9 @@ class OpenAIServing:
                 spec = plan.grammar()
             if spec is None:
                 return None
-            compiled = await self.structured.compile(spec)
+            # A client that leaves while its grammar compiles stops waiting for it (a compile not yet
+            # started is then dropped: StructuredOutputs counts its waiters).
+            compiled = await (watch or NoWatch()).race(self.structured.compile(spec))
         except GrammarError as e:
             if e.status != 400:  # busy compiling others' grammars
                 raise APIError(e.status, str(e), param=e.param, code="grammar_queue_full",
@@ -151,9 +153,13 @@ class OpenAIServing:
         return dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
 
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
-                           base_id: str, constraints=None) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+                           base_id: str, constraints=None, watch: ClientWatch | None = None,
+                           ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
-        constraints: None, or a factory of one choice's logits processors (its grammar state)."""
+        constraints: None, or a factory of one choice's logits processors (its grammar state).
+        If the client leaves (watch), every unfinished choice is aborted in the engine at once and
+        the iteration raises the 499 APIError."""
+        watch = watch or NoWatch()
         choices = [_Choice(p_idx * n + i, ids) for p_idx, ids in enumerate(prompts) for i in range(n)]
         params = [self._child_params(params_list[ch.index // n], ch.index % n) for ch in choices]
         for ch, p in zip(choices, params, strict=True):
@@ -167,6 +173,16 @@ class OpenAIServing:
         gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, constraints() if constraints else None)
                 for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
+
+        def client_left(left_at: float) -> None:
+            # Abort now, from the event loop, not when the consumer next runs: a waiting request must
+            # not be scheduled in between. The time the client left lets the engine count it.
+            for ch in choices:
+                if ch.finish_reason is None:
+                    self.engine.abort(f"{base_id}-{ch.index}", client_left_at=left_at)
+            queue.put_nowait((None, client_left_error()))
+
+        unwatch = watch.on_left(client_left)
 
         async def pump(ch: _Choice, gen: AsyncIterator[RequestOutput]) -> None:
             try:
@@ -192,6 +208,7 @@ class OpenAIServing:
                 _accumulate(ch, item)
                 yield ch, item
         finally:
+            unwatch()
             for t in tasks:
                 t.cancel()
             # Cancelling a pump ends its engine stream, whose cleanup aborts the engine request; a pump
@@ -220,7 +237,9 @@ class OpenAIServing:
                 raise bad_request("prompt is empty", param="prompt")
         return prompts
 
-    async def completions(self, req: CompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest, watch: ClientWatch | None = None) -> dict | AsyncIterator[str]:
+        """A completion: its response body, or (stream) its SSE events. watch: the client's connection."""
+        watch = watch or NoWatch()
         self.check_fields(req)
         self.check_model(req.model)
         if req.suffix:
@@ -231,14 +250,13 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             plp = max(req.logprobs, plp or 0)
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, plp) for ids in prompts]
-        constraints = await self._constraints(req)
+        constraints = await self._constraints(req, watch=watch)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices(prompts, params, req.n, rid, constraints)
+        choices_iter = self._run_choices(prompts, params, req.n, rid, constraints, watch)
         if req.stream:
-            return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False,
-                                      is_disconnected=is_disconnected)
-        choices = await _collect(choices_iter, is_disconnected)
+            return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
+        choices = await _collect(choices_iter)
         return {
             "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
             "choices": [self._completion_choice(ch, req) for ch in choices],
@@ -298,7 +316,9 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # -- chat ----------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, is_disconnected) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, watch: ClientWatch | None = None) -> dict | AsyncIterator[str]:
+        """A chat completion: its response body, or (stream) its SSE events. watch: the client's connection."""
+        watch = watch or NoWatch()
         self.check_fields(req)
         self.check_model(req.model)
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
@@ -326,14 +346,14 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, len(prompt_ids), lp, None)
-        constraints = await self._constraints(req, plan)
+        constraints = await self._constraints(req, plan, watch=watch)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, constraints)
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, constraints, watch)
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
-                                      tools=plan is not None, is_disconnected=is_disconnected)
-        choices = await _collect(choices_iter, is_disconnected)
+                                      tools=plan is not None)
+        choices = await _collect(choices_iter)
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
             "choices": [
@@ -357,11 +377,15 @@ class OpenAIServing:
 
     # -- streaming -----------------------------------------------------------------------------
     async def _stream(self, rid: str, created: int, obj: str, choices_iter, req, is_chat: bool,
-                      tools: bool = False, is_disconnected=None) -> AsyncIterator[str]:
+                      tools: bool = False) -> AsyncIterator[str]:
         # Errors found before the first engine output (e.g. a prompt too long) must still be a
-        # plain HTTP 400, so take the first delta before the response starts -- watching the client
-        # meanwhile: one that leaves while its request waits is aborted, never prefilled.
-        first = await _first_delta(choices_iter, is_disconnected)
+        # plain HTTP 400, so take the first delta before the response starts. A client that leaves
+        # meanwhile ends the iteration with a 499 (its requests already aborted).
+        try:
+            first = await anext(choices_iter, None)
+        except BaseException:
+            await choices_iter.aclose()
+            raise
 
         async def events() -> AsyncIterator[str]:
             seen: set[int] = set()
@@ -482,37 +506,12 @@ async def _off_loop(fn, *args):
     return await asyncio.to_thread(fn, *args)
 
 
-async def _first_delta(choices_iter, is_disconnected):
-    """The first (choice, delta) of a request, or None; APIError 499 (and the request aborted) if the
-    client leaves first."""
-    if is_disconnected is None:
-        return await anext(choices_iter, None)
-    task = asyncio.ensure_future(anext(choices_iter, None))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await is_disconnected():
-                raise APIError(499, "client disconnected", code="client_closed_request")
-    except BaseException:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await choices_iter.aclose()
-        raise
-
-
-async def _collect(choices_iter, is_disconnected) -> list[_Choice]:
-    """Drains a non-streaming request, aborting it if the client goes away meanwhile."""
+async def _collect(choices_iter) -> list[_Choice]:
+    """Drains a non-streaming request (a 499 APIError if its client leaves meanwhile)."""
     seen: dict[int, _Choice] = {}
-    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         async for ch, _ in choices_iter:
             seen[ch.index] = ch
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + DISCONNECT_POLL_S
-                if await is_disconnected():
-                    raise APIError(499, "client disconnected", code="client_closed_request")
     finally:
         await choices_iter.aclose()
     return [seen[i] for i in sorted(seen)]
