@@ -400,6 +400,48 @@ def test_logits_processor_sees_the_output_so_far_and_only_its_own_row():
     assert torch.equal(logits, before)  # processors edit a copy, not the model's logits
 
 
+# -- logit bias ------------------------------------------------------------------------------------
+def test_logit_bias_moves_the_greedy_choice_and_only_its_own_row():
+    logits = rand_logits(2, seed=3)
+    top, second = logits[0].topk(2).indices.tolist()
+    gap = float(logits[0, top] - logits[0, second])
+    before = logits.clone()
+    reqs = [make_req("a", temperature=0.0, logit_bias={top: -(gap + 0.1)}), make_req("b", temperature=0.0)]
+    out = Sampler(CPU)(logits, reqs)
+    assert out.token_ids == [second, int(logits[1].argmax())]
+    assert torch.equal(logits, before)  # the bias edits a copy
+    assert _pick(logits[0], logit_bias={top: -(gap - 0.1)}) == top  # not quite enough
+    assert _pick(logits[0], logit_bias={7: 100.0}) == 7  # +100 all but forces a token
+    assert _pick(logits[0], logit_bias={top: -100.0}) != top  # -100 bans it
+
+
+def test_logit_bias_shifts_the_sampled_distribution_not_the_reported_logprobs():
+    logits = torch.full((V,), -30.0)
+    logits[:4] = torch.tensor([2.0, 1.5, 1.0, 0.5])
+    bias = {0: -1.0, 3: 1.2}
+    biased = logits.clone()
+    for t, b in bias.items():
+        biased[t] += b
+    samples = draw(logits, 4000, seed=5, temperature=1.0, logit_bias=bias)
+    expected = torch.softmax(biased, -1)
+    expected[expected < 1e-6] = 0
+    assert_distribution(samples, expected / expected.sum())
+    out = Sampler(CPU)(logits[None].clone(), [make_req(temperature=0.0, logit_bias={3: 100.0}, logprobs=1)])
+    assert out.token_ids == [3]
+    assert out.logprobs[0][0] == pytest.approx(float(torch.log_softmax(logits, -1)[3]))  # raw, before the bias
+
+
+def test_logit_bias_applies_to_speculative_verification():
+    logits = rand_logits(3, seed=4)  # rows for 2 drafts plus the bonus
+    first = int(logits[0].argmax())
+    r = make_req(temperature=0.0, logit_bias={first: -100.0})
+    r.spec_token_ids = [first, 1]
+    (tokens, _), = Sampler(CPU).verify(logits, [r])
+    biased = logits[0].clone()
+    biased[first] -= 100
+    assert tokens == [int(biased.argmax())]  # the draft is rejected: the biased argmax differs
+
+
 # -- SamplingParams validation -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value"),
@@ -425,6 +467,10 @@ def test_logits_processor_sees_the_output_so_far_and_only_its_own_row():
         ("logprobs", 21),
         ("prompt_logprobs", -1),
         ("prompt_logprobs", 21),
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {5: -101.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {i: 1.0 for i in range(1025)}),
     ],
 )
 def test_out_of_range_param_is_rejected_by_name(field, value):
@@ -462,6 +508,8 @@ def test_nan_param_is_rejected_by_name(field):
         {"repetition_penalty": 100.0},
         {"logprobs": 0, "prompt_logprobs": 20},
         {"logprobs": 20, "prompt_logprobs": 0},
+        {"logit_bias": {0: -100.0, 1: 100.0}},
+        {"logit_bias": {i: 0.5 for i in range(1024)}},
     ],
 )
 def test_boundary_values_are_accepted(kw):

@@ -1,6 +1,6 @@
 """From the logits of each sampling row to one token, and logprobs when asked.
 
-Order (as users of vLLM expect): token constraints (grammar masks) -> logits processors -> penalties ->
+Order (as users of vLLM expect): token constraints (grammar masks) -> logits processors -> logit bias -> penalties ->
 greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Reported logprobs are of the raw
 model distribution, before any of that processing.
 """
@@ -44,11 +44,13 @@ class Sampler:
         logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
         logits = raw.clone() if any(r.logits_processors or r.constraints or r.params.needs_penalties
-                                    for r in requests) else raw
+                                    or r.params.logit_bias for r in requests) else raw
         apply_constraints(logits, [(i, c, []) for i, r in enumerate(requests) for c in r.constraints])
         for i, r in enumerate(requests):
             for proc in r.logits_processors:
                 logits[i] = proc(r.output_token_ids, logits[i])
+            if r.params.logit_bias:
+                _apply_logit_bias(logits[i], r.params.logit_bias)
             if r.params.needs_penalties:
                 _apply_penalties(logits[i], r)
 
@@ -105,9 +107,14 @@ class Sampler:
         for r in requests:
             constrained.extend((row, c, r.spec_token_ids) for c in r.constraints)
             row += len(r.spec_token_ids) + 1
-        if constrained:  # each row masked by the constraint's state after the drafts before it
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(row_reqs) if r.params.logit_bias]
+        if constrained or biased:
             logits = logits.clone()
+            # Each row masked by the constraint's state after the drafts before it; a bias is the
+            # same at every position.
             apply_constraints(logits, constrained)
+            for i, bias in biased:
+                _apply_logit_bias(logits[i], bias)
         greedy = [r.params.greedy for r in row_reqs]
         argmax = logits.argmax(dim=-1).tolist()
         probs = None if all(greedy) else self._probs(logits, row_reqs, greedy)
@@ -180,6 +187,11 @@ def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, TokenConstrain
         by_class.setdefault(type(item[1]), []).append(item)
     for cls, items in by_class.items():
         cls.apply_batch(logits, items)
+
+
+def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    ids = torch.tensor(list(bias), device=row.device, dtype=torch.long)
+    row[ids] += torch.tensor(list(bias.values()), device=row.device, dtype=row.dtype)
 
 
 def _apply_penalties(row: torch.Tensor, r: Request) -> None:

@@ -15,6 +15,7 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE = 1024, 100.0  # OpenAI's bounds
 # Below this a temperature samples the argmax anyway (vLLM's epsilon); dividing float32 logits by a
 # smaller one overflows them to inf and the draw would be garbage.
 GREEDY_TEMPERATURE = 1e-5
@@ -44,6 +45,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Added to a token's logit before penalties and sampling (OpenAI's logit_bias; -100 bans a
+    # token, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob plus top-k
@@ -104,6 +108,17 @@ class SamplingParams:
         bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_TOP_K), None)
         if bad is not None:
             raise InvalidParam("stop_token_ids", f"stop_token_ids holds {bad}, which is not a token id")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidParam("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
+            bad = next((t for t in self.logit_bias if not 0 <= t <= MAX_TOP_K), None)
+            if bad is not None:
+                raise InvalidParam("logit_bias", f"logit_bias key {bad} is not a token id")
+            bad = next((v for v in self.logit_bias.values() if not -MAX_LOGIT_BIAS_VALUE <= v <= MAX_LOGIT_BIAS_VALUE),
+                       None)
+            if bad is not None:
+                raise InvalidParam("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                   f"{MAX_LOGIT_BIAS_VALUE:g}], got {bad}")
 
     @property
     def greedy(self) -> bool:

@@ -109,6 +109,7 @@ class OpenAIServing:
                 min_p=req.min_p, seed=req.seed,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, stop=stop, stop_token_ids=list(req.stop_token_ids),
+                logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
                 ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
                 skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
