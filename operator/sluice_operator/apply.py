@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,10 @@ class ApiError(Exception):
 class KubeApi:
     """`async with KubeApi(info) as api:` one aiohttp session per reconcile pass."""
 
-    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0):
+    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0,
+                 on_request: Callable[[str, int | str], None] | None = None):
         self._info = info
+        self._on_request = on_request  # (method, HTTP status or "error"): the operator's metrics
         self._server = info.server.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -93,16 +96,23 @@ class KubeApi:
         assert self._session is not None, "use `async with KubeApi(...)`"
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
-        async with self._session.request(method, self._server + path, params=params, data=data,
-                                         headers=headers) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                try:
-                    message = json.loads(text).get("message", text)
-                except (ValueError, AttributeError):
-                    message = text
-                raise ApiError(resp.status, method, path, str(message)[:500])
-            return json.loads(text) if text else {}
+        try:
+            async with self._session.request(method, self._server + path, params=params, data=data,
+                                             headers=headers) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError):
+            if self._on_request is not None:
+                self._on_request(method, "error")
+            raise
+        if self._on_request is not None:
+            self._on_request(method, resp.status)
+        if resp.status >= 400:
+            try:
+                message = json.loads(text).get("message", text)
+            except (ValueError, AttributeError):
+                message = text
+            raise ApiError(resp.status, method, path, str(message)[:500])
+        return json.loads(text) if text else {}
 
     # -- children ---------------------------------------------------------------------------------
     async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -155,6 +165,15 @@ class KubeApi:
         except ApiError as e:
             if e.status != 404:
                 raise
+
+    async def create(self, kind: Kind, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST: 409 (ApiError) if it exists."""
+        return await self._request("POST", collection_path(kind.api_version, kind.plural, namespace), body=obj)
+
+    async def replace(self, kind: Kind, namespace: str, name: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """PUT, guarded by the body's metadata.resourceVersion: 409 (ApiError) if the object changed since."""
+        return await self._request("PUT", f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}",
+                                   body=obj)
 
     # -- the endpoint -----------------------------------------------------------------------------
     async def list_endpoints(self, namespaces: list[str]) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import kopf
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
+from .operator_metrics import OperatorMetrics
 from .reconcile import reconcile
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
 from .status import changed, endpoint_status, invalid_status, transitions
@@ -70,16 +72,34 @@ class Loop:
     # Per endpoint: the kinds its last apply found the cluster does not serve (their CRD is not installed).
     _missing: dict[tuple[str, str], frozenset[str]] = field(default_factory=dict)
     _pods_unreadable: bool = False  # logged once: without RBAC for pods, Scheduled stays Unknown
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
     def api(self) -> KubeApi:
         if self.credentials is None:
             raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
-        return KubeApi(self.credentials)
+        return KubeApi(self.credentials, on_request=self.metrics.count_request)
 
     async def converge(self, api: KubeApi, body: Any, logger: logging.Logger | logging.LoggerAdapter,
                        apply: bool = True) -> Object:
         """One pass; returns the status written ({} if the endpoint is gone). `apply=False` only folds the
         children's status."""
+        meta = _plain(body)["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        started, result = time.monotonic(), "error"
+        try:
+            status = await self._converge(api, body, logger, apply)
+            result = "ok"
+            self.metrics.set_phase(key, status.get("phase") if status else None)
+            return status
+        except InvalidEndpoint:
+            result = "invalid"
+            self.metrics.set_phase(key, "Failed")
+            raise
+        finally:
+            self.metrics.observe_reconcile(result, time.monotonic() - started)
+
+    async def _converge(self, api: KubeApi, body: Any, logger: logging.Logger | logging.LoggerAdapter,
+                        apply: bool) -> Object:
         meta = _plain(body)["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         async with self._locks[key]:
@@ -207,7 +227,10 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
             await asyncio.sleep(resync_seconds)
             try:
                 async with loop.api() as api:
-                    for body in await api.list_endpoints(list(namespaces or [])):
+                    bodies = await api.list_endpoints(list(namespaces or []))
+                    loop.metrics.keep_only({(b["metadata"].get("namespace") or "default", b["metadata"]["name"])
+                                            for b in bodies})
+                    for body in bodies:
                         if body["metadata"].get("deletionTimestamp"):
                             continue
                         try:
