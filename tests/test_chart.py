@@ -39,6 +39,7 @@ CHILD_RESOURCES = {
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
     "ScaledObject": ("keda.sh", "scaledobjects"),
+    "TriggerAuthentication": ("keda.sh", "triggerauthentications"),
     "ServiceMonitor": ("monitoring.coreos.com", "servicemonitors"),
     "PrometheusRule": ("monitoring.coreos.com", "prometheusrules"),
 }

@@ -446,7 +446,10 @@ class InferenceEndpoint(BaseModel):
 
 
 class SpecError(ValueError):
-    """An invalid InferenceEndpoint; the message names each offending field."""
+    """An invalid InferenceEndpoint; the message names each offending field. `reason`: the Ready condition's
+    reason the operator reports it under."""
+
+    reason = "InvalidSpec"
 
 
 def format_errors(err: ValidationError) -> str:

@@ -127,7 +127,7 @@ What the operator does inside the namespaces it serves (least privilege: only wh
   resources: [leaderworkersets]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [keda.sh]
-  resources: [scaledobjects]
+  resources: [scaledobjects, triggerauthentications]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
