@@ -4,6 +4,7 @@ trigger's metadata; IsActive flips with held requests; StreamIsActive pushes wit
 from __future__ import annotations
 
 import asyncio
+import base64
 import shutil
 import subprocess
 import time
@@ -11,7 +12,9 @@ import time
 import grpc
 import httpx
 import pytest
+import yaml
 from gateway_fakes import FakeBackend, chat, start_gateway, wait_until
+from test_chart import helm  # noqa: F401 - a fixture
 
 from sluice_autoscaler import externalscaler_pb2 as pb
 from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc
@@ -290,3 +293,37 @@ def test_tls_flags_go_together():
         GatewayConfig(scaler_tls_cert="/c.pem")
     with pytest.raises(ValueError, match="--scaler-tls-client-ca needs --scaler-tls-cert"):
         GatewayConfig(scaler_tls_client_ca="/ca.pem")
+
+
+async def test_the_charts_certificate_lets_keda_in(helm, tmp_path):  # noqa: F811 - helm is a fixture
+    """End to end with what the chart generates (gateway.scalerTLS.generate): the gateway serves the Secret's
+    tls.crt and requires ca.crt's clients; KEDA, given the same Secret through the TriggerAuthentication,
+    verifies the server by the name in scalerAddress and is let in."""
+    from test_chart import CHART, RELEASE, RELEASE_NS, run_helm
+
+    from sluice_operator.config import GATEWAY_HOST
+
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                    "--set", "gateway.scalerTLS.generate=true", "--show-only", "templates/scaler-tls.yaml")
+    (secret,) = [d for d in yaml.safe_load_all(text) if d]
+    for key, value in secret["data"].items():
+        (tmp_path / key).write_bytes(base64.b64decode(value))
+    gw = await start_gateway(backends=["chat=http://127.0.0.1:9"], scaler_tls_cert=str(tmp_path / "tls.crt"),
+                             scaler_tls_key=str(tmp_path / "tls.key"), scaler_tls_client_ca=str(tmp_path / "ca.crt"))
+    files = {k: (tmp_path / k).read_bytes() for k in ("ca.crt", "tls.crt", "tls.key")}
+    # The operator's default scalerAddress names the Service; here it resolves to loopback.
+    override = (("grpc.ssl_target_name_override", GATEWAY_HOST),)
+    keda = grpc.aio.secure_channel(f"127.0.0.1:{gw.scaler_port}", grpc.ssl_channel_credentials(
+        root_certificates=files["ca.crt"], private_key=files["tls.key"], certificate_chain=files["tls.crt"]),
+        options=override)
+    anonymous = grpc.aio.secure_channel(f"127.0.0.1:{gw.scaler_port}", grpc.ssl_channel_credentials(
+        root_certificates=files["ca.crt"]), options=override)
+    try:
+        assert (await pb_grpc.ExternalScalerStub(keda).IsActive(ref(endpoint="chat"), timeout=5)).result is False
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await pb_grpc.ExternalScalerStub(anonymous).IsActive(ref(endpoint="chat"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await keda.close()
+        await anonymous.close()
+        await gw.stop()

@@ -187,3 +187,12 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
+
+{{/* The Secret of KEDA's client certificate for the gateway's scaler; empty: none (plaintext gRPC). */}}
+{{- define "sluice.gateway.scalerTLSSecret" -}}
+{{- if .Values.gateway.scalerTLS.existingSecret -}}
+{{- .Values.gateway.scalerTLS.existingSecret -}}
+{{- else if .Values.gateway.scalerTLS.generate -}}
+{{- printf "%s-scaler-tls" (include "sluice.gateway.fullname" .) -}}
+{{- end -}}
+{{- end -}}
