@@ -261,7 +261,7 @@ def test_every_recording_rule_is_documented() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     for name in recorded_names() | {r["alert"] for r in monitoring.generic_groups()[0]["rules"] if "alert" in r}:
         assert f"`{name}`" in doc, f"docs/metrics.md does not describe {name}"
-    assert "`SluiceKedaFallback`" in doc
+    assert "`SluiceKedaFallback`" in doc and "`SluiceQueueMetricAbsent`" in doc
 
 
 # -- promtool test rules ---------------------------------------------------------------------------------------
