@@ -286,7 +286,7 @@ async def test_only_kedas_client_certificate_gets_in(pki):
         await gw.stop()
 
 
-def test_tls_flags_go_together():
+async def test_tls_flags_go_together():
     from sluice_autoscaler.config import GatewayConfig
 
     with pytest.raises(ValueError, match="--scaler-tls-cert and --scaler-tls-key go together"):
