@@ -39,6 +39,7 @@ CHILD_RESOURCES = {
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "leaderworkersets"),
     "ScaledObject": ("keda.sh", "scaledobjects"),
+    "TriggerAuthentication": ("keda.sh", "triggerauthentications"),
     "ServiceMonitor": ("monitoring.coreos.com", "servicemonitors"),
     "PrometheusRule": ("monitoring.coreos.com", "prometheusrules"),
 }
@@ -55,7 +56,8 @@ MODES = {
     "all-discovery": (["rbac.discovery=true", "liveness.enabled=false"], "all", None),
     "existing-sa": (["serviceAccount.create=false", "serviceAccount.name=ops"], "all", None),
     "no-gateway": (["gateway.enabled=false"], "all", None),
-    "gateway-secrets": (["gateway.apiKeys.existingSecret=gw-keys", "gateway.scalerToken.existingSecret=gw-token",
+    "gateway-secrets": (["gateway.apiKeys.existingSecret=gw-keys", "gateway.scalerTLS.generate=true",
+                         "gateway.scalerTLS.namespaces={team-a}",
                          "networkPolicy.engines.namespaces={team-a,team-b}",
                          "networkPolicy.engines.exceptEndpoints={public}",
                          "networkPolicy.gateway.clients[0].podSelector.matchLabels.role=client"], "all", None),
@@ -341,7 +343,9 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     args += [] if scope == "all" else ["--namespace", served]
     if mode == "gateway-secrets":
         args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",
-                 "--scaler-token-file", "/etc/sluice/scaler-token/token"]
+                 "--scaler-tls-cert", "/etc/sluice/scaler-tls/tls.crt",
+                 "--scaler-tls-key", "/etc/sluice/scaler-tls/tls.key",
+                 "--scaler-tls-client-ca", "/etc/sluice/scaler-tls/ca.crt"]
     assert container["args"] == args
     assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "grpc": 9090}
@@ -422,16 +426,17 @@ def test_gateway_mounts_its_secrets(rendered: dict[str, list[dict[str, Any]]]) -
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["api-keys"]["secret"]["secretName"] == "gw-keys"
     assert volumes["api-keys"]["secret"]["items"] == [{"key": "api-keys.yaml", "path": "api-keys.yaml"}]
-    assert volumes["scaler-token"]["secret"]["secretName"] == "gw-token"
-    assert volumes["scaler-token"]["secret"]["items"] == [{"key": "token", "path": "token"}]
+    assert volumes["scaler-tls"]["secret"]["secretName"] == f"{GATEWAY}-scaler-tls"
+    assert volumes["scaler-tls"]["secret"]["items"] == [{"key": k, "path": k} for k in ("tls.crt", "tls.key", "ca.crt")]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["api-keys"] == {"name": "api-keys", "mountPath": "/etc/sluice/api-keys", "readOnly": True}
-    assert mounts["scaler-token"]["mountPath"] == "/etc/sluice/scaler-token"
+    assert mounts["scaler-tls"]["mountPath"] == "/etc/sluice/scaler-tls"
     assert all("subPath" not in m for m in container["volumeMounts"])
     args = container["args"]
-    for flag, volume in (("--api-keys-file", "api-keys"), ("--scaler-token-file", "scaler-token")):
+    for flag, volume, item in (("--api-keys-file", "api-keys", 0), ("--scaler-tls-cert", "scaler-tls", 0),
+                               ("--scaler-tls-key", "scaler-tls", 1), ("--scaler-tls-client-ca", "scaler-tls", 2)):
         path = args[args.index(flag) + 1]
-        assert path == f"{mounts[volume]['mountPath']}/{volumes[volume]['secret']['items'][0]['path']}"
+        assert path == f"{mounts[volume]['mountPath']}/{volumes[volume]['secret']['items'][item]['path']}"
     (plain,) = component(rendered["all"], "Deployment", "gateway")
     assert "--api-keys-file" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
     # The gateway's flags the chart renders are flags `sluice gateway` knows.
@@ -541,3 +546,106 @@ def json_of(value: Any) -> str:
     import json
 
     return json.dumps(value)
+
+
+# -- a stock kube-prometheus-stack, and KEDA's client certificate ------------------------------------------------
+STOCK_STACK = ["monitoring.labels.release=kube-prometheus-stack", "monitoring.annotations.team=ml-platform",
+               "gateway.serviceMonitor.enabled=true", "monitoring.rules.enabled=true",
+               "gateway.scalerTLS.generate=true", "gateway.scalerTLS.namespaces={inference}"]
+
+
+def template(helm: tuple[str, dict[str, str]], *values: str) -> list[dict[str, Any]]:
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS, *set_args(list(values)))
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def test_stock_prometheus_stack_values(helm: tuple[str, dict[str, str]]) -> None:
+    """Acceptance (issue 14): with `monitoring.labels.release` set, every ServiceMonitor and PrometheusRule
+    carries what kube-prometheus-stack's default selectors want: the chart's own, and those the operator
+    renders per endpoint from the settings the chart gives it."""
+    from operator_schemas import crd_schema, load_yaml, reference_crd, schema_errors
+
+    from sluice_operator.config import OperatorConfig
+    from sluice_operator.reconcile import reconcile
+    from sluice_operator.spec import parse_endpoint
+
+    docs = template(helm, *STOCK_STACK)
+    for kind, crd in (("ServiceMonitor", "monitoring.coreos.com_servicemonitors.yaml"),
+                      ("PrometheusRule", "monitoring.coreos.com_prometheusrules.yaml")):
+        (obj,) = of_kind(docs, kind)  # the gateway's ServiceMonitor, the chart's generic rules
+        assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack", kind
+        assert obj["metadata"]["annotations"] == {"team": "ml-platform"}, kind
+        assert schema_errors(crd_schema(reference_crd(crd), "v1"), obj) == []
+    (dep,) = component(docs, "Deployment", "operator")
+    cfg = OperatorConfig.from_env(env_of(dep["spec"]["template"]["spec"]["containers"][0]))
+    assert cfg.monitoring_labels == {"release": "kube-prometheus-stack"}
+    assert cfg.gateway_scaler_tls_secret == f"{GATEWAY}-scaler-tls"
+    ep = parse_endpoint(load_yaml(next(p for p in EXAMPLES if p.name == "scale-to-zero.yaml")))
+    manifests = reconcile(ep, cfg)
+    for m in manifests:
+        if m["kind"] == "ServiceMonitor":  # (the chart's generic rules replace the per-endpoint PrometheusRule)
+            assert m["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+            assert m["metadata"]["annotations"] == {"team": "ml-platform"}
+    assert "PrometheusRule" not in {m["kind"] for m in manifests} and cfg.endpoint_rules is False
+    rules = reconcile(ep, OperatorConfig.from_env({**env_of(dep["spec"]["template"]["spec"]["containers"][0]),
+                                                   "SLUICE_ENDPOINT_RULES": "true"}))
+    (rule,) = [m for m in rules if m["kind"] == "PrometheusRule"]
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # A specific label adds to monitoring.labels.
+    docs = template(helm, *STOCK_STACK, "gateway.serviceMonitor.labels.extra=yes")
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["metadata"]["labels"]["extra"] == "yes"
+
+
+def test_scaler_tls_secret_is_where_keda_reads_it(helm: tuple[str, dict[str, str]]) -> None:
+    """One kubernetes.io/tls Secret with ca.crt, in the release namespace (the gateway mounts it) and in each
+    endpoint namespace (a TriggerAuthentication reads Secrets of its own namespace)."""
+    docs = template(helm, *STOCK_STACK)
+    secrets = {d["metadata"]["namespace"]: d for d in of_kind(docs, "Secret")}
+    assert set(secrets) == {RELEASE_NS, "inference"}
+    first, second = secrets.values()
+    assert first["type"] == "kubernetes.io/tls" and set(first["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    assert first["data"] == second["data"]  # the same certificate: one identity for KEDA everywhere
+    for secret in secrets.values():
+        kubernetes_validate.validate(secret, K8S_VERSIONS[0], strict=True)
+    docs = template(helm, "scope=namespace", "watchNamespace=team-a", "gateway.scalerTLS.generate=true")
+    assert {d["metadata"]["namespace"] for d in of_kind(docs, "Secret")} == {RELEASE_NS, "team-a"}
+    docs = template(helm, "gateway.scalerTLS.existingSecret=from-cert-manager")
+    assert not of_kind(docs, "Secret")  # yours: the chart creates none
+    (dep,) = component(docs, "Deployment", "operator")
+    assert env_of(dep["spec"]["template"]["spec"]["containers"][0])["SLUICE_GATEWAY_SCALER_TLS_SECRET"] == \
+        "from-cert-manager"
+    (plain,) = component(template(helm), "Deployment", "operator")
+    assert env_of(plain["spec"]["template"]["spec"]["containers"][0])["SLUICE_GATEWAY_SCALER_TLS_SECRET"] == ""
+
+
+def helm_error(helm: tuple[str, dict[str, str]], *values: str) -> str:
+    path, env = helm
+    proc = subprocess.run([path, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS, *set_args(list(values))],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, f"helm accepted {values}"
+    return proc.stderr
+
+
+def test_scaler_token_is_refused_with_the_reason(helm: tuple[str, dict[str, str]]) -> None:
+    err = helm_error(helm, "gateway.scalerToken.existingSecret=gw-token")
+    assert "KEDA hands an external scaler nothing from a TriggerAuthentication but TLS material" in err
+    assert "Use gateway.scalerTLS" in err
+    err = helm_error(helm, "gateway.scalerTLS.generate=true", "gateway.scalerTLS.existingSecret=x")
+    assert "set either generate or existingSecret, not both" in err
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ("networkPolicy.enabled=yes", "/networkPolicy/enabled"),
+    ("networkPolicy.engines.namespace=team-a", "additional properties 'namespace' not allowed"),
+    ("networkPolicy.gateway.client=x", "additional properties 'client' not allowed"),
+    ("networkPolicy.engines.namespaces={Team_A}", "/networkPolicy/engines/namespaces/0"),
+    ("gateway.apiKeys.secret=x", "additional properties 'secret' not allowed"),
+    ("gateway.scalerToken.existingSecret=Not_A_Name", "/gateway/scalerToken/existingSecret"),
+    ("gateway.scalerTLS.generate=maybe", "/gateway/scalerTLS/generate"),
+    ("gateway.scalerTLS.validityDays=0", "/gateway/scalerTLS/validityDays"),
+    ("monitoring.labels.release=not ok", "/monitoring/labels/release"),
+])
+def test_values_schema_types_the_new_values(helm: tuple[str, dict[str, str]], value: str, where: str) -> None:
+    assert where in helm_error(helm, value)

@@ -4,16 +4,21 @@ trigger's metadata; IsActive flips with held requests; StreamIsActive pushes wit
 from __future__ import annotations
 
 import asyncio
+import base64
+import shutil
+import subprocess
 import time
 
 import grpc
 import httpx
 import pytest
+import yaml
 from gateway_fakes import FakeBackend, chat, start_gateway, wait_until
+from test_chart import helm  # noqa: F401 - a fixture
 
 from sluice_autoscaler import externalscaler_pb2 as pb
 from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc
-from sluice_autoscaler.scaler import METRIC_NAME
+from sluice_autoscaler.scaler import METRIC_NAME, QUEUE_METRIC_NAME
 
 pytestmark = pytest.mark.asyncio
 
@@ -169,4 +174,156 @@ async def test_unauthenticated_scaler_calls_are_refused_when_a_token_is_set(tmp_
         assert (await stub.IsActive(ref(scalerToken="rotated"))).result is False
     finally:
         await channel.close()
+        await gw.stop()
+
+
+async def test_the_trigger_picks_its_count_and_target(tmp_path):
+    """The operator's trigger: `metric: queue` (held requests, the unit of targetQueueDepth) against the
+    endpoint's own `targetValue`; --scaler-target is only the default for triggers without one."""
+    backend = await FakeBackend("A", model="chat", delay=0.5).start()
+    backend.ready = False
+    path = tmp_path / "backends.yaml"
+    path.write_text(f"endpoints: [{{model: chat, name: ns/chat, serving: [{backend.url}]}}]\n")
+    gw = await start_gateway(backends_file=str(path), scaler_target=16)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.scaler_port}")
+    stub = pb_grpc.ExternalScalerStub(channel)
+    queue = ref(metric="queue", targetValue="4")  # what the operator renders for targetQueueDepth 4
+
+    async def values() -> tuple[float, float]:
+        out = []
+        for r in (queue, ref()):
+            m = await stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=r, metricName="s1-x"))
+            out.append(m.metricValues[0].metricValueFloat)
+        return out[0], out[1]
+
+    try:
+        spec = await stub.GetMetricSpec(queue)
+        assert [(m.metricName, m.targetSize, m.targetSizeFloat) for m in spec.metricSpecs] == [
+            (QUEUE_METRIC_NAME, 4, 4.0)]
+        spec = await stub.GetMetricSpec(ref())
+        assert [(m.metricName, m.targetSizeFloat) for m in spec.metricSpecs] == [(METRIC_NAME, 16.0)]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetMetricSpec(ref(metric="latency"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "queue" in e.value.details()
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+            request = asyncio.create_task(c.post("/v1/chat/completions", json=chat("chat", "wake up")))
+            await wait_until(lambda: gw.demand["ns/chat"].held == 1)
+            assert await values() == (1.0, 1.0)  # held: waiting, and owed an answer
+            backend.ready = True
+            await wait_until(lambda: gw.demand["ns/chat"].inflight == 1)
+            assert await values() == (0.0, 1.0)  # in flight: owed an answer, but no longer waiting
+            assert (await request).status_code == 200
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backend.stop()
+
+
+# -- client certificates: how KEDA authenticates (TriggerAuthentication -> caCert, tlsClientCert, tlsClientKey) --
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(directory, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)
+
+
+def make_cert(directory, name: str, ca: str, dns: str = "localhost") -> None:
+    """A certificate for both ends (serverAuth and clientAuth), as one Secret serves KEDA and the gateway."""
+    (directory / f"{name}.ext").write_text(f"subjectAltName=DNS:{dns}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    _openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={dns}", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", cwd=directory)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=directory)
+
+
+@pytest.fixture
+def pki(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not found: cannot make test certificates")
+    make_ca(tmp_path, "ca")
+    make_cert(tmp_path, "scaler", "ca")  # the Secret's tls.crt/tls.key, signed by its ca.crt
+    make_ca(tmp_path, "rogue-ca")
+    make_cert(tmp_path, "rogue", "rogue-ca")
+    return tmp_path
+
+
+def keda_channel(port: int, pki, client: str | None) -> grpc.aio.Channel:
+    """The connection KEDA's external scaler opens with the TriggerAuthentication's caCert (to verify the
+    server) and, when given, tlsClientCert/tlsClientKey (its identity)."""
+    ca = (pki / "ca.crt").read_bytes()
+    if client is None:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+    else:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=(pki / f"{client}.key").read_bytes(),
+                                             certificate_chain=(pki / f"{client}.crt").read_bytes())
+    return grpc.aio.secure_channel(f"localhost:{port}", creds)
+
+
+async def test_only_kedas_client_certificate_gets_in(pki):
+    """Acceptance (issue 13): a call without a client certificate, or with one another CA signed, is refused
+    in the handshake; KEDA's, as a TriggerAuthentication delivers it, is served."""
+    gw = await start_gateway(backends=["chat=http://127.0.0.1:9"], scaler_tls_cert=str(pki / "scaler.crt"),
+                             scaler_tls_key=str(pki / "scaler.key"), scaler_tls_client_ca=str(pki / "ca.crt"))
+    channels = {who: keda_channel(gw.scaler_port, pki, who) for who in (None, "rogue", "scaler")}
+    plaintext = grpc.aio.insecure_channel(f"127.0.0.1:{gw.scaler_port}")
+    try:
+        for who in (None, "rogue"):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await pb_grpc.ExternalScalerStub(channels[who]).IsActive(ref(endpoint="chat"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, who  # the handshake failed: nothing served
+        with pytest.raises(grpc.aio.AioRpcError):
+            await pb_grpc.ExternalScalerStub(plaintext).IsActive(ref(endpoint="chat"), timeout=5)
+        keda = pb_grpc.ExternalScalerStub(channels["scaler"])
+        assert (await keda.IsActive(ref(endpoint="chat"), timeout=5)).result is False
+        stream = keda.StreamIsActive(ref(endpoint="chat"))
+        assert (await stream.read()).result is False
+        stream.cancel()
+    finally:
+        for channel in (*channels.values(), plaintext):
+            await channel.close()
+        await gw.stop()
+
+
+async def test_tls_flags_go_together():
+    from sluice_autoscaler.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="--scaler-tls-cert and --scaler-tls-key go together"):
+        GatewayConfig(scaler_tls_cert="/c.pem")
+    with pytest.raises(ValueError, match="--scaler-tls-client-ca needs --scaler-tls-cert"):
+        GatewayConfig(scaler_tls_client_ca="/ca.pem")
+
+
+async def test_the_charts_certificate_lets_keda_in(helm, tmp_path):  # noqa: F811 - helm is a fixture
+    """End to end with what the chart generates (gateway.scalerTLS.generate): the gateway serves the Secret's
+    tls.crt and requires ca.crt's clients; KEDA, given the same Secret through the TriggerAuthentication,
+    verifies the server by the name in scalerAddress and is let in."""
+    from test_chart import CHART, RELEASE, RELEASE_NS, run_helm
+
+    from sluice_operator.config import GATEWAY_HOST
+
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                    "--set", "gateway.scalerTLS.generate=true", "--show-only", "templates/scaler-tls.yaml")
+    (secret,) = [d for d in yaml.safe_load_all(text) if d]
+    for key, value in secret["data"].items():
+        (tmp_path / key).write_bytes(base64.b64decode(value))
+    gw = await start_gateway(backends=["chat=http://127.0.0.1:9"], scaler_tls_cert=str(tmp_path / "tls.crt"),
+                             scaler_tls_key=str(tmp_path / "tls.key"), scaler_tls_client_ca=str(tmp_path / "ca.crt"))
+    files = {k: (tmp_path / k).read_bytes() for k in ("ca.crt", "tls.crt", "tls.key")}
+    # The operator's default scalerAddress names the Service; here it resolves to loopback.
+    override = (("grpc.ssl_target_name_override", GATEWAY_HOST),)
+    keda = grpc.aio.secure_channel(f"127.0.0.1:{gw.scaler_port}", grpc.ssl_channel_credentials(
+        root_certificates=files["ca.crt"], private_key=files["tls.key"], certificate_chain=files["tls.crt"]),
+        options=override)
+    anonymous = grpc.aio.secure_channel(f"127.0.0.1:{gw.scaler_port}", grpc.ssl_channel_credentials(
+        root_certificates=files["ca.crt"]), options=override)
+    try:
+        assert (await pb_grpc.ExternalScalerStub(keda).IsActive(ref(endpoint="chat"), timeout=5)).result is False
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await pb_grpc.ExternalScalerStub(anonymous).IsActive(ref(endpoint="chat"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await keda.close()
+        await anonymous.close()
         await gw.stop()

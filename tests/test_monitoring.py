@@ -41,7 +41,7 @@ from conftest import free_port
 from operator_schemas import EXAMPLES, crd_schema, load_yaml, reference_crd, schema_errors
 from test_chart import CHART, RELEASE, RELEASE_NS, helm, run_helm  # noqa: F401 - helm is a fixture
 
-from sluice_operator import dashboards, monitoring
+from sluice_operator import autoscaling, dashboards, monitoring
 from sluice_operator.config import OperatorConfig
 from sluice_operator.reconcile import reconcile
 from sluice_operator.spec import parse_endpoint
@@ -116,7 +116,7 @@ def test_every_endpoint_gets_a_scoped_prometheus_rule(path: Path) -> None:
     names = [r.get("record") or r["alert"] for r in group["rules"]]
     assert len(set(zip(names, [json.dumps(r.get("labels")) for r in group["rules"]], strict=True))) == len(names)
     alerts = {r["alert"] for r in group["rules"] if "alert" in r}
-    expected = {"SluiceSLOBurnRateFast", "SluiceSLOBurnRateSlow", "SluiceNoReadyReplica"}
+    expected = {"SluiceSLOBurnRateFast", "SluiceSLOBurnRateSlow", "SluiceNoReadyReplica", "SluiceQueueMetricAbsent"}
     assert alerts == expected | ({"SluiceKedaFallback"} if ep.spec.scaling else set())
     for r in group["rules"]:  # every engine selector is scoped to this endpoint
         for selector in _selectors(r["expr"]):
@@ -261,7 +261,7 @@ def test_every_recording_rule_is_documented() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     for name in recorded_names() | {r["alert"] for r in monitoring.generic_groups()[0]["rules"] if "alert" in r}:
         assert f"`{name}`" in doc, f"docs/metrics.md does not describe {name}"
-    assert "`SluiceKedaFallback`" in doc
+    assert "`SluiceKedaFallback`" in doc and "`SluiceQueueMetricAbsent`" in doc
 
 
 # -- promtool test rules ---------------------------------------------------------------------------------------
@@ -487,6 +487,74 @@ def test_keda_fallback(promtool: str, tmp_path: Path) -> None:
         {"interval": "1m", "input_series": [series(errors, scraped, "7x20"),
                                             series(errors, {**scraped, "scaledObject": "other"}, "0+4x20")],
          "alert_rule_test": [firing(groups, "SluiceKedaFallback", "6m", None)]},
+    ]
+    promtool_test(promtool, tmp_path, groups, tests)
+
+
+def test_a_missing_queue_is_missing_not_zero(promtool: str, tmp_path: Path) -> None:
+    """Acceptance (issue 14): KEDA's queue query is empty, not 0, when a series it needs is not scraped (so
+    KEDA, with ignoreNullValues false, counts an error and falls back), and the absent-metric alert fires. It
+    reads 0 only where that is the truth: the gateway sees no ready backend (scaled to zero, or loading)."""
+    ep = endpoint("scale-to-zero.yaml")
+    groups = monitoring.endpoint_groups(ep, gateway=True)
+    (trigger, _) = [m for m in reconcile(ep) if m["kind"] == "ScaledObject"][0]["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert query == autoscaling.queue_query(ep, gateway=True) and "vector(0)" not in query
+    assert trigger["metadata"]["ignoreNullValues"] == "false"
+    who = {"namespace": ep.namespace, "sluice_dev_endpoint": ep.name}
+    engine = engine_labels(ep, "qwen-7b-a")
+    held = series("sluice_gateway_pending_requests", gateway_labels(ep), "3x30")
+
+    def backends(ready: int) -> list[dict[str, str]]:
+        return [series("sluice_gateway_backends", gateway_labels(ep, role=role, state=state),
+                       f"{ready if (role, state) == ('serving', 'ready') else 0}x30")
+                for role in ("serving", "standby") for state in ("ready", "cold")]
+
+    def reads(value: float | None, at: str = "5m") -> dict[str, Any]:
+        return {"expr": query, "eval_time": at, "exp_samples": [] if value is None else [{"labels": "{}",
+                                                                                          "value": value}]}
+    unrelated = series("up", {"job": "node-exporter", "instance": "n1"}, "1x30")  # Prometheus runs, scrapes others
+    tests = [
+        # Nothing of Sluice is scraped (a ServiceMonitor no Prometheus selects): empty, and the alert fires.
+        {"interval": "1m", "input_series": [unrelated], "promql_expr_test": [reads(None)],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "4m", None),
+                             firing(groups, "SluiceQueueMetricAbsent", "6m", who)]},
+        # The gateway is scraped and a serving replica is ready, but its engine is not scraped: still empty.
+        {"interval": "1m", "input_series": [held, *backends(1)], "promql_expr_test": [reads(None)],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "6m", who)]},
+        # The engines are scraped, the gateway is not: empty (its held requests are unknown, not 0).
+        {"interval": "1m", "input_series": [series("sluice_num_requests_waiting", engine, "2x30")],
+         "promql_expr_test": [reads(None)],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "6m", who)]},
+        # Scaled to zero: no engine has a queue and the gateway holds 3. That is 3, and nothing is absent.
+        {"interval": "1m", "input_series": [held, *backends(0)], "promql_expr_test": [reads(3)],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "6m", None)]},
+        # Everything scraped: engines' 2 + gateway's 3.
+        {"interval": "1m", "input_series": [held, *backends(1), series("sluice_num_requests_waiting", engine, "2x30")],
+         "promql_expr_test": [reads(5)],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "6m", None)]},
+    ]
+    promtool_test(promtool, tmp_path, groups, tests)
+
+
+def test_a_missing_queue_without_a_gateway(promtool: str, tmp_path: Path) -> None:
+    """No gateway: the engines' queue alone, and the alert waits out startupGraceSeconds (a loading engine
+    reports nothing yet)."""
+    ep = endpoint("scale-to-zero.yaml", scaling={"minReplicas": 1, "maxReplicas": 4})
+    groups = monitoring.endpoint_groups(ep, gateway=False)
+    cfg = OperatorConfig(gateway_scaler_address="", gateway_url="")
+    (trigger,) = [m for m in reconcile(ep, cfg) if m["kind"] == "ScaledObject"][0]["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    who = {"namespace": ep.namespace, "sluice_dev_endpoint": ep.name}
+    engine = engine_labels(ep, "qwen-7b-a")
+    tests = [
+        {"interval": "1m", "input_series": [series("up", {"job": "node-exporter"}, "1x30")],
+         "promql_expr_test": [{"expr": query, "eval_time": "5m", "exp_samples": []}],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "9m", None),
+                             firing(groups, "SluiceQueueMetricAbsent", "11m", who)]},
+        {"interval": "1m", "input_series": [series("sluice_num_requests_waiting", engine, "2x30")],
+         "promql_expr_test": [{"expr": query, "eval_time": "5m", "exp_samples": [{"labels": "{}", "value": 2}]}],
+         "alert_rule_test": [firing(groups, "SluiceQueueMetricAbsent", "11m", None)]},
     ]
     promtool_test(promtool, tmp_path, groups, tests)
 

@@ -64,6 +64,7 @@ EP = "sluice.dev/v1alpha1/inferenceendpoints"
 DEPLOY, CM, SVC = "apps/v1/deployments", "v1/configmaps", "v1/services"
 PDB, SO, SM = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects", "monitoring.coreos.com/v1/servicemonitors"
 PR = "monitoring.coreos.com/v1/prometheusrules"
+TA = "keda.sh/v1alpha1/triggerauthentications"
 CHILDREN = (CM, DEPLOY, SVC, PDB, SO, SM, PR)
 
 ENDPOINT = {
@@ -85,17 +86,17 @@ def k8s(kmock: Any) -> Any:
     kmock.resources.load_bundled()  # built-in kinds (namespaces, deployments, ...) as a k3s server lists them
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
     for key, kind in ((EP, "InferenceEndpoint"), (SO, "ScaledObject"), (SM, "ServiceMonitor"), (PR, "PrometheusRule"),
-                      ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "LeaderWorkerSet")):
+                      (TA, "TriggerAuthentication"), ("leaderworkerset.x-k8s.io/v1/leaderworkersets", "LeaderWorkerSet")):
         kmock.resources[key] = {"kind": kind, "namespaced": True, "verbs": verbs, "subresources": {"status"}}
     kmock.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
     return kmock
 
 
 @contextlib.asynccontextmanager
-async def operator(k8s: Any, resync_seconds: float = 1.0) -> AsyncIterator[None]:
+async def operator(k8s: Any, resync_seconds: float = 1.0, cfg: OperatorConfig | None = None) -> AsyncIterator[None]:
     """kopf.operator() as a task of this event loop, logged in to the emulator."""
     server = str(k8s.url).rstrip("/")
-    registry = build_registry(Loop(), namespaces=[NS], login=lambda **_: kopf.ConnectionInfo(server=server),
+    registry = build_registry(Loop(cfg=cfg or OperatorConfig()), namespaces=[NS], login=lambda **_: kopf.ConnectionInfo(server=server),
                               resync_seconds=resync_seconds, retry_seconds=0.5)
     settings = operator_settings()
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -345,6 +346,43 @@ async def test_loop_invalid_spec_sets_condition_and_creates_nothing(k8s: Any) ->
     assert "set either replicas (a fixed count) or scaling (autoscaling), not both" in ready["message"]
     assert [n for res, n in all_live(k8s) if "inferenceendpoints" not in res and "namespaces" not in res] == []
     await eventually(lambda: _assert(("Warning", "Failed") in events_of(k8s, "broken")))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_loop_refuses_scale_to_zero_without_a_gateway(k8s: Any) -> None:
+    """An operator installed without the gateway (chart: gateway.enabled=false) cannot wake an endpoint at
+    zero replicas: Ready False with the reason, nothing applied; with minReplicas 1 it serves."""
+    no_gateway = OperatorConfig(gateway_scaler_address="", gateway_url="")
+    doc = copy.deepcopy(ENDPOINT)
+    doc["metadata"]["name"] = "sleepy"
+    doc["spec"]["scaling"] = {"minReplicas": 0, "maxReplicas": 2}
+    async with operator(k8s, cfg=no_gateway):
+        await create_endpoint(k8s, doc)
+        st = await eventually(lambda: phase_is(k8s, "sleepy", "Failed"))
+        ready = condition(st, "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", "ScaleToZeroNeedsGateway")
+        assert "scaling.minReplicas is 0, but this operator has no gateway" in ready["message"]
+        assert [n for res, n in all_live(k8s) if "inferenceendpoints" not in res and "namespaces" not in res] == []
+        await eventually(lambda: _assert(("Warning", "Failed") in events_of(k8s, "sleepy")))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_loop_applies_the_trigger_authentication(k8s: Any) -> None:
+    """With the gateway's TLS Secret configured, the TriggerAuthentication is applied with the ScaledObject
+    that names it, and pruned with it when scaling goes."""
+    cfg = OperatorConfig(gateway_scaler_tls_secret="sluice-gateway-scaler-tls")
+    doc = copy.deepcopy(ENDPOINT)
+    doc["metadata"]["name"] = "guarded"
+    async with operator(k8s, cfg=cfg):
+        await create_endpoint(k8s, doc)
+        await eventually(lambda: _assert(live(k8s, SM, "guarded") is not None))  # the last child applied
+        auth = live(k8s, TA, "guarded-gateway-scaler")
+        assert auth["spec"]["secretTargetRef"][0] == {"parameter": "caCert", "name": "sluice-gateway-scaler-tls",
+                                                      "key": "ca.crt"}
+        push = live(k8s, SO, "guarded")["spec"]["triggers"][1]
+        assert push["authenticationRef"] == {"name": "guarded-gateway-scaler"}
 
 
 @pytest.mark.asyncio

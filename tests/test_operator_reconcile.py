@@ -18,6 +18,7 @@ from sluice_operator.spec import parse_endpoint
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 CUSTOM_KINDS = {  # kind -> (reference CRD file, version)
     "ScaledObject": ("keda.sh_scaledobjects.yaml", "v1alpha1"),
+    "TriggerAuthentication": ("keda.sh_triggerauthentications.yaml", "v1alpha1"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io_leaderworkersets.yaml", "v1"),
     "ServiceMonitor": ("monitoring.coreos.com_servicemonitors.yaml", "v1"),
     "PrometheusRule": ("monitoring.coreos.com_prometheusrules.yaml", "v1"),
@@ -53,7 +54,14 @@ def workloads(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m for m in manifests if m["kind"] in ("Deployment", "LeaderWorkerSet")]
 
 
+# An operator installed for a stock kube-prometheus-stack, with KEDA authenticated to the gateway's scaler.
+STOCK_STACK = OperatorConfig(monitoring_labels={"release": "kube-prometheus-stack"},
+                             monitoring_annotations={"team": "ml-platform"},
+                             gateway_scaler_tls_secret="sluice-gateway-scaler-tls")
 ALL = [(path.name, m) for path in EXAMPLES for m in reconcile(parse_endpoint(load_yaml(path)))]
+# Its custom resources (the TriggerAuthentication among them) are validated like the defaults' ones.
+ALL_CUSTOM = ALL + [(f"{path.name}+stock-stack", m) for path in EXAMPLES
+                    for m in reconcile(parse_endpoint(load_yaml(path)), STOCK_STACK) if m["kind"] in CUSTOM_KINDS]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -63,7 +71,7 @@ def test_builtin_manifests_validate_strictly(example, manifest, version):
     kubernetes_validate.validate(manifest, version, strict=True)
 
 
-@pytest.mark.parametrize(("example", "manifest"), [a for a in ALL if a[1]["kind"] in CUSTOM_KINDS],
+@pytest.mark.parametrize(("example", "manifest"), [a for a in ALL_CUSTOM if a[1]["kind"] in CUSTOM_KINDS],
                          ids=lambda v: v if isinstance(v, str) else v["kind"])
 def test_custom_resources_validate_against_reference_crds(example, manifest):
     filename, version = CUSTOM_KINDS[manifest["kind"]]
@@ -80,7 +88,7 @@ def test_custom_resources_validate_against_reference_crds(example, manifest):
 
 
 def test_every_kind_is_covered():
-    kinds = {m["kind"] for _, m in ALL}
+    kinds = {m["kind"] for _, m in ALL_CUSTOM}
     assert kinds == BUILTIN_KINDS | set(CUSTOM_KINDS)
 
 
@@ -275,12 +283,17 @@ def test_scale_to_zero_example():
     prometheus, push = so["triggers"]
     assert prometheus["type"] == "prometheus" and prometheus["metricType"] == "AverageValue"
     assert prometheus["metadata"]["threshold"] == "4"
+    # No `or vector(0)`: a queue nobody scrapes is an error for KEDA (its fallback), not an empty queue. The
+    # engines' side reads 0 only while the gateway sees no ready backend (zero replicas, or loading).
     assert prometheus["metadata"]["query"] == (
-        '(sum(sluice_num_requests_waiting{namespace="inference",sluice_dev_endpoint="qwen-7b"}) or vector(0))'
-        ' + (sum(sluice_gateway_pending_requests{endpoint="inference/qwen-7b"}) or vector(0))')
+        'sum(sluice_gateway_pending_requests{endpoint="inference/qwen-7b"})'
+        ' + (sum(sluice_num_requests_waiting{namespace="inference",sluice_dev_endpoint="qwen-7b"})'
+        ' or on() (sum(sluice_gateway_backends{endpoint="inference/qwen-7b",state="ready"}) == 0))')
+    assert prometheus["metadata"]["ignoreNullValues"] == "false"
+    # One target, the endpoint's targetQueueDepth, on both triggers; the gateway reports its held requests.
     assert push == {"type": "external-push", "name": "gateway", "metricType": "AverageValue", "metadata": {
         "scalerAddress": "sluice-gateway.sluice-system.svc:9090", "endpoint": "inference/qwen-7b",
-        "model": "qwen2.5-7b-instruct"}}
+        "model": "qwen2.5-7b-instruct", "metric": "queue", "targetValue": "4"}}
     fetch = serving["spec"]["template"]["spec"]["initContainers"][0]
     assert fetch["command"][:3] == ["aws", "s3", "sync"]
     assert "s3://models/qwen2.5-7b-instruct/" in fetch["command"]
@@ -302,12 +315,67 @@ def test_queue_query_is_promql():
 
 
 def test_without_a_gateway_there_is_no_push_trigger():
-    ep, _ = rendered("scale-to-zero.yaml")
+    ep, _ = rendered("scale-to-zero.yaml", scaling={"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 6})
     cfg = OperatorConfig(gateway_scaler_address="", gateway_url="")
     (trigger,) = one(reconcile(ep, cfg), "ScaledObject")["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
+    # The engines' queue alone: no gateway series to add, and none to excuse a missing queue.
+    assert trigger["metadata"]["query"] == (
+        'sum(sluice_num_requests_waiting{namespace="inference",sluice_dev_endpoint="qwen-7b"})')
+    assert (trigger["metadata"]["threshold"], trigger["metadata"]["ignoreNullValues"]) == ("6", "false")
     so = one(reconcile(ep, OperatorConfig(gateway_scaler_address="gw.ops.svc:9090")), "ScaledObject")
     assert so["spec"]["triggers"][1]["metadata"]["scalerAddress"] == "gw.ops.svc:9090"
+    assert so["spec"]["triggers"][1]["metadata"]["targetValue"] == "6"
+
+
+def test_scale_to_zero_without_a_gateway_is_refused():
+    """KEDA could never wake it: at zero replicas only the gateway sees a request arrive."""
+    from sluice_operator.autoscaling import ScalingNeedsGateway
+
+    ep, _ = rendered("scale-to-zero.yaml")
+    assert ep.spec.scaling.min_replicas == 0
+    with pytest.raises(ScalingNeedsGateway, match="scaling.minReplicas is 0, but this operator has no gateway"):
+        reconcile(ep, OperatorConfig(gateway_scaler_address="", gateway_url=""))
+    assert ScalingNeedsGateway.reason == "ScaleToZeroNeedsGateway"
+
+
+def test_scaler_authentication_goes_through_a_trigger_authentication():
+    """KEDA takes an external scaler's client certificate (and nothing else) from a TriggerAuthentication."""
+    ep, _ = rendered("scale-to-zero.yaml")
+    manifests = reconcile(ep, STOCK_STACK)
+    auth = one(manifests, "TriggerAuthentication")
+    assert auth["metadata"]["name"] == "qwen-7b-gateway-scaler" and auth["metadata"]["namespace"] == "inference"
+    assert auth["spec"] == {"secretTargetRef": [
+        {"parameter": "caCert", "name": "sluice-gateway-scaler-tls", "key": "ca.crt"},
+        {"parameter": "tlsClientCert", "name": "sluice-gateway-scaler-tls", "key": "tls.crt"},
+        {"parameter": "tlsClientKey", "name": "sluice-gateway-scaler-tls", "key": "tls.key"}]}
+    kinds = [m["kind"] for m in manifests]
+    assert kinds.index("TriggerAuthentication") < kinds.index("ScaledObject")  # applied before it is named
+    prometheus, push = one(manifests, "ScaledObject")["spec"]["triggers"]
+    assert push["authenticationRef"] == {"name": "qwen-7b-gateway-scaler"}
+    assert "authenticationRef" not in prometheus
+    for schema_file, kind in (("keda.sh_triggerauthentications.yaml", "TriggerAuthentication"),
+                              ("keda.sh_scaledobjects.yaml", "ScaledObject")):
+        assert schema_errors(crd_schema(reference_crd(schema_file), "v1alpha1"), one(manifests, kind)) == []
+    # Without a gateway there is no external trigger to authenticate, so no TriggerAuthentication either.
+    ep, _ = rendered("scale-to-zero.yaml", scaling={"minReplicas": 1, "maxReplicas": 4})
+    no_gateway = OperatorConfig(gateway_scaler_address="", gateway_url="", gateway_scaler_tls_secret="tls")
+    assert not by_kind(reconcile(ep, no_gateway), "TriggerAuthentication")
+    assert not by_kind(reconcile(ep), "TriggerAuthentication")  # nor without the Secret's name
+
+
+def test_stock_prometheus_stack_labels_reach_the_monitoring_objects():
+    """kube-prometheus-stack selects ServiceMonitors and PrometheusRules by `release: <its release>`."""
+    ep, _ = rendered("scale-to-zero.yaml")
+    manifests = reconcile(ep, STOCK_STACK)
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        meta = one(manifests, kind)["metadata"]
+        assert meta["labels"]["release"] == "kube-prometheus-stack"
+        assert meta["labels"]["sluice.dev/endpoint"] == "qwen-7b"  # the operator's own labels stay
+        assert meta["annotations"] == {"team": "ml-platform"}
+    for m in manifests:  # and only there
+        if m["kind"] not in ("ServiceMonitor", "PrometheusRule"):
+            assert "release" not in m["metadata"]["labels"] and "annotations" not in m["metadata"]
 
 
 def test_every_autoscaled_variant_validates_against_keda():
@@ -320,7 +388,9 @@ def test_every_autoscaled_variant_validates_against_keda():
                                  "minReplicas": 0, "maxReplicas": 2, "warmPool": {"replicas": 2},
                                  "onMetricsOutage": {"replicas": 1}, "scaleDownDelaySeconds": 0}})]:
         ep, _ = rendered(example, **changes)
-        for cfg in (OperatorConfig(), OperatorConfig(gateway_scaler_address="")):
+        for cfg in (OperatorConfig(), OperatorConfig(gateway_scaler_address=""), STOCK_STACK):
+            if ep.spec.scaling.min_replicas == 0 and not cfg.gateway_scaler_address:
+                continue  # refused (test_scale_to_zero_without_a_gateway_is_refused)
             so = one(reconcile(ep, cfg), "ScaledObject")
             assert schema_errors(schema, so) == [], (example, changes)
             assert so["spec"]["minReplicaCount"] == ep.spec.scaling.min_replicas

@@ -59,6 +59,24 @@ def test_invalid_input_names_the_field(tmp_path, capsys, text, message):
     assert captured.err.startswith("sluice render: error: ") and message in captured.err
 
 
+def test_scale_to_zero_without_a_gateway_fails_with_the_reason(tmp_path, capsys, monkeypatch):
+    """The operator's settings (here: no gateway, as the chart's gateway.enabled=false sets them) can rule out
+    an endpoint the schema accepts; `sluice render` says so and exits non-zero, like the operator's Ready
+    condition (test_operator_loop)."""
+    path = tmp_path / "zero.yaml"
+    path.write_text("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
+                    "spec: {model: {uri: 'hf://a/b'}, scaling: {minReplicas: 0, maxReplicas: 2}}\n")
+    assert main(["render", "-f", str(path)]) == 0  # with the default gateway it is fine
+    capsys.readouterr()
+    monkeypatch.setenv("SLUICE_GATEWAY_SCALER_ADDRESS", "")
+    assert main(["render", "-f", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("sluice render: error: InferenceEndpoint 'x': scaling.minReplicas is 0, but "
+                                   "this operator has no gateway")
+    assert "Set scaling.minReplicas to 1 or more, or install the gateway." in captured.err
+
+
 def test_missing_file(capsys):
     assert main(["render", "-f", "/nonexistent/endpoint.yaml"]) == 2
     assert "cannot read /nonexistent/endpoint.yaml" in capsys.readouterr().err

@@ -4,6 +4,7 @@ operator's settings from the environment."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -245,8 +246,31 @@ def test_config_from_env():
     assert cfg.gateway_url == "http://gw:8080/v1"
 
 
+def test_monitoring_labels_from_env():
+    """The chart passes monitoring.labels / .annotations as JSON (toJson); bad ones name the variable."""
+    cfg = OperatorConfig.from_env({ENV["monitoring_labels"]: '{"release": "kube-prometheus-stack"}',
+                                   ENV["monitoring_annotations"]: '{"example.com/owner": "ml platform"}',
+                                   ENV["gateway_scaler_tls_secret"]: "sluice-gateway-scaler-tls"})
+    assert cfg.monitoring_labels == {"release": "kube-prometheus-stack"}
+    assert cfg.monitoring_annotations == {"example.com/owner": "ml platform"}  # any string, unlike a label
+    assert cfg.gateway_scaler_tls_secret == "sluice-gateway-scaler-tls"
+    assert OperatorConfig.from_env({ENV["monitoring_labels"]: "{}"}) == OperatorConfig()
+    for value, message in [
+        ("release=kps", "SLUICE_MONITORING_LABELS must be a JSON object of strings"),
+        ('["release"]', "SLUICE_MONITORING_LABELS must be a JSON object of strings, got list"),
+        ('{"release": 1}', "the value of 'release' must be a string"),
+        ('{"release": "has spaces"}', "'has spaces' (of 'release') is not a valid label value"),
+        ('{"bad key!": "x"}', "'bad key!' is not a valid label or annotation key"),
+        ('{"sluice.dev/endpoint": "other"}', "'sluice.dev/endpoint' is set by the operator itself"),
+        ('{"app.kubernetes.io/component": "x"}', "is set by the operator itself"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            OperatorConfig.from_env({ENV["monitoring_labels"]: value})
+
+
 def test_render_reads_the_operator_environment(monkeypatch):
-    text = yaml.safe_dump({**ENDPOINT, "metadata": {"name": "qwen", "namespace": "team-a"}})
+    spec = {**ENDPOINT["spec"], "scaling": {"minReplicas": 1, "maxReplicas": 4}}  # no gateway: 0 is refused
+    text = yaml.safe_dump({**ENDPOINT, "metadata": {"name": "qwen", "namespace": "team-a"}, "spec": spec})
     monkeypatch.setenv("SLUICE_ENGINE_IMAGE", "registry.local/engine:dev")
     monkeypatch.setenv("SLUICE_GATEWAY_SCALER_ADDRESS", "")
     manifests = render_text(text)

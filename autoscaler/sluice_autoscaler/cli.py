@@ -63,14 +63,21 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--max-buffered-bytes", type=int, default=d.max_buffered_bytes,
                      help="request bodies in memory at once (being read, held, in flight); beyond: 503")
     p.add_argument("--scaler-target", type=float, default=d.scaler_target,
-                   help="KEDA metric target: held + in-flight requests per serving replica (a trigger's "
-                        "targetValue metadata overrides it)")
+                   help="KEDA metric target per serving replica when a trigger's metadata has no targetValue "
+                        "(the operator's triggers always carry the endpoint's targetQueueDepth)")
     p.add_argument("--api-keys-file", default=None,
                    help="YAML map of endpoint (or model, or \"*\") to API keys; once given, every endpoint needs a "
                         "key unless the file lists it under `open`; off by default")
     p.add_argument("--scaler-token-file", default=None,
                    help="file holding a token every KEDA external scaler call must present (trigger metadata "
                         "scalerToken, or gRPC metadata 'authorization: Bearer <token>'); off by default")
+    p.add_argument("--scaler-tls-cert", default=None,
+                   help="PEM certificate of the external scaler's gRPC port (with --scaler-tls-key: TLS; re-read "
+                        "on change)")
+    p.add_argument("--scaler-tls-key", default=None, help="PEM private key of --scaler-tls-cert")
+    p.add_argument("--scaler-tls-client-ca", default=None,
+                   help="PEM CA: every connection must present a client certificate it signed (KEDA's, from the "
+                        "TriggerAuthentication the operator renders); off by default")
     p.add_argument("--scaler-max-streams", type=int, default=d.scaler_max_streams,
                    help="StreamIsActive subscriptions served at once; more are refused (RESOURCE_EXHAUSTED)")
     p.add_argument("--debug-headers", action="store_true",

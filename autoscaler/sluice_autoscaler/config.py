@@ -45,11 +45,16 @@ class GatewayConfig:
     # Memory: request bodies are read whole (the model is in them) and kept until answered (for retries).
     max_body_bytes: int = 8 * MiB  # larger bodies: 413 (the engine's own limit)
     max_buffered_bytes: int = 256 * MiB  # bodies in memory at once (being read, held, in flight); over: 503
-    # KEDA: target of the demand metric (held + in-flight requests) per serving replica.
+    # KEDA: target per serving replica of a trigger whose metadata has no targetValue (the operator's have one).
     scaler_target: float = 16.0
     api_keys_file: str | None = None
     # KEDA external scaler: a shared token callers must present (a file, re-read on change); streams bounded.
     scaler_token_file: str | None = None
+    # KEDA external scaler over TLS: the server's certificate and key, and the CA whose client certificates
+    # it requires (KEDA's, from the TriggerAuthentication the operator renders). PEM files, re-read on change.
+    scaler_tls_cert: str | None = None
+    scaler_tls_key: str | None = None
+    scaler_tls_client_ca: str | None = None
     scaler_max_streams: int = 256  # StreamIsActive subscriptions at once (KEDA opens one per trigger)
     debug_headers: bool = False  # X-Sluice-Backend / X-Sluice-Role on responses (exposes pod addresses)
 
@@ -86,5 +91,10 @@ class GatewayConfig:
             raise ValueError("--health-interval must be > 0")
         if self.scaler_target <= 0:
             raise ValueError(f"--scaler-target must be > 0, got {self.scaler_target}")
+        if bool(self.scaler_tls_cert) != bool(self.scaler_tls_key):
+            raise ValueError("--scaler-tls-cert and --scaler-tls-key go together")
+        if self.scaler_tls_client_ca and not self.scaler_tls_cert:
+            raise ValueError("--scaler-tls-client-ca needs --scaler-tls-cert and --scaler-tls-key: client "
+                             "certificates are checked in a TLS handshake")
         if self.kubernetes and (self.backends or self.standby or self.backends_file):
             raise ValueError("--kubernetes discovers backends itself; drop --backend/--standby/--backends-file")

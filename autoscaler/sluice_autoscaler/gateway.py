@@ -26,6 +26,7 @@ from .metrics import GatewayMetrics
 from .proxy import Proxy, build_app
 from .registry import Registry
 from .scaler import ExternalScaler, start_scaler
+from .scaler_tls import ScalerTLS
 from .static import StaticDiscovery
 
 log = logging.getLogger("sluice.gateway")
@@ -39,6 +40,8 @@ class Gateway:
         self.metrics = GatewayMetrics(self.registry, self.demand)
         self.keys = ApiKeys(cfg.api_keys_file)
         self.scaler_token = ScalerToken(cfg.scaler_token_file)
+        self.scaler_tls = (ScalerTLS(cfg.scaler_tls_cert, cfg.scaler_tls_key, cfg.scaler_tls_client_ca)
+                           if cfg.scaler_tls_cert and cfg.scaler_tls_key else None)
         self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys)
         self.discovery: StaticDiscovery | KubeDiscovery
         if cfg.kubernetes:
@@ -75,7 +78,8 @@ class Gateway:
         await site.start()
         self.port = self._runner.addresses[0][1]
         service = ExternalScaler(self.registry, self.demand, self.cfg.scaler_target, self.scaler_token, self.ready)
-        self._grpc, self.scaler_port = await start_scaler(service, self.cfg.host, self.cfg.scaler_port)
+        self._grpc, self.scaler_port = await start_scaler(service, self.cfg.host, self.cfg.scaler_port,
+                                                          self.scaler_tls)
         log.info("gateway on %s/v1 (routing %s), KEDA external scaler on %s:%d", self.url, self.cfg.routing,
                  self.cfg.host, self.scaler_port)
 

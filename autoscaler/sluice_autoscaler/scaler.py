@@ -9,8 +9,10 @@ The operator's ScaledObject carries an `external-push` trigger whose metadata na
   KEDA scale the serving workload to zero.
 - StreamIsActive: the same, pushed: the current state on connect, then on every flip and whenever a hold
   begins. A request arriving at zero replicas reaches KEDA in milliseconds, not a polling interval.
-- GetMetricSpec / GetMetrics: `sluice-gateway-demand` = held + in-flight requests, against a target per
-  replica (`targetValue` in the metadata, else --scaler-target); the HPA scales 1 <-> N on it.
+- GetMetricSpec / GetMetrics: the trigger metadata `metric` picks the count: `demand` (the default) =
+  held + in-flight requests, `queue` = held requests only (waiting, the unit of an endpoint's
+  targetQueueDepth, which the operator renders). Its target per replica is the trigger's `targetValue`,
+  else --scaler-target; the HPA scales on it.
 
 Hardening (it listens inside the cluster; the chart's NetworkPolicy lets only KEDA reach it):
 - Only endpoints discovery listed have demand. A ref naming another endpoint is inactive with demand 0 and
@@ -18,8 +20,13 @@ Hardening (it listens inside the cluster; the chart's NetworkPolicy lets only KE
   the replicas it has instead of acting on a 0 the gateway does not know yet).
 - StreamIsActive subscriptions are bounded (--scaler-max-streams; more: RESOURCE_EXHAUSTED), and so are
   concurrent calls.
+- Client certificates (--scaler-tls-cert/-key/-client-ca, scaler_tls.py): what KEDA presents from a
+  TriggerAuthentication (caCert, tlsClientCert, tlsClientKey); the operator renders that one.
 - With --scaler-token-file every call must carry the token: the trigger metadata `scalerToken` (KEDA passes
-  the trigger's metadata along) or gRPC metadata `authorization: Bearer <token>`; else UNAUTHENTICATED.
+  the trigger's metadata along, so it is as readable as the ScaledObject) or gRPC metadata
+  `authorization: Bearer <token>` (KEDA sends none: for other clients); else UNAUTHENTICATED. KEDA passes no
+  TriggerAuthentication parameter to an external scaler except the TLS ones above, so a token from a Secret
+  cannot reach this scaler through KEDA.
 """
 
 from __future__ import annotations
@@ -35,9 +42,16 @@ from . import externalscaler_pb2_grpc as pb_grpc
 from .auth import ScalerToken, bearer
 from .demand import DemandBoard
 from .registry import Registry
+from .scaler_tls import ScalerTLS
 
 log = logging.getLogger("sluice.gateway")
 METRIC_NAME = "sluice-gateway-demand"
+QUEUE_METRIC_NAME = "sluice-gateway-queue"
+# trigger metadata `metric` -> (metric name, the count of a Demand it reports)
+METRICS = {
+    "demand": (METRIC_NAME, lambda d: d.held + d.inflight),
+    "queue": (QUEUE_METRIC_NAME, lambda d: d.held),
+}
 TOKEN_METADATA = "scalerToken"
 EXTRA_CALLS = 64  # concurrent unary calls beyond the stream bound
 
@@ -67,11 +81,18 @@ class ExternalScaler(pb_grpc.ExternalScalerServicer):
         meta = ref.scalerMetadata
         return self.registry.resolve_key(meta.get("endpoint"), meta.get("model"), f"{ref.namespace}/{ref.name}")
 
-    def _demand(self, key: str) -> tuple[bool, int]:
-        """(active, demand) of a served endpoint; an endpoint this gateway does not serve has none (and gets
+    def _demand(self, key: str, metric: str = "demand") -> tuple[bool, int]:
+        """(active, count) of a served endpoint; an endpoint this gateway does not serve has none (and gets
         no entry)."""
         d = self.demand.get(key) if key in self.registry.endpoints else None
-        return (d.active, d.value) if d is not None else (False, 0)
+        return (d.active, METRICS[metric][1](d)) if d is not None else (False, 0)
+
+    async def _metric(self, ref: pb.ScaledObjectRef, context) -> str:
+        metric = ref.scalerMetadata.get("metric") or "demand"
+        if metric not in METRICS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+        return metric
 
     async def IsActive(self, request: pb.ScaledObjectRef, context) -> pb.IsActiveResponse:
         key = await self._admit(request, context)
@@ -94,6 +115,7 @@ class ExternalScaler(pb_grpc.ExternalScalerServicer):
 
     async def GetMetricSpec(self, request: pb.ScaledObjectRef, context) -> pb.GetMetricSpecResponse:
         await self._admit(request, context)
+        metric = await self._metric(request, context)
         text = request.scalerMetadata.get("targetValue")
         try:
             target = float(text) if text else self.default_target
@@ -102,24 +124,27 @@ class ExternalScaler(pb_grpc.ExternalScalerServicer):
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"targetValue must be a number > 0, got {text!r}")
         return pb.GetMetricSpecResponse(metricSpecs=[
-            pb.MetricSpec(metricName=METRIC_NAME, targetSize=math.ceil(target), targetSizeFloat=target)])
+            pb.MetricSpec(metricName=METRICS[metric][0], targetSize=math.ceil(target), targetSizeFloat=target)])
 
     async def GetMetrics(self, request: pb.GetMetricsRequest, context) -> pb.GetMetricsResponse:
         key = await self._admit(request.scaledObjectRef, context)
-        value = self._demand(key)[1]
+        metric = await self._metric(request.scaledObjectRef, context)
+        value = self._demand(key, metric)[1]
         return pb.GetMetricsResponse(metricValues=[
-            pb.MetricValue(metricName=request.metricName or METRIC_NAME, metricValue=value,
+            pb.MetricValue(metricName=request.metricName or METRICS[metric][0], metricValue=value,
                            metricValueFloat=float(value))])
 
 
-async def start_scaler(service: ExternalScaler, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_scaler(service: ExternalScaler, host: str, port: int,
+                       tls: ScalerTLS | None = None) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(maximum_concurrent_rpcs=service.demand.max_subscribers + EXTRA_CALLS, options=[
         # Ping KEDA's long-lived StreamIsActive connection so idle-timeouts in between do not cut it.
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
     ])
     pb_grpc.add_ExternalScalerServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise ValueError(f"cannot listen on {host}:{port} for the external scaler")
     await server.start()

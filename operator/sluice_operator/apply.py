@@ -38,6 +38,7 @@ CHILD_KINDS = (
     Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets", optional=True),
     Kind("v1", "Service", "services"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    Kind("keda.sh/v1alpha1", "TriggerAuthentication", "triggerauthentications", optional=True),
     Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", optional=True),
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors", optional=True),
     Kind("monitoring.coreos.com/v1", "PrometheusRule", "prometheusrules", optional=True),

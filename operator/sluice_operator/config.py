@@ -8,9 +8,11 @@ variables in `ENV`; `sluice render` reads the same variables, so it previews wha
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import __version__
 
@@ -39,19 +41,60 @@ class OperatorConfig:
     # A PrometheusRule per endpoint (monitoring.py). Off where the chart's generic rules replace them: both
     # would record the same series.
     endpoint_rules: bool = True
+    # Extra labels and annotations on the ServiceMonitor and PrometheusRule of every endpoint: a Prometheus
+    # picks these objects by label (kube-prometheus-stack: `release: <its release>`), so without the label it
+    # wants nothing is scraped and no rule is loaded.
+    monitoring_labels: dict[str, str] = field(default_factory=dict)
+    monitoring_annotations: dict[str, str] = field(default_factory=dict)
+    # A Secret (kubernetes.io/tls, with ca.crt) that must exist in each autoscaled endpoint's namespace: KEDA's
+    # client certificate for the gateway's scaler. Set: every ScaledObject's external-push trigger authenticates
+    # through a TriggerAuthentication that reads it. "": no TriggerAuthentication (plaintext gRPC).
+    gateway_scaler_tls_secret: str = ""
+
+    def __post_init__(self) -> None:
+        for var, labels in (("SLUICE_MONITORING_LABELS", self.monitoring_labels),
+                            ("SLUICE_MONITORING_ANNOTATIONS", self.monitoring_annotations)):
+            for key, value in labels.items():
+                if not isinstance(key, str) or not QUALIFIED_NAME.fullmatch(key):
+                    raise ValueError(f"{var}: {key!r} is not a valid label or annotation key")
+                if labels is self.monitoring_labels and key.startswith(RESERVED_PREFIXES):
+                    raise ValueError(f"{var}: {key!r} is set by the operator itself; pick another key")
+                if not isinstance(value, str):
+                    raise ValueError(f"{var}: the value of {key!r} must be a string, got {value!r}")
+                if labels is self.monitoring_labels and not LABEL_VALUE.fullmatch(value):
+                    raise ValueError(f"{var}: {value!r} (of {key!r}) is not a valid label value: at most 63 "
+                                     "letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Defaults, overridden by the SLUICE_* variables that are set (an empty one counts for the gateway)."""
         env = os.environ if env is None else env
-        changes: dict[str, str | bool] = {}
-        for field, var in ENV.items():
+        changes: dict[str, str | bool | dict[str, str]] = {}
+        for name, var in ENV.items():
             value = env.get(var)
-            if value is None or (value == "" and not field.startswith("gateway_")):
+            if value is None or (value == "" and not name.startswith("gateway_")):
                 continue
             value = value.strip()
-            changes[field] = _flag(var, value) if field in BOOL_FIELDS else value
+            if name in BOOL_FIELDS:
+                changes[name] = _flag(var, value)
+            elif name in MAP_FIELDS:
+                changes[name] = _string_map(var, value)
+            else:
+                changes[name] = value
         return dataclasses.replace(cls(), **changes)
+
+
+def _string_map(var: str, value: str) -> dict[str, str]:
+    """A JSON object of strings (the chart writes `toJson` of a values map); "" is an empty one."""
+    if not value:
+        return {}
+    try:
+        doc = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{var} must be a JSON object of strings, e.g. {{\"release\": \"kps\"}}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{var} must be a JSON object of strings, got {type(doc).__name__}")
+    return doc
 
 
 def _flag(var: str, value: str) -> bool:
@@ -71,5 +114,14 @@ ENV = {
     "gateway_scaler_address": "SLUICE_GATEWAY_SCALER_ADDRESS",
     "gateway_url": "SLUICE_GATEWAY_URL",
     "endpoint_rules": "SLUICE_ENDPOINT_RULES",
+    "monitoring_labels": "SLUICE_MONITORING_LABELS",
+    "monitoring_annotations": "SLUICE_MONITORING_ANNOTATIONS",
+    "gateway_scaler_tls_secret": "SLUICE_GATEWAY_SCALER_TLS_SECRET",
 }
 BOOL_FIELDS = frozenset({"endpoint_rules"})
+MAP_FIELDS = frozenset({"monitoring_labels", "monitoring_annotations"})
+# Kubernetes' syntax: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
+QUALIFIED_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+# The operator's own labels (meta.labels): an extra label must not change what selects or owns an object.
+RESERVED_PREFIXES = ("app.kubernetes.io/", "sluice.dev/")

@@ -113,11 +113,11 @@ class Loop:
             previous = doc.get("status") or {}
             try:
                 ep = parse_endpoint({k: doc.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
+                manifests = reconcile(ep, self.cfg)  # may refuse what this operator's settings cannot serve
             except SpecError as e:
-                status = invalid_status(meta.get("generation"), str(e), previous, _now())
+                status = invalid_status(meta.get("generation"), str(e), previous, _now(), reason=e.reason)
                 await self._write_status(api, body, key, status, previous, logger)
                 raise InvalidEndpoint(str(e)) from None
-            manifests = reconcile(ep, self.cfg)
             if apply:
                 self._missing[key] = await self._apply(api, manifests, logger)
                 await self._prune(api, ep, manifests, logger)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config import OperatorConfig
 from .spec import API_VERSION, KIND, InferenceEndpoint
 
 ENDPOINT_LABEL = "sluice.dev/endpoint"
@@ -54,3 +55,13 @@ def object_meta(ep: InferenceEndpoint, name: str, component: str) -> dict[str, A
         "labels": labels(ep, component),
         "ownerReferences": [owner_reference(ep)],
     }
+
+
+def monitoring_meta(ep: InferenceEndpoint, cfg: OperatorConfig) -> dict[str, Any]:
+    """The ServiceMonitor's and PrometheusRule's: named like the endpoint, plus the labels and annotations a
+    Prometheus selects them by (SLUICE_MONITORING_LABELS; config.py refuses keys that would replace ours)."""
+    meta = object_meta(ep, ep.name, "monitoring")
+    meta["labels"] = {**cfg.monitoring_labels, **meta["labels"]}
+    if cfg.monitoring_annotations:
+        meta["annotations"] = dict(cfg.monitoring_annotations)
+    return meta

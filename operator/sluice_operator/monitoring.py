@@ -20,8 +20,16 @@ from typing import Any
 
 import yaml
 
-from .autoscaling import ENDPOINT_METRIC_LABEL, GATEWAY_PENDING_METRIC, QUEUE_METRIC, endpoint_key
-from .meta import object_meta
+from .autoscaling import (
+    ENDPOINT_METRIC_LABEL,
+    GATEWAY_PENDING_METRIC,
+    QUEUE_METRIC,
+    endpoint_key,
+    engines_waiting,
+    queue_query,
+)
+from .config import OperatorConfig
+from .meta import monitoring_meta
 from .spec import InferenceEndpoint
 
 EP = ENDPOINT_METRIC_LABEL  # sluice_dev_endpoint: the ServiceMonitor's copy of the Service's sluice.dev/endpoint
@@ -48,6 +56,7 @@ DEFAULT_NO_READY_FOR_S = 600  # the generic rules' wait: startupGraceSeconds' de
 # KEDA without honorLabels.
 KEDA_SCALER_ERRORS = "keda_scaler_detail_errors_total"
 KEDA_FALLBACK_FOR = "2m"  # several polling intervals past the ScaledObject's failureThreshold (3 x 15 s)
+QUEUE_ABSENT_FOR_S = 300  # an unscraped queue is a broken setup, not a blip: a few scrapes' worth of patience
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,26 +285,65 @@ def keda_fallback_alert(ep: InferenceEndpoint) -> dict[str, Any]:
     }
 
 
+def queue_absent_alert(ep: InferenceEndpoint, gateway: bool) -> dict[str, Any] | None:
+    """Fires while the endpoint's queue cannot be read: KEDA's own query (autoscaled) or the engines' queue
+    (a fixed count). Absent means Prometheus does not scrape the series, typically a ServiceMonitor its
+    serviceMonitorSelector does not pick (SLUICE_MONITORING_LABELS). None for a fixed count of zero.
+
+    With a gateway the query reads 0 while no backend is ready, so the wait is short; without one the
+    engines report nothing until the model is loaded, so the wait is startupGraceSeconds."""
+    scaling = ep.spec.scaling
+    if scaling is None and ep.spec.fixed_replicas == 0:
+        return None
+    expr = queue_query(ep, gateway) if scaling is not None else engines_waiting(ep)
+    wait = QUEUE_ABSENT_FOR_S if scaling is not None and gateway else max(QUEUE_ABSENT_FOR_S,
+                                                                          ep.spec.startup_grace_seconds)
+    consequence = ("KEDA counts every read as a failure and holds the fallback replicas "
+                   "(scaling.onMetricsOutage) instead of following the queue" if scaling is not None else
+                   "the dashboards and the no-ready-replica alert are blind to its queue")
+    return {
+        "alert": "SluiceQueueMetricAbsent",
+        "expr": f"absent({expr})",
+        "for": duration(wait),
+        "labels": {"severity": "warning", "namespace": ep.namespace, EP: ep.name},
+        "annotations": {
+            "summary": f"{ep.namespace}/{ep.name}'s queue metric is missing from Prometheus",
+            "description": (
+                f"Prometheus has no series for the endpoint's queue ({QUEUE_METRIC}"
+                + (f" and the gateway's {GATEWAY_PENDING_METRIC}" if scaling is not None and gateway else "")
+                + f"), so {consequence}. Check that Prometheus selects the endpoint's ServiceMonitor"
+                + (" and the gateway's" if scaling is not None and gateway else "")
+                + " (kube-prometheus-stack: the label `release: <its release>`, the chart's monitoring.labels) "
+                  "and that the targets are up."),
+        },
+    }
+
+
 def slo_target(ep: InferenceEndpoint) -> float:
     slo = ep.spec.slo
     return slo.target if slo is not None and slo.target is not None else DEFAULT_SLO_TARGET
 
 
-def endpoint_groups(ep: InferenceEndpoint) -> list[dict[str, Any]]:
-    """One group: rules in a group run in order, so the alerts read this evaluation's recorded series."""
+def endpoint_groups(ep: InferenceEndpoint, gateway: bool = True) -> list[dict[str, Any]]:
+    """One group: rules in a group run in order, so the alerts read this evaluation's recorded series.
+    `gateway`: whether the operator has one (the autoscaler's query, and so its absence, depend on it)."""
     s = endpoint_scope(ep)
     alerts = [*burn_alerts(s, slo_target(ep)), no_ready_replica_alert(s, ep.spec.startup_grace_seconds)]
     if ep.spec.scaling is not None:
         alerts.append(keda_fallback_alert(ep))
+    absent = queue_absent_alert(ep, gateway)
+    if absent is not None:
+        alerts.append(absent)
     return [{"name": f"sluice.endpoint.{ep.namespace}.{ep.name}", "rules": recording_rules(s) + alerts}]
 
 
-def prometheus_rule(ep: InferenceEndpoint) -> dict[str, Any]:
+def prometheus_rule(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> dict[str, Any]:
+    cfg = cfg or OperatorConfig()
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": object_meta(ep, ep.name, "monitoring"),
-        "spec": {"groups": endpoint_groups(ep)},
+        "metadata": monitoring_meta(ep, cfg),
+        "spec": {"groups": endpoint_groups(ep, gateway=bool(cfg.gateway_scaler_address))},
     }
 
 

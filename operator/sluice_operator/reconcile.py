@@ -9,10 +9,19 @@ import hashlib
 import json
 from typing import Any
 
-from .autoscaling import scaled_object
+from .autoscaling import check_scaling, scaled_object, trigger_authentication
 from .config import OperatorConfig
 from .layout import Layout, plan_layout
-from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, STANDBY, object_meta, standby_name
+from .meta import (
+    ENDPOINT_LABEL,
+    ROLE_LABEL,
+    SERVES_LABEL,
+    SERVING,
+    STANDBY,
+    monitoring_meta,
+    object_meta,
+    standby_name,
+)
 from .model_source import FETCH_HF_SCRIPT
 from .monitoring import prometheus_rule
 from .spec import InferenceEndpoint
@@ -95,11 +104,11 @@ def pod_disruption_budget(ep: InferenceEndpoint) -> dict[str, Any]:
     }
 
 
-def service_monitor(ep: InferenceEndpoint) -> dict[str, Any]:
+def service_monitor(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": object_meta(ep, ep.name, "monitoring"),
+        "metadata": monitoring_meta(ep, cfg or OperatorConfig()),
         "spec": {
             # Both Services: a standby pod's queue is demand too (the gateway sends it requests while serving
             # replicas are cold), and the autoscaler's query sums it in.
@@ -116,8 +125,11 @@ def service_monitor(ep: InferenceEndpoint) -> dict[str, Any]:
 
 
 def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """Every object the endpoint owns, in apply order (config before the pods that mount it)."""
+    """Every object the endpoint owns, in apply order (config before the pods that mount it).
+
+    Raises SpecError (ScalingNeedsGateway) for an endpoint this operator's settings cannot serve."""
     cfg = cfg or OperatorConfig()
+    check_scaling(ep, cfg)
     layout = layout_of(ep)
     cm = config_map(ep, f"{ep.name}-engine")
     # Pods roll when what they read from the ConfigMap or their flags change.
@@ -136,9 +148,11 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[
         out.append(service(ep, STANDBY))
     out.append(pod_disruption_budget(ep))
     if scaling:
+        if cfg.gateway_scaler_address and cfg.gateway_scaler_tls_secret:  # before the ScaledObject naming it
+            out.append(trigger_authentication(ep, cfg))
         out.append(scaled_object(ep, cfg, serving))
-    out.append(service_monitor(ep))
+    out.append(service_monitor(ep, cfg))
     if cfg.endpoint_rules:
-        out.append(prometheus_rule(ep))
+        out.append(prometheus_rule(ep, cfg))
     # A JSON round trip: plain data with no shared sub-objects, so callers may mutate one manifest freely.
     return json.loads(json.dumps(out))

@@ -247,16 +247,21 @@ class Scaling(_Object):
              lambda s: s.on_metrics_outage is None or s.on_metrics_outage.replicas <= s.max_replicas,
              field_path=".onMetricsOutage"),
     )
-    min_replicas: int = Field(1, ge=0, le=1000, description="Fewest replicas; 0 scales to zero when idle.")
+    min_replicas: int = Field(1, ge=0, le=1000, description=(
+        "Fewest replicas; 0 scales to zero when idle. 0 needs the gateway (it is what sees a request arrive at "
+        "zero replicas): an operator without one refuses it (Ready False, reason ScaleToZeroNeedsGateway)."))
     max_replicas: int = Field(ge=1, le=1000, description="Most replicas.")
     target_queue_depth: int = Field(4, ge=1, description=(
         "Waiting requests per replica the autoscaler aims for: those waiting in the engines "
-        "(sluice_num_requests_waiting) plus those the gateway holds (sluice_gateway_pending_requests)."))
+        "(sluice_num_requests_waiting) plus those the gateway holds (sluice_gateway_pending_requests). The "
+        "target of both KEDA triggers: the Prometheus query's threshold and the gateway scaler's targetValue."))
     scale_down_delay_seconds: int = Field(300, ge=0, le=86400, description=(
         "Stabilization window before scaling in, and the idle time before scaling to zero."))
     warm_pool: WarmPool | None = Field(None, description="Standby pods.")
     on_metrics_outage: OnMetricsOutage | None = Field(None, description=(
-        "Fallback when the metric is unavailable. Default: max(minReplicas, 1) replicas."))
+        "Fallback when a trigger's metric cannot be read (Prometheus or the gateway unreachable, or the queue "
+        "not scraped: an empty query is an error, never an empty queue) 3 times in a row. Default: "
+        "max(minReplicas, 1) replicas."))
 
 
 # -- objectives, cost and pod escape hatches --------------------------------------------------------------
@@ -446,7 +451,10 @@ class InferenceEndpoint(BaseModel):
 
 
 class SpecError(ValueError):
-    """An invalid InferenceEndpoint; the message names each offending field."""
+    """An invalid InferenceEndpoint; the message names each offending field. `reason`: the Ready condition's
+    reason the operator reports it under."""
+
+    reason = "InvalidSpec"
 
 
 def format_errors(err: ValidationError) -> str:

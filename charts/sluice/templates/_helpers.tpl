@@ -127,7 +127,7 @@ What the operator does inside the namespaces it serves (least privilege: only wh
   resources: [leaderworkersets]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [keda.sh]
-  resources: [scaledobjects]
+  resources: [scaledobjects, triggerauthentications]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
@@ -186,4 +186,13 @@ app.kubernetes.io/component: engines
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* The Secret of KEDA's client certificate for the gateway's scaler; empty: none (plaintext gRPC). */}}
+{{- define "sluice.gateway.scalerTLSSecret" -}}
+{{- if .Values.gateway.scalerTLS.existingSecret -}}
+{{- .Values.gateway.scalerTLS.existingSecret -}}
+{{- else if .Values.gateway.scalerTLS.generate -}}
+{{- printf "%s-scaler-tls" (include "sluice.gateway.fullname" .) -}}
+{{- end -}}
 {{- end -}}

@@ -1,0 +1,66 @@
+"""TLS for the KEDA external scaler's gRPC port, with client certificates: how KEDA authenticates to it.
+
+KEDA gives an external scaler nothing from a TriggerAuthentication but TLS material: `caCert` (to verify
+this server), `tlsClientCert` and `tlsClientKey` (its identity). The operator renders a TriggerAuthentication
+that reads them from a Secret (kubernetes.io/tls with ca.crt); the chart mounts the same Secret here. With
+--scaler-tls-client-ca every connection must present a certificate that CA signed, or its handshake fails
+before any call is served.
+
+The files are re-read when they change (a Secret mount swaps them), at the next handshake: rotating the
+certificate needs no restart.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from .auth import WatchedFile
+
+log = logging.getLogger("sluice.gateway")
+
+
+class ScalerTLS:
+    def __init__(self, cert: str, key: str, client_ca: str | None = None):
+        self._files = {"cert": WatchedFile(cert, "--scaler-tls-cert"), "key": WatchedFile(key, "--scaler-tls-key")}
+        if client_ca:
+            self._files["ca"] = WatchedFile(client_ca, "--scaler-tls-client-ca")
+        self._pem: dict[str, bytes] = {}
+        initial = self._reload(strict=True)
+        assert initial is not None
+        self._initial = initial
+
+    @property
+    def requires_client_certificate(self) -> bool:
+        return "ca" in self._files
+
+    def _reload(self, strict: bool = False) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when a file changed (None: keep the current one)."""
+        changed = False
+        for name, watched in self._files.items():
+            text = watched.changed(strict)
+            if text is not None:
+                if "-----BEGIN " not in text:
+                    if strict:
+                        raise ValueError(f"{watched.flag} {watched.path} holds no PEM block")
+                    log.error("%s %s holds no PEM block; keeping the previous one", watched.flag, watched.path)
+                    continue
+                self._pem[name] = text.encode()
+                changed = True
+        if not changed:
+            return None
+        return grpc.ssl_server_certificate_configuration([(self._pem["key"], self._pem["cert"])],
+                                                        root_certificates=self._pem.get("ca"))
+
+    def credentials(self) -> grpc.ServerCredentials:
+        # The fetcher runs before each new handshake; a broken new file must not take the port down.
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            try:
+                return self._reload()
+            except Exception:  # noqa: BLE001 - logged; the previous certificate stays
+                log.exception("re-reading the scaler's TLS files failed; keeping the previous ones")
+                return None
+
+        return grpc.dynamic_ssl_server_credentials(self._initial, fetch,
+                                                   require_client_authentication=self.requires_client_certificate)
