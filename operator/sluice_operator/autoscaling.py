@@ -11,20 +11,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice_contract import GATEWAY_PENDING_METRIC, TRIGGER_ENDPOINT, TRIGGER_MODEL
+from sluice_contract import endpoint_key as contract_endpoint_key
+
 from .config import OperatorConfig
 from .meta import object_meta
 from .spec import InferenceEndpoint, Scaling
 
 POLLING_INTERVAL_S = 15
 QUEUE_METRIC = "sluice_num_requests_waiting"  # an engine metric: a contract (docs/engine-flags.md)
-GATEWAY_PENDING_METRIC = "sluice_gateway_pending_requests"  # the gateway's, labelled endpoint="<ns>/<name>"
 # The ServiceMonitor copies the Service's sluice.dev/endpoint label onto every series under this name.
 ENDPOINT_METRIC_LABEL = "sluice_dev_endpoint"
 
 
 def endpoint_key(ep: InferenceEndpoint) -> str:
     """How the gateway names an endpoint: in its metrics, and in the external scaler's metadata."""
-    return f"{ep.namespace}/{ep.name}"
+    return contract_endpoint_key(ep.namespace, ep.name)
 
 
 def queue_query(ep: InferenceEndpoint) -> str:
@@ -58,8 +60,8 @@ def triggers(ep: InferenceEndpoint, cfg: OperatorConfig, scaling: Scaling) -> li
             # (held + in-flight requests per replica) has its target from `sluice gateway --scaler-target`.
             "metadata": {
                 "scalerAddress": cfg.gateway_scaler_address,
-                "endpoint": endpoint_key(ep),
-                "model": ep.spec.model.name,
+                TRIGGER_ENDPOINT: endpoint_key(ep),
+                TRIGGER_MODEL: ep.spec.model.name,
             },
         })
     return out
