@@ -67,23 +67,28 @@ async def test_backends_from_endpointslices_follow_the_cluster(k8s):
         async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
             await wait_until(lambda: gw.ready.is_set())
             assert (await c.get("/ready")).status_code == 200
-            ep = gw.registry.by_model("smol")
-            assert ep is not None and ep.key == "default/chat"
+            # Watching every namespace: the model is `<namespace>/<servedName>` on the wire (the plain name is
+            # not published: nameScope is Namespace by default).
+            ep = gw.registry.by_model("default/smol")
+            assert ep is not None and ep.key == "default/chat" and gw.registry.by_model("smol") is None
             await wait_until(lambda: ep.candidates()[0])
-            r = await c.post("/v1/chat/completions", json=chat("smol", "hi"))
+            r = await c.post("/v1/chat/completions", json=chat("default/smol", "hi"))
             assert r.status_code == 200 and r.json()["backend"] == "standby"
+            assert standby.requests[-1]["model"] == "smol"  # the engine gets the name it answers to
+            r = await c.post("/v1/chat/completions", json=chat("smol", "hi"))
+            assert r.status_code == 404 and "default/smol" in r.json()["error"]["message"]
 
             # The serving pod turns ready: traffic moves to it (watch event, no relist).
             await api(k8s, "PATCH", f"{slices}/chat-abcde",
                       {"endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})
             await wait_until(lambda: ep.candidates()[1] is False, timeout=5)
-            r = await c.post("/v1/chat/completions", json=chat("smol", "hi"))
+            r = await c.post("/v1/chat/completions", json=chat("default/smol", "hi"))
             assert r.json()["backend"] == "serving"
 
             # The endpoint is deleted: its model is gone.
             await api(k8s, "DELETE", f"/apis/sluice.dev/v1alpha1/namespaces/{NS}/inferenceendpoints/chat")
-            await wait_until(lambda: gw.registry.by_model("smol") is None, timeout=5)
-            r = await c.post("/v1/chat/completions", json=chat("smol", "hi"))
+            await wait_until(lambda: gw.registry.by_model("default/smol") is None, timeout=5)
+            r = await c.post("/v1/chat/completions", json=chat("default/smol", "hi"))
             assert r.status_code == 404
     finally:
         await gw.stop()

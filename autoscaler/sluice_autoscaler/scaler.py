@@ -10,7 +10,8 @@ The operator's ScaledObject carries an `external-push` trigger whose metadata na
 - StreamIsActive: the same, pushed: the current state on connect, then on every flip and whenever a hold
   begins. A request arriving at zero replicas reaches KEDA in milliseconds, not a polling interval.
 - GetMetricSpec / GetMetrics: `sluice-gateway-demand` = held + in-flight requests, against a target per
-  replica (`targetValue` in the metadata, else --scaler-target); the HPA scales 1 <-> N on it.
+  replica (`targetValue` in the metadata, else --scaler-target); the HPA scales 1 <-> N on it. Demand and
+  activity are summed over every gateway replica (demand.py, peers.py): KEDA reaches one of them only.
 
 Hardening (it listens inside the cluster; the chart's NetworkPolicy lets only KEDA reach it):
 - Only endpoints discovery listed have demand. A ref naming another endpoint is inactive with demand 0 and
@@ -30,6 +31,8 @@ import math
 
 import grpc
 
+from sluice_contract import SCALER_METRIC_NAME
+
 from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
 from .auth import ScalerToken, bearer
@@ -37,7 +40,7 @@ from .demand import DemandBoard
 from .registry import Registry
 
 log = logging.getLogger("sluice.gateway")
-METRIC_NAME = "sluice-gateway-demand"
+METRIC_NAME = SCALER_METRIC_NAME
 TOKEN_METADATA = "scalerToken"
 EXTRA_CALLS = 64  # concurrent unary calls beyond the stream bound
 
@@ -68,10 +71,9 @@ class ExternalScaler(pb_grpc.ExternalScalerServicer):
         return self.registry.resolve_key(meta.get("endpoint"), meta.get("model"), f"{ref.namespace}/{ref.name}")
 
     def _demand(self, key: str) -> tuple[bool, int]:
-        """(active, demand) of a served endpoint; an endpoint this gateway does not serve has none (and gets
-        no entry)."""
-        d = self.demand.get(key) if key in self.registry.endpoints else None
-        return (d.active, d.value) if d is not None else (False, 0)
+        """(active, demand) of a served endpoint, summed over every gateway replica (KEDA reaches only this
+        one); an endpoint this gateway does not serve has none (and gets no entry)."""
+        return self.demand.total(key) if key in self.registry.endpoints else (False, 0)
 
     async def IsActive(self, request: pb.ScaledObjectRef, context) -> pb.IsActiveResponse:
         key = await self._admit(request, context)
