@@ -123,3 +123,14 @@ def test_peer_urls_from_the_headless_service_slices():
     ]
     # Not-ready and terminating replicas count: one starting has nothing held, one leaving drains streams.
     assert peer_urls(slices) == {"http://10.0.0.1:9091", "http://10.0.0.2:9091", "http://[fd00::3]:9091"}
+
+
+def test_the_contract_module_needs_nothing_but_the_standard_library():
+    import subprocess
+    import sys
+
+    heavy = ("pydantic", "aiohttp", "grpc", "yaml", "torch", "kopf", "prometheus_client", "sluice_operator",
+             "sluice_autoscaler", "sluice_engine")
+    code = ("import sys, sluice_contract; print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:])))")
+    out = subprocess.run([sys.executable, "-c", code, *heavy], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
