@@ -305,7 +305,7 @@ def test_scale_from_zero_through_the_gateway(stack: Cluster) -> None:
     # A request at zero: the gateway holds it, pushes demand to KEDA, and answers once a replica is ready.
     with k.port_forward(f"svc/{GATEWAY}", 8080, namespace=SYSTEM_NS) as url:
         started = time.monotonic()
-        chat(url, name, timeout=900)
+        chat(url, f"{NS}/{name}", timeout=900)  # the chart watches every namespace: `<namespace>/<servedName>`
         print(f"answered from zero in {time.monotonic() - started:.0f}s", flush=True)
     # The endpoint went Ready on the way (it may be back to Idle already: the cooldown is short).
     k.wait_for(f"{name} Ready event", lambda: "Ready" in k.event_reasons(name), timeout=300)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 from aiohttp import web
 
@@ -117,19 +118,53 @@ def chat(model: str, text: str, **kw: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}], **kw}
 
 
+# -- an in-memory Kubernetes API (kmock) ------------------------------------------------------------------------
+ENDPOINTS_RESOURCE = "sluice.dev/v1alpha1/inferenceendpoints"
+
+
+def add_sluice_resources(kmock: Any) -> Any:
+    """kmock with the built-in resources and the InferenceEndpoint CRD's."""
+    kmock.resources.load_bundled()
+    kmock.resources[ENDPOINTS_RESOURCE] = {"kind": "InferenceEndpoint", "namespaced": True,
+                                           "verbs": {"get", "list", "watch", "create", "patch", "update", "delete"},
+                                           "subresources": {"status"}}
+    return kmock
+
+
+async def kube_call(k8s: Any, method: str, path: str, body: Any = None) -> Any:
+    """One call to kmock's API over HTTP, as a client in a cluster makes it."""
+    ctype = "application/merge-patch+json" if method == "PATCH" else "application/json"
+    async with aiohttp.ClientSession() as s, s.request(method, str(k8s.url).rstrip("/") + path, json=body,
+                                                       headers={"Content-Type": ctype}) as r:
+        assert r.status < 400, await r.text()
+        return await r.json()
+
+
+def endpoint_slice(name: str, namespace: str, labels: dict[str, str], url: str, ready: bool = True,
+                   port_name: str = "http") -> dict[str, Any]:
+    """An EndpointSlice with one address and one port: that of `url`."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "addressType": "IPv4",
+            "ports": [{"name": port_name, "port": int(port), "protocol": "TCP"}],
+            "endpoints": [{"addresses": [host], "conditions": {"ready": ready}}]}
+
+
 class GatewayProcess:
     """`sluice gateway` as a subprocess (the CLI as deployed), on free loopback ports."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, peer_port: int | None = None):
         from conftest import free_port
 
         self.port, self.scaler_port = free_port(), free_port()
+        self.peer_port = peer_port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice_engine.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-             "--scaler-port", str(self.scaler_port), *args],
+             "--scaler-port", str(self.scaler_port), "--peer-port", str(self.peer_port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 30
         while True:

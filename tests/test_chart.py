@@ -62,6 +62,8 @@ MODES = {
                          "networkPolicy.engines.exceptEndpoints={public}",
                          "networkPolicy.gateway.clients[0].podSelector.matchLabels.role=client"], "all", None),
     "no-network-policy": (["networkPolicy.enabled=false", "scope=namespace"], "namespace", RELEASE_NS),
+    "gateway-ha": (["gateway.replicas=3", "gateway.podAntiAffinity=hard", "gateway.podDisruptionBudget.minAvailable=2",
+                    "gateway.podDisruptionBudget.maxUnavailable=null"], "all", None),
 }
 GATEWAY = f"{RELEASE}-gateway"  # the contract's name for the default release (docs/operator.md)
 
@@ -116,6 +118,11 @@ def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def component(docs: list[dict[str, Any]], kind: str, name: str) -> list[dict[str, Any]]:
     """Objects of a kind that belong to the operator or to the gateway."""
     return [d for d in of_kind(docs, kind) if d["metadata"]["labels"]["app.kubernetes.io/component"] == name]
+
+
+def gateway_services(docs: list[dict[str, Any]], headless: bool = False) -> list[dict[str, Any]]:
+    """The gateway's Service (clients, KEDA), or its headless peers Service."""
+    return [s for s in component(docs, "Service", "gateway") if (s["spec"].get("clusterIP") == "None") == headless]
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
@@ -304,8 +311,14 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]], mode
             if rule["apiGroups"] == ["sluice.dev"] and rule["resources"] == ["inferenceendpoints"]:
                 assert not ({"create", "update", "delete"} & set(rule["verbs"])), "the operator never writes spec"
     if scope == "namespace":
-        # Namespaced: objects only in the served namespace.
+        # Namespaced: objects only in the served namespace; the gateway also reads its peers' EndpointSlices in
+        # its own namespace.
         for role in of_kind(docs, "Role"):
+            if role["metadata"]["name"] == f"{GATEWAY}-peers":
+                assert role["metadata"]["namespace"] == RELEASE_NS != served
+                assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                          "verbs": ["get", "list", "watch"]}]
+                continue
             assert role["metadata"]["namespace"] == served
     else:
         assert not of_kind(docs, "Role") and not of_kind(docs, "RoleBinding")
@@ -332,14 +345,15 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
         assert env["SLUICE_GATEWAY_SCALER_ADDRESS"] == "" and env["SLUICE_GATEWAY_URL"] == ""
         return
     (dep,) = component(docs, "Deployment", "gateway")
-    (svc,) = component(docs, "Service", "gateway")
+    (svc,) = gateway_services(docs)
     assert dep["metadata"]["name"] == svc["metadata"]["name"] == GATEWAY
     assert dep["metadata"]["namespace"] == svc["metadata"]["namespace"] == RELEASE_NS
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["command"] == ["sluice"]
     # --shutdown-timeout: the pod's grace period (60 s by default) less 15 s for the rest of shutdown
-    args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090", "--shutdown-timeout", "45"]
+    args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090", "--peer-port", "9091",
+            "--peer-service", f"{GATEWAY}-peers", "--peer-namespace", RELEASE_NS, "--shutdown-timeout", "45"]
     args += [] if scope == "all" else ["--namespace", served]
     if mode == "gateway-secrets":
         args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",
@@ -348,7 +362,7 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
                  "--scaler-tls-client-ca", "/etc/sluice/scaler-tls/ca.crt"]
     assert container["args"] == args
     assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "grpc": 9090}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "grpc": 9090, "peers": 9091}
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
@@ -370,8 +384,77 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     assert allowed(rules, "", "services") == {"get", "list", "watch"}
     for rule in rules:
         assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+    # The other replicas: the peers Service's EndpointSlices, in the gateway's own namespace.
+    assert allowed(granted(docs, sa, RELEASE_NS), "discovery.k8s.io", "endpointslices") == {"get", "list", "watch"}
     if scope == "namespace":
         assert not granted(docs, sa, "elsewhere")
+
+
+@pytest.mark.parametrize("mode", ["all", "namespace", "gateway-ha"])
+def test_gateway_high_availability(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
+    """Several replicas by default, a PodDisruptionBudget that always leaves one, replicas spread over nodes,
+    and the headless Service through which they find each other (docs/gateway.md, "Several replicas")."""
+    docs = rendered[mode]
+    (dep,) = component(docs, "Deployment", "gateway")
+    (operator,) = component(docs, "Deployment", "operator")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    pod = dep["spec"]["template"]["spec"]
+    replicas = dep["spec"]["replicas"]
+    (pdb,) = component(docs, "PodDisruptionBudget", "gateway")
+    assert pdb["metadata"]["namespace"] == RELEASE_NS
+    assert selects(pdb["spec"]["selector"], pod_labels)
+    assert not selects(pdb["spec"]["selector"], operator["spec"]["template"]["metadata"]["labels"])
+    anti = pod["affinity"]["podAntiAffinity"]
+    if mode == "gateway-ha":  # values: 3 replicas, hard anti-affinity, minAvailable 2
+        assert replicas == 3 and pdb["spec"]["minAvailable"] == 2 and "maxUnavailable" not in pdb["spec"]
+        (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert "preferredDuringSchedulingIgnoredDuringExecution" not in anti
+        evictable = replicas - pdb["spec"]["minAvailable"]
+    else:  # the defaults
+        assert replicas == 2 and pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+        (preferred,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert preferred["weight"] == 100 and "requiredDuringSchedulingIgnoredDuringExecution" not in anti
+        term = preferred["podAffinityTerm"]
+        evictable = pdb["spec"]["maxUnavailable"]
+    assert replicas - evictable >= 1  # a drain never takes the last replica in the path of the requests
+    assert term["topologyKey"] == "kubernetes.io/hostname" and selects(term["labelSelector"], pod_labels)
+    assert not selects(term["labelSelector"], operator["spec"]["template"]["metadata"]["labels"])
+    # The peers: a headless Service over every gateway pod (ready or not), on the port the gateway serves its
+    # demand on; the gateway is told its name and namespace.
+    (peers,) = gateway_services(docs, headless=True)
+    spec = peers["spec"]
+    assert spec["publishNotReadyAddresses"] is True and selects({"matchLabels": spec["selector"]}, pod_labels)
+    assert spec["ports"] == [{"name": "peers", "port": 9091, "targetPort": "peers", "protocol": "TCP"}]
+    (container,) = pod["containers"]
+    assert {"name": "peers", "containerPort": 9091, "protocol": "TCP"} in container["ports"]
+    args = container["args"]
+    assert args[args.index("--peer-service") + 1] == peers["metadata"]["name"] == f"{GATEWAY}-peers"
+    assert args[args.index("--peer-namespace") + 1] == peers["metadata"]["namespace"] == RELEASE_NS
+    for version in K8S_VERSIONS:
+        for obj in (dep, pdb, peers):
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_gateway_availability_values_are_checked(helm: tuple[str, dict[str, str]]) -> None:
+    path, env = helm
+    for values, message in ((["gateway.podDisruptionBudget.minAvailable=1"], "not both"),
+                            (["gateway.podDisruptionBudget.maxUnavailable=null"], "set minAvailable or maxUnavailable"),
+                            (["gateway.podAntiAffinity=sometimes"], "podAntiAffinity")):
+        proc = subprocess.run([path, "template", RELEASE, str(CHART), *set_args(values)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, (values, proc.stderr)
+    # `affinity` given: used as it is, no anti-affinity of the chart's own beside it.
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--set",
+                    "gateway.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+                    ".matchExpressions[0].key=pool,gateway.affinity.nodeAffinity.requiredDuringSchedulingIgnored"
+                    "DuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists")
+    (dep,) = component([d for d in yaml.safe_load_all(text) if d], "Deployment", "gateway")
+    assert set(dep["spec"]["template"]["spec"]["affinity"]) == {"nodeAffinity"}
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--set", "gateway.podAntiAffinity=",
+                    "--set", "gateway.podDisruptionBudget.enabled=false")
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    (dep,) = component(docs, "Deployment", "gateway")
+    assert "affinity" not in dep["spec"]["template"]["spec"] and not of_kind(docs, "PodDisruptionBudget")
 
 
 def test_operator_settings_reach_the_operator(helm: tuple[str, dict[str, str]]) -> None:
@@ -413,8 +496,11 @@ def test_gateway_service_monitor(helm: tuple[str, dict[str, str]]) -> None:
     (monitor,) = of_kind(docs, "ServiceMonitor")
     schema = crd_schema(reference_crd("monitoring.coreos.com_servicemonitors.yaml"), "v1")
     assert schema_errors(schema, monitor) == []
-    (svc,) = component(docs, "Service", "gateway")
+    (svc,) = gateway_services(docs)
     assert all(svc["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    # The headless peers Service matches the selector too, but has no `http` port: it adds no targets.
+    (peers,) = gateway_services(docs, headless=True)
+    assert monitor["spec"]["endpoints"][0]["port"] not in {p["name"] for p in peers["spec"]["ports"]}
     assert monitor["metadata"]["labels"]["release"] == "kps"
 
 
@@ -502,8 +588,10 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], mode: str) 
     assert gw_policy["metadata"]["namespace"] == RELEASE_NS
     assert selects(gw_policy["spec"]["podSelector"], gateway_labels)
     rules = {r["ports"][0]["port"]: r for r in gw_policy["spec"]["ingress"]}
-    assert set(rules) == {"http", "grpc"} and {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0][
-        "ports"]} == {"http", "grpc"}
+    assert set(rules) == {"http", "grpc", "peers"} and {p["name"] for p in dep["spec"]["template"]["spec"][
+        "containers"][0]["ports"]} == {"http", "grpc", "peers"}
+    (peer,) = rules["peers"]["from"]  # the peer port: the gateway's own replicas, nobody else
+    assert peer.keys() == {"podSelector"} and selects(peer["podSelector"], gateway_labels)
     keda = rules["grpc"]["from"]
     assert keda == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}},
                      "podSelector": {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}}}]

@@ -80,6 +80,19 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "TriggerAuthentication the operator renders); off by default")
     p.add_argument("--scaler-max-streams", type=int, default=d.scaler_max_streams,
                    help="StreamIsActive subscriptions served at once; more are refused (RESOURCE_EXHAUSTED)")
+    peers = p.add_argument_group("gateway replicas (KEDA sees their summed demand)")
+    peers.add_argument("--peer-port", type=int, default=d.peer_port,
+                       help="where this replica serves its own demand to the other replicas (0: a free port)")
+    peers.add_argument("--peer", dest="peers", action="append", default=[], metavar="URL",
+                       help="another replica's peer URL, http://HOST:PEER_PORT (repeatable; static peers)")
+    peers.add_argument("--peer-service", default=None,
+                       help="with --kubernetes: the headless Service whose EndpointSlices list the replicas")
+    peers.add_argument("--peer-namespace", default=None,
+                       help="the namespace of --peer-service (default: the pod's own)")
+    peers.add_argument("--peer-interval", type=float, default=d.peer_interval,
+                       help="seconds between peers' counts at most (a new hold arrives at once)")
+    peers.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
+                       help="seconds a peer that stopped answering still counts with its last counts")
     p.add_argument("--debug-headers", action="store_true",
                    help="add X-Sluice-Backend and X-Sluice-Role to responses (exposes backend addresses)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -57,6 +57,13 @@ class GatewayConfig:
     scaler_tls_client_ca: str | None = None
     scaler_max_streams: int = 256  # StreamIsActive subscriptions at once (KEDA opens one per trigger)
     debug_headers: bool = False  # X-Sluice-Backend / X-Sluice-Role on responses (exposes pod addresses)
+    # Other gateway replicas (peers.py): each serves its own demand on --peer-port and sums the others'.
+    peer_port: int = 9091  # 0 picks a free port
+    peers: list[str] = field(default_factory=list)  # static peer URLs (http://host:peer-port)
+    peer_service: str | None = None  # with --kubernetes: the headless Service whose EndpointSlices list peers
+    peer_namespace: str | None = None  # its namespace; None: the pod's own
+    peer_interval: float = 1.0  # seconds: counts are at most this old (edges arrive at once)
+    peer_timeout: float = 10.0  # seconds a silent peer's last counts still count
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
@@ -96,5 +103,16 @@ class GatewayConfig:
         if self.scaler_tls_client_ca and not self.scaler_tls_cert:
             raise ValueError("--scaler-tls-client-ca needs --scaler-tls-cert and --scaler-tls-key: client "
                              "certificates are checked in a TLS handshake")
+        if not 0 <= self.peer_port <= 65535:
+            raise ValueError(f"--peer-port must be a port number (0: any free one), got {self.peer_port}")
+        for url in self.peers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--peer takes a peer's http(s) URL (its --peer-port), got {url!r}")
+        if self.peer_service and not self.kubernetes:
+            raise ValueError("--peer-service finds peers through Kubernetes: add --kubernetes (or list --peer URLs)")
+        if self.peer_interval <= 0:
+            raise ValueError(f"--peer-interval must be > 0, got {self.peer_interval}")
+        if self.peer_timeout < self.peer_interval:
+            raise ValueError(f"--peer-timeout ({self.peer_timeout}) must be >= --peer-interval ({self.peer_interval})")
         if self.kubernetes and (self.backends or self.standby or self.backends_file):
             raise ValueError("--kubernetes discovers backends itself; drop --backend/--standby/--backends-file")

@@ -6,7 +6,9 @@
                               │ held / in-flight        │
                               ▼                         │
                          demand board ──► KEDA external scaler gRPC :9090 (IsActive, StreamIsActive, ...)
-                                     └──► /metrics (sluice_gateway_pending_requests, ...)
+                          ▲   │      └──► /metrics (sluice_gateway_pending_requests, ...)
+      other replicas' ────┘   └──► peer port :9091 (this replica's own counts, long-polled by the others)
+      counts (peers.py)
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from aiohttp import web
 from .auth import ApiKeys, ScalerToken
 from .config import GatewayConfig
 from .demand import DemandBoard
-from .kube import KubeAPI, KubeDiscovery
+from .kube import KubeAPI, KubeDiscovery, KubePeerDiscovery, own_namespace
 from .metrics import GatewayMetrics
+from .peers import PeerSync, peer_app, replica_id
 from .proxy import Proxy, build_app
 from .registry import Registry
 from .scaler import ExternalScaler, start_scaler
@@ -43,17 +46,33 @@ class Gateway:
         self.scaler_tls = (ScalerTLS(cfg.scaler_tls_cert, cfg.scaler_tls_key, cfg.scaler_tls_client_ca)
                            if cfg.scaler_tls_cert and cfg.scaler_tls_key else None)
         self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys)
+        self.replica = replica_id()
+        self.peers = PeerSync(self.demand, self.replica, cfg.peer_interval, cfg.peer_timeout, cfg.connect_timeout,
+                              lambda: self.registry.endpoints)
         self.discovery: StaticDiscovery | KubeDiscovery
+        self.peer_discovery: KubePeerDiscovery | None = None
         if cfg.kubernetes:
-            self.discovery = KubeDiscovery(KubeAPI(cfg.kube_api), cfg.namespaces, self._apply)
-            self.ready = self.discovery.ready
+            api = KubeAPI(cfg.kube_api)
+            self.discovery = KubeDiscovery(api, cfg.namespaces, self._apply)
+            if cfg.peer_service:
+                namespace = cfg.peer_namespace or own_namespace()
+                if not namespace:
+                    raise ValueError("--peer-service: pass --peer-namespace (no service account namespace here)")
+                self.peer_discovery = KubePeerDiscovery(api, namespace, cfg.peer_service, self._set_peers)
         else:
             self.discovery = StaticDiscovery(cfg.backends, cfg.standby, cfg.backends_file, self._apply)
-            self.ready = asyncio.Event()
+        # Ready (the /ready route, the scaler's calls): backends listed, and every peer known was asked once.
+        self.ready = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        self._peer_runner: web.AppRunner | None = None
+        self._ready_task: asyncio.Task | None = None
         self._grpc = None
         self.port = cfg.port
         self.scaler_port = cfg.scaler_port
+        self.peer_port = cfg.peer_port
+
+    def _set_peers(self, urls: set[str]) -> None:
+        self.peers.set_peers(urls | set(self.cfg.peers))
 
     def _apply(self, specs) -> None:
         self.registry.apply(specs)
@@ -64,12 +83,32 @@ class Gateway:
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def peer_url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
+        return f"http://{host}:{self.peer_port}"
+
+    async def _become_ready(self) -> None:
+        if isinstance(self.discovery, KubeDiscovery):
+            await self.discovery.ready.wait()
+        await self.peers.synced.wait()
+        self.ready.set()
+
     async def start(self) -> None:
         await self.registry.start()
         await self.proxy.start()
+        await self.peers.start()
+        # The peer port first: the other replicas may ask before this one has listed anything.
+        self._peer_runner = web.AppRunner(peer_app(self.demand, self.replica), access_log=None, shutdown_timeout=1)
+        await self._peer_runner.setup()
+        await web.TCPSite(self._peer_runner, self.cfg.host, self.cfg.peer_port).start()
+        self.peer_port = self._peer_runner.addresses[0][1]
         await self.discovery.start()
-        if isinstance(self.discovery, StaticDiscovery):
-            self.ready.set()
+        if self.peer_discovery is not None:
+            await self.peer_discovery.start()
+        else:
+            self._set_peers(set())
+        self._ready_task = asyncio.get_running_loop().create_task(self._become_ready())
         # handler_cancellation: a client that leaves while held stops being held (and counted) at once.
         self._runner = web.AppRunner(build_app(self.proxy, self.ready), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=self.cfg.shutdown_timeout)
@@ -80,8 +119,8 @@ class Gateway:
         service = ExternalScaler(self.registry, self.demand, self.cfg.scaler_target, self.scaler_token, self.ready)
         self._grpc, self.scaler_port = await start_scaler(service, self.cfg.host, self.cfg.scaler_port,
                                                           self.scaler_tls)
-        log.info("gateway on %s/v1 (routing %s), KEDA external scaler on %s:%d", self.url, self.cfg.routing,
-                 self.cfg.host, self.scaler_port)
+        log.info("gateway %s on %s/v1 (routing %s), KEDA external scaler on %s:%d, peer port %d", self.replica,
+                 self.url, self.cfg.routing, self.cfg.host, self.scaler_port, self.peer_port)
 
     async def stop(self) -> None:
         self.registry.close()  # held requests get 503 + Retry-After now; streams in flight may finish
@@ -89,6 +128,13 @@ class Gateway:
             await self._grpc.stop(grace=1)
         if self._runner is not None:
             await self._runner.cleanup()  # lets open streams finish, up to shutdown_timeout
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+        if self.peer_discovery is not None:
+            await self.peer_discovery.stop()
+        await self.peers.stop()
+        if self._peer_runner is not None:
+            await self._peer_runner.cleanup()
         await self.discovery.stop()
         await self.proxy.stop()
         await self.registry.stop()

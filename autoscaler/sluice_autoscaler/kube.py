@@ -2,14 +2,19 @@
 
 Two list+watch loops over the API (plain HTTP on aiohttp, the pod's service account; no client library):
 
-- InferenceEndpoints (sluice.dev/v1alpha1): which endpoints exist and the model each serves
-  (spec.model.servedName, else the last path component of spec.model.uri, as the engine names it).
+- InferenceEndpoints (sluice.dev/v1alpha1): which endpoints exist, the model each serves
+  (spec.model.servedName, else the last path component of spec.model.uri, as the engine names it), and the
+  names clients may send for it (sluice_contract.model_names: `<namespace>/<servedName>`, and the plain
+  servedName with spec.model.nameScope Cluster or when the gateway watches one namespace only).
 - EndpointSlices labelled `sluice.dev/endpoint` (the EndpointSlice controller copies a Service's labels onto
   its slices): `sluice.dev/role` = serving | standby says which pool, each endpoint's `conditions.ready`
   whether Kubernetes counts the pod ready.
 
 The gateway needs get/list/watch on both resources. `endpoint_specs` turns the two lists into what the
 registry wants; it is pure and tested on its own.
+
+A third loop finds the other gateway replicas: the EndpointSlices of the gateway's headless peers Service
+(`peer_urls`; peers.py polls their demand).
 """
 
 from __future__ import annotations
@@ -24,27 +29,36 @@ from typing import Any
 
 import aiohttp
 
-from .registry import SERVING, STANDBY, EndpointSpec
+from sluice_contract import (
+    API_VERSION,
+    ENDPOINT_LABEL,
+    NAME_SCOPE_NAMESPACE,
+    PLURAL,
+    POOL_LABEL,
+    ROLE_LABEL,
+    SERVICE_NAME_LABEL,
+    SERVING,
+    STANDBY,
+    endpoint_key,
+    model_names,
+    served_name,
+)
+
+from .registry import EndpointSpec
 
 log = logging.getLogger("sluice.gateway")
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-ENDPOINT_LABEL = "sluice.dev/endpoint"
-ROLE_LABEL = "sluice.dev/role"
-POOL_LABEL = "sluice.dev/pool"  # the pods' pool label, should a slice carry it instead
-ENDPOINTS_API = "/apis/sluice.dev/v1alpha1"
+ENDPOINTS_API = f"/apis/{API_VERSION}"
+PEER_PORT_NAME = "peers"  # the port of the gateway's headless peers Service
 SLICES_API = "/apis/discovery.k8s.io/v1"
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; the loop lists again (catches missed deletes)
 
 
 def served_model_name(ie: dict[str, Any]) -> str:
+    """The contract's rule; an object without a usable uri (the CRD requires one) falls back to its name."""
     model = (ie.get("spec") or {}).get("model") or {}
-    if model.get("servedName"):
-        return str(model["servedName"])
-    uri = str(model.get("uri") or "")
-    if "://" in uri and uri.split("://", 1)[1].rstrip("/"):
-        return uri.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1]
-    return str(ie["metadata"]["name"])
+    return served_name(model.get("servedName"), str(model.get("uri") or "")) or str(ie["metadata"]["name"])
 
 
 def _port(ports: list[dict[str, Any]] | None) -> int | None:
@@ -55,17 +69,28 @@ def _port(ports: list[dict[str, Any]] | None) -> int | None:
     return int(ports[0]["port"]) if ports else None
 
 
-def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[str, Any]]) -> list[EndpointSpec]:
-    """InferenceEndpoints + their EndpointSlices -> one spec per endpoint, keyed <namespace>/<name>."""
+def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[str, Any]],
+                   only_namespace: bool = False) -> list[EndpointSpec]:
+    """InferenceEndpoints + their EndpointSlices -> one spec per endpoint, keyed <namespace>/<name>.
+    `only_namespace`: the gateway watches one namespace, so plain served names cannot collide there."""
     specs: dict[str, EndpointSpec] = {}
     for ie in endpoints:
         meta = ie.get("metadata") or {}
-        key = f"{meta.get('namespace', 'default')}/{meta['name']}"
-        specs[key] = EndpointSpec(key, served_model_name(ie))
+        namespace = meta.get("namespace", "default")
+        key = endpoint_key(namespace, meta["name"])
+        served = served_model_name(ie)
+        scope = ((ie.get("spec") or {}).get("model") or {}).get("nameScope") or NAME_SCOPE_NAMESPACE
+        try:
+            names = model_names(namespace, served, scope, only_namespace)
+        except ValueError as e:  # the CRD's enum refuses it; an older CRD might not
+            log.warning("InferenceEndpoint %s: %s; publishing its namespaced name only", key, e)
+            names = model_names(namespace, served, NAME_SCOPE_NAMESPACE, only_namespace)
+        specs[key] = EndpointSpec(key, served, names=names, namespace=namespace,
+                                  created=str(meta.get("creationTimestamp") or ""))
     for s in slices:
         meta = s.get("metadata") or {}
         labels = meta.get("labels") or {}
-        spec = specs.get(f"{meta.get('namespace', 'default')}/{labels.get(ENDPOINT_LABEL)}")
+        spec = specs.get(endpoint_key(meta.get("namespace", "default"), str(labels.get(ENDPOINT_LABEL))))
         port = _port(s.get("ports"))
         if spec is None or port is None or s.get("addressType") not in ("IPv4", "IPv6"):
             continue
@@ -78,10 +103,28 @@ def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[st
             cond = e.get("conditions") or {}
             # API semantics: a missing `ready` means ready; a terminating pod takes no new requests.
             ready = cond.get("ready") is not False and not cond.get("terminating")
-            host = addresses[0]
-            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            url = _url(addresses[0], port)
             pool[url] = pool.get(url, False) or ready
     return [specs[k] for k in sorted(specs)]
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def peer_urls(slices: Iterable[dict[str, Any]]) -> set[str]:
+    """The gateway replicas the peers Service's EndpointSlices list, ready or not: a replica still starting
+    takes no traffic, and one terminating still has requests in flight to count."""
+    urls = set()
+    for s in slices:
+        ports = [p for p in s.get("ports") or [] if p.get("port")]
+        named = [p for p in ports if p.get("name") == PEER_PORT_NAME] or ports
+        if not named or s.get("addressType") not in ("IPv4", "IPv6"):
+            continue
+        for e in s.get("endpoints") or []:
+            for host in (e.get("addresses") or [])[:1]:
+                urls.add(_url(host, int(named[0]["port"])))
+    return urls
 
 
 class KubeAPI:
@@ -157,7 +200,12 @@ class Informer:
         self.synced = False
 
     def _wanted(self, obj: dict[str, Any]) -> bool:
-        return self.label is None or self.label in ((obj.get("metadata") or {}).get("labels") or {})
+        """The label selector (`key` or `key=value`) checked again: a watch may pass other objects."""
+        if self.label is None:
+            return True
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        key, eq, value = self.label.partition("=")
+        return key in labels and (not eq or labels[key] == value)
 
     async def run(self) -> None:
         params = {"labelSelector": self.label} if self.label else {}
@@ -199,8 +247,9 @@ class Informer:
 class KubeDiscovery:
     def __init__(self, api: KubeAPI, namespaces: list[str], apply: Callable[[list[EndpointSpec]], None]):
         self.api, self._apply = api, apply
+        self.only_namespace = len(set(namespaces)) == 1
         scopes = [f"/namespaces/{ns}" for ns in namespaces] or [""]
-        self.endpoints = [Informer(api, f"{ENDPOINTS_API}{s}/inferenceendpoints", None, self._changed)
+        self.endpoints = [Informer(api, f"{ENDPOINTS_API}{s}/{PLURAL}", None, self._changed)
                           for s in scopes]
         self.slices = [Informer(api, f"{SLICES_API}{s}/endpointslices", ENDPOINT_LABEL, self._changed)
                        for s in scopes]
@@ -212,7 +261,7 @@ class KubeDiscovery:
         if not all(i.synced for i in informers):
             return  # half a picture would drop endpoints that are there
         self._apply(endpoint_specs([o for i in self.endpoints for o in i.objects.values()],
-                                   [o for i in self.slices for o in i.objects.values()]))
+                                   [o for i in self.slices for o in i.objects.values()], self.only_namespace))
         self.ready.set()
 
     async def start(self) -> None:
@@ -225,3 +274,33 @@ class KubeDiscovery:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.api.close()
+
+
+def own_namespace() -> str | None:
+    """The gateway pod's namespace (its service account's), or None outside a cluster."""
+    try:
+        with open(f"{SA_DIR}/namespace") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class KubePeerDiscovery:
+    """The other gateway replicas: the EndpointSlices of the headless peers Service, kept current."""
+
+    def __init__(self, api: KubeAPI, namespace: str, service: str, on_peers: Callable[[set[str]], None]):
+        self.on_peers = on_peers
+        self.slices = Informer(api, f"{SLICES_API}/namespaces/{namespace}/endpointslices",
+                               f"{SERVICE_NAME_LABEL}={service}", self._changed)
+        self._task: asyncio.Task | None = None
+
+    def _changed(self) -> None:
+        self.on_peers(peer_urls(self.slices.objects.values()))
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.slices.run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

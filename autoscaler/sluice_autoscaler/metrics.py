@@ -10,6 +10,10 @@ hold histogram are kept as requests finish.
     sluice_gateway_standby_requests_total{endpoint}   requests the warm pool answered
     sluice_gateway_hold_seconds{endpoint}             time held before a backend took the request
     sluice_gateway_refused_requests_total{reason}     answered before an endpoint was known (see REFUSALS)
+    sluice_gateway_peers                              other gateway replicas whose demand this one adds up
+    sluice_gateway_model_name_conflicts{name,endpoint,holder}  1: `endpoint` claims `name`, `holder` has it
+
+The request gauges are this replica's own: Prometheus scrapes every replica and sums them itself.
 """
 
 from __future__ import annotations
@@ -18,8 +22,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sluice_contract import (
+    GATEWAY_BACKENDS_METRIC,
+    GATEWAY_INFLIGHT_METRIC,
+    GATEWAY_PENDING_METRIC,
+    SERVING,
+    STANDBY,
+)
+
 from .demand import DemandBoard
-from .registry import SERVING, STANDBY, Registry
+from .registry import Registry
 
 OUTCOMES = (
     "ok",  # the backend answered 2xx (streams: to the end)
@@ -48,9 +60,9 @@ class _Gauges:
         self.registry, self.demand = registry, demand
 
     def collect(self):
-        pending = GaugeMetricFamily("sluice_gateway_pending_requests",
+        pending = GaugeMetricFamily(GATEWAY_PENDING_METRIC,
                                     "Requests held because the endpoint has no ready backend.", labels=["endpoint"])
-        inflight = GaugeMetricFamily("sluice_gateway_inflight_requests",
+        inflight = GaugeMetricFamily(GATEWAY_INFLIGHT_METRIC,
                                      "Requests sent to a backend and not finished.", labels=["endpoint"])
         keys = set(self.registry.endpoints)
         for key, d in self.demand.items():
@@ -60,15 +72,24 @@ class _Gauges:
         for key in sorted(keys):
             pending.add_metric([key], 0)
             inflight.add_metric([key], 0)
-        backends = GaugeMetricFamily("sluice_gateway_backends", "Backends by role and readiness.",
+        backends = GaugeMetricFamily(GATEWAY_BACKENDS_METRIC, "Backends by role and readiness.",
                                      labels=["endpoint", "role", "state"])
         for key, ep in sorted(self.registry.endpoints.items()):
             for role in (SERVING, STANDBY):
                 backends.add_metric([key, role, "ready"], ep.count(role, True))
                 backends.add_metric([key, role, "cold"], ep.count(role, False))
+        peers = GaugeMetricFamily("sluice_gateway_peers", "Other gateway replicas whose demand this replica "
+                                  "adds to its own for KEDA.", value=self.demand.peers)
+        conflicts = GaugeMetricFamily("sluice_gateway_model_name_conflicts", "Model names an endpoint claims "
+                                      "that another endpoint holds (1 per conflict).",
+                                      labels=["name", "endpoint", "holder"])
+        for c in self.registry.conflicts:
+            conflicts.add_metric([c.name, c.endpoint, c.holder], 1)
         yield pending
         yield inflight
         yield backends
+        yield peers
+        yield conflicts
 
 
 class GatewayMetrics:

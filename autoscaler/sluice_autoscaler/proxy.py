@@ -109,6 +109,15 @@ async def read_capped(up: aiohttp.ClientResponse, cap: int = ERROR_BODY_MAX) -> 
     return bytes(out)
 
 
+def encode_body(body: dict[str, Any]) -> bytes:
+    """A request body as JSON bytes again. UTF-8 as sent; a string with a lone surrogate (valid JSON as an
+    escape, not encodable as UTF-8) makes the whole body ASCII with escapes instead."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
 def sse_event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
@@ -176,10 +185,7 @@ class Proxy:
                         if len(raw) + len(chunk) > limit:
                             return self._refuse("too_large", self._too_large())
                         if not self.budget.take(len(chunk)):
-                            return self._refuse("overloaded", json_error(
-                                503, "the gateway holds as many request bodies as it may "
-                                f"(--max-buffered-bytes {self.cfg.max_buffered_bytes}); retry later",
-                                "gateway_overloaded", headers={"Retry-After": str(self.cfg.retry_after)}), close=True)
+                            return self._refuse("overloaded", self._overloaded(), close=True)
                         raw += chunk
             except TimeoutError:
                 return self._refuse("invalid_request", json_error(
@@ -188,6 +194,11 @@ class Proxy:
             return await self._route(request, raw, auth)
         finally:
             self.budget.give(len(raw))
+
+    def _overloaded(self) -> web.Response:
+        return json_error(503, "the gateway holds as many request bodies as it may "
+                          f"(--max-buffered-bytes {self.cfg.max_buffered_bytes}); retry later",
+                          "gateway_overloaded", headers={"Retry-After": str(self.cfg.retry_after)})
 
     def _too_large(self) -> web.Response:
         return json_error(413, f"request body is larger than {self.cfg.max_body_bytes} bytes (--max-body-bytes)",
@@ -219,31 +230,45 @@ class Proxy:
         ep = self.registry.by_model(model)
         if ep is None:
             # Only the models this caller may use: the list must not reveal key-protected endpoints.
-            visible = [e.model for e in self.registry.models() if self.keys.check(e.key, e.model, auth) is None]
+            visible = [n for n, e in self.registry.names() if self.keys.check(e.key, n, auth) is None]
             served = ", ".join(visible) or "none"
             return self._refuse("model_not_found", json_error(
                 404, f"model '{model[:200]}' does not exist; models available to you: {served}",
                 "model_not_found", "model"), close=False)
-        denied = self.keys.check(ep.key, ep.model, auth)
+        # Keys by model name are keys for the name the client sent: a key for `<namespace>/<name>` opens
+        # that namespace's endpoint only.
+        denied = self.keys.check(ep.key, model, auth)
         if denied:
             self.metrics.finished(ep.key, "unauthorized")
             return json_error(401, denied, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         key = routing_key(body, self.cfg.prefix_chars) if self.cfg.routing == "prefix" else None
-        exchange = Exchange(self, request, ep, raw, body.get("stream") is True, key)
-        del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
-        return await exchange.run()
+        stream = body.get("stream") is True
+        if model == ep.model:
+            del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
+            return await Exchange(self, request, ep, raw, stream, key).run()
+        # The engine answers to its served name only: the name the client sent (`<namespace>/<name>`) is
+        # replaced before the request goes on. The answer's `model` is then the served name.
+        body["model"] = ep.model
+        forwarded = encode_body(body)
+        del body
+        if not self.budget.take(len(forwarded)):
+            return self._refuse("overloaded", self._overloaded(), close=False)
+        try:
+            return await Exchange(self, request, ep, forwarded, stream, key).run()
+        finally:
+            self.budget.give(len(forwarded))
 
     async def models(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization")
         data = []
-        for ep in self.registry.models():
-            if self.keys.check(ep.key, ep.model, auth) is not None:
-                continue  # a key-protected endpoint this caller cannot use
-            want = request.match_info.get("model")
-            if want is not None and want != ep.model:
+        want = request.match_info.get("model")
+        for name, ep in self.registry.names():
+            if want is not None and want != name:
                 continue
-            data.append({"id": ep.model, "object": "model", "created": self.started, "owned_by": "sluice",
-                         "endpoint": ep.key, "ready": bool(ep.candidates()[0])})
+            if self.keys.check(ep.key, name, auth) is not None:
+                continue  # a key-protected endpoint this caller cannot use
+            data.append({"id": name, "object": "model", "created": self.started, "owned_by": "sluice",
+                         "endpoint": ep.key, "served_name": ep.model, "ready": bool(ep.candidates()[0])})
         if "model" in request.match_info:
             if not data:
                 return json_error(404, f"model '{request.match_info['model']}' does not exist", "model_not_found")
@@ -258,7 +283,7 @@ class Proxy:
 class Exchange:
     """One client request: hold while nothing is ready, pick a backend, forward, maybe retry."""
 
-    def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytearray, stream: bool,
+    def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytes | bytearray, stream: bool,
                  key: str | None):
         self.p, self.request, self.ep, self.raw, self.stream, self.key = proxy, request, ep, raw, stream, key
         self.cfg = proxy.cfg

@@ -5,6 +5,12 @@ two classes of backend: serving replicas (what KEDA scales, 0..N) and standby re
 loaded, outside the serving set). Discovery says which backends exist and whether Kubernetes counts them
 ready; the gateway's own GET /ready poll says whether they answer. Only backends that pass both take
 requests.
+
+Clients name an endpoint by one of the names it claims (sluice_contract.model_names): in a cluster
+`<namespace>/<servedName>` always, the plain servedName when it is published cluster-wide or the gateway
+serves one namespace. Each name has one holder: namespaced names are claimed before plain ones (so
+`<namespace>/...` belongs to that namespace), and among claimants of one name the endpoint created first
+keeps it. The others are reported (log, `conflicts`), never merged.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from sluice_contract import SERVING, STANDBY, namespaced_model
+
 from .config import GatewayConfig
 
 log = logging.getLogger("sluice.gateway")
 
-SERVING, STANDBY = "serving", "standby"
 HEALTH_PROBE_TIMEOUT_S = 5.0
 HEALTH_TIMEOUTS_TOLERATED = 3  # probes in a row without an answer before a ready backend counts as down
 
@@ -29,9 +36,25 @@ class EndpointSpec:
     """What discovery knows about one endpoint: its model and backends (URL -> listed ready)."""
 
     key: str
-    model: str
+    model: str  # the served name: what the backends answer to
     serving: dict[str, bool] = field(default_factory=dict)
     standby: dict[str, bool] = field(default_factory=dict)
+    # The names clients may send, the endpoint's own first (default: the model alone, as locally).
+    names: tuple[str, ...] = ()
+    namespace: str | None = None  # None: not from Kubernetes (static backends)
+    created: str = ""  # creationTimestamp (RFC 3339 sorts by time): the older claimant keeps a name
+
+    def claimed(self) -> tuple[str, ...]:
+        return self.names or (self.model,)
+
+
+@dataclass(frozen=True, slots=True)
+class NameConflict:
+    """A name `endpoint` claims that `holder` already has."""
+
+    name: str
+    endpoint: str
+    holder: str
 
 
 @dataclass(eq=False, slots=True)
@@ -52,7 +75,10 @@ class Backend:
 class Endpoint:
     def __init__(self, key: str, model: str):
         self.key = key
-        self.model = model
+        self.model = model  # the served name (requests are forwarded with it)
+        self.names: tuple[str, ...] = (model,)  # what clients may send (only those it holds route here)
+        self.namespace: str | None = None
+        self.created = ""
         self.backends: dict[str, Backend] = {}
         self.removed = False
         self._changed = asyncio.Event()
@@ -91,7 +117,8 @@ class Registry:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.endpoints: dict[str, Endpoint] = {}
-        self._by_model: dict[str, Endpoint] = {}
+        self._by_name: dict[str, Endpoint] = {}  # every name a client may send -> its one holder
+        self.conflicts: list[NameConflict] = []
         self.closing = False  # shutting down: held requests are answered (503) instead of waiting on
         self._session: aiohttp.ClientSession | None = None
 
@@ -115,20 +142,31 @@ class Registry:
             await self._session.close()
 
     # -- lookups ---------------------------------------------------------------------------------------
-    def by_model(self, model: str) -> Endpoint | None:
-        return self._by_model.get(model)
+    def by_model(self, name: str) -> Endpoint | None:
+        """The endpoint a request's `model` names (one of the names it holds)."""
+        return self._by_name.get(name)
 
     def models(self) -> list[Endpoint]:
-        return [self._by_model[m] for m in sorted(self._by_model)]
+        """The endpoints reachable by some name, by key."""
+        return sorted({id(e): e for e in self._by_name.values()}.values(), key=lambda e: e.key)
 
-    def resolve_key(self, endpoint: str | None, model: str | None, fallback: str) -> str:
-        """The endpoint a KEDA ScaledObjectRef means: its `endpoint` metadata, else the endpoint serving its
-        `model`, else <namespace>/<name> of the ScaledObject."""
+    def names(self) -> list[tuple[str, Endpoint]]:
+        """(name, endpoint) for every name a client may send, sorted."""
+        return sorted(self._by_name.items(), key=lambda item: item[0])
+
+    def resolve_key(self, endpoint: str | None, model: str | None, scaled_object: str) -> str:
+        """The endpoint a KEDA ScaledObjectRef means: its `endpoint` metadata, else the endpoint in the
+        ScaledObject's namespace serving its `model`, else `scaled_object` (<namespace>/<name> of the
+        ScaledObject). A model is never resolved to another namespace's endpoint: its demand is not ours."""
         if endpoint and endpoint in self.endpoints:
             return endpoint
-        if model and model in self._by_model:
-            return self._by_model[model].key
-        return endpoint or fallback
+        namespace = scaled_object.partition("/")[0]
+        if model:
+            for name in (namespaced_model(namespace, model), model):
+                ep = self._by_name.get(name)
+                if ep is not None and ep.namespace in (None, namespace):
+                    return ep.key
+        return endpoint or scaled_object
 
     # -- discovery updates -----------------------------------------------------------------------------
     def apply(self, specs: list[EndpointSpec]) -> None:
@@ -147,17 +185,27 @@ class Registry:
             if ep is None:
                 ep = self.endpoints[spec.key] = Endpoint(spec.key, spec.model)
                 log.info("endpoint %s (model %r) added", spec.key, spec.model)
-            ep.model = spec.model
+            ep.model, ep.names, ep.namespace, ep.created = spec.model, spec.claimed(), spec.namespace, spec.created
             if self._sync_backends(ep, spec):
                 ep.notify()
-        self._by_model = {}
-        for key in sorted(self.endpoints):
-            ep = self.endpoints[key]
-            if ep.model in self._by_model:
-                log.warning("model %r is served by endpoints %s and %s; routing it to %s", ep.model,
-                            self._by_model[ep.model].key, key, self._by_model[ep.model].key)
-                continue
-            self._by_model[ep.model] = ep
+        self._claim_names()
+
+    def _claim_names(self) -> None:
+        """Give every name one holder: the endpoints' own (first) names before their cluster-wide ones, and
+        the endpoint created first before later ones. Conflicts are logged when they appear."""
+        by_name: dict[str, Endpoint] = {}
+        conflicts: list[NameConflict] = []
+        order = sorted(self.endpoints.values(), key=lambda e: (e.created, e.key))
+        for names_of in (lambda e: e.names[:1], lambda e: e.names[1:]):
+            for ep in order:
+                for name in names_of(ep):
+                    holder = by_name.setdefault(name, ep)
+                    if holder is not ep:
+                        conflicts.append(NameConflict(name, ep.key, holder.key))
+        for c in set(conflicts) - set(self.conflicts):
+            log.warning("model name %r: endpoint %s claims it, but %s holds it (created first); %s is not "
+                        "reachable by that name", c.name, c.endpoint, c.holder, c.endpoint)
+        self._by_name, self.conflicts = by_name, conflicts
 
     def _sync_backends(self, ep: Endpoint, spec: EndpointSpec) -> bool:
         listed = {**{u: (STANDBY, r) for u, r in spec.standby.items()},

@@ -12,7 +12,8 @@ The operator's ScaledObject carries an `external-push` trigger whose metadata na
 - GetMetricSpec / GetMetrics: the trigger metadata `metric` picks the count: `demand` (the default) =
   held + in-flight requests, `queue` = held requests only (waiting, the unit of an endpoint's
   targetQueueDepth, which the operator renders). Its target per replica is the trigger's `targetValue`,
-  else --scaler-target; the HPA scales on it.
+  else --scaler-target; the HPA scales on it. Counts are summed over every gateway replica (demand.py,
+  peers.py): KEDA reaches one of them only.
 
 Hardening (it listens inside the cluster; the chart's NetworkPolicy lets only KEDA reach it):
 - Only endpoints discovery listed have demand. A ref naming another endpoint is inactive with demand 0 and
@@ -37,6 +38,8 @@ import math
 
 import grpc
 
+from sluice_contract import SCALER_METRIC_NAME
+
 from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
 from .auth import ScalerToken, bearer
@@ -45,12 +48,12 @@ from .registry import Registry
 from .scaler_tls import ScalerTLS
 
 log = logging.getLogger("sluice.gateway")
-METRIC_NAME = "sluice-gateway-demand"
+METRIC_NAME = SCALER_METRIC_NAME
 QUEUE_METRIC_NAME = "sluice-gateway-queue"
-# trigger metadata `metric` -> (metric name, the count of a Demand it reports)
+# trigger metadata `metric` -> (metric name, the count it reports from (held, in-flight))
 METRICS = {
-    "demand": (METRIC_NAME, lambda d: d.held + d.inflight),
-    "queue": (QUEUE_METRIC_NAME, lambda d: d.held),
+    "demand": (METRIC_NAME, lambda held, inflight: held + inflight),
+    "queue": (QUEUE_METRIC_NAME, lambda held, inflight: held),
 }
 TOKEN_METADATA = "scalerToken"
 EXTRA_CALLS = 64  # concurrent unary calls beyond the stream bound
@@ -82,10 +85,12 @@ class ExternalScaler(pb_grpc.ExternalScalerServicer):
         return self.registry.resolve_key(meta.get("endpoint"), meta.get("model"), f"{ref.namespace}/{ref.name}")
 
     def _demand(self, key: str, metric: str = "demand") -> tuple[bool, int]:
-        """(active, count) of a served endpoint; an endpoint this gateway does not serve has none (and gets
-        no entry)."""
-        d = self.demand.get(key) if key in self.registry.endpoints else None
-        return (d.active, METRICS[metric][1](d)) if d is not None else (False, 0)
+        """(active, count) of a served endpoint, summed over every gateway replica (KEDA reaches only this
+        one); an endpoint this gateway does not serve has none (and gets no entry)."""
+        if key not in self.registry.endpoints:
+            return False, 0
+        held, inflight = self.demand.totals(key)
+        return held + inflight > 0, METRICS[metric][1](held, inflight)
 
     async def _metric(self, ref: pb.ScaledObjectRef, context) -> str:
         metric = ref.scalerMetadata.get("metric") or "demand"

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice_contract import GATEWAY_BACKENDS_METRIC, GATEWAY_PENDING_METRIC, TRIGGER_ENDPOINT, TRIGGER_MODEL
+from sluice_contract import endpoint_key as contract_endpoint_key
+
 from .config import OperatorConfig
 from .meta import object_meta
 from .spec import InferenceEndpoint, Scaling, SpecError
@@ -32,8 +35,6 @@ KEDA_SUPPORTED = (f"KEDA >= {'.'.join(map(str, KEDA_MIN_VERSION))} (tested with 
 POLLING_INTERVAL_S = 15
 FAILURE_THRESHOLD = 3  # failed reads of a trigger before KEDA holds the fallback replicas
 QUEUE_METRIC = "sluice_num_requests_waiting"  # an engine metric: a contract (docs/engine-flags.md)
-GATEWAY_PENDING_METRIC = "sluice_gateway_pending_requests"  # the gateway's, labelled endpoint="<ns>/<name>"
-GATEWAY_BACKENDS_METRIC = "sluice_gateway_backends"  # the gateway's, by endpoint, role and state (ready|cold)
 # The ServiceMonitor copies the Service's sluice.dev/endpoint label onto every series under this name.
 ENDPOINT_METRIC_LABEL = "sluice_dev_endpoint"
 # The external scaler's metadata: which of the gateway's counts to report ("queue": the requests it holds,
@@ -50,7 +51,7 @@ class ScalingNeedsGateway(SpecError):
 
 def endpoint_key(ep: InferenceEndpoint) -> str:
     """How the gateway names an endpoint: in its metrics, and in the external scaler's metadata."""
-    return f"{ep.namespace}/{ep.name}"
+    return contract_endpoint_key(ep.namespace, ep.name)
 
 
 def check_scaling(ep: InferenceEndpoint, cfg: OperatorConfig) -> None:
@@ -132,8 +133,8 @@ def triggers(ep: InferenceEndpoint, cfg: OperatorConfig, scaling: Scaling) -> li
             # gateway holds for the endpoint, against the endpoint's own target (not --scaler-target).
             "metadata": {
                 "scalerAddress": cfg.gateway_scaler_address,
-                "endpoint": endpoint_key(ep),
-                "model": ep.spec.model.name,
+                TRIGGER_ENDPOINT: endpoint_key(ep),
+                TRIGGER_MODEL: ep.spec.model.name,
                 "metric": GATEWAY_METRIC,
                 "targetValue": target,
             },

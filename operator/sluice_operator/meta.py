@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+# Labels are a contract with the gateway (sluice_contract): it finds backends through the Services the operator
+# labels with the endpoint, and tells serving from standby pods by the role. Re-exported for the operator.
+from sluice_contract import ENDPOINT_LABEL as ENDPOINT_LABEL
+from sluice_contract import ROLE_LABEL as ROLE_LABEL
+from sluice_contract import SERVES_LABEL as SERVES_LABEL
+from sluice_contract import SERVING as SERVING
+from sluice_contract import STANDBY as STANDBY
+
 from .config import OperatorConfig
 from .spec import API_VERSION, KIND, InferenceEndpoint
 
-ENDPOINT_LABEL = "sluice.dev/endpoint"
-# "serving" on the autoscaled workload's pods, "standby" on the warm pool's. A contract with the gateway: it
-# finds backends through the Services below, and tells the two classes apart by this label.
-ROLE_LABEL = "sluice.dev/role"
-SERVING, STANDBY = "serving", "standby"
-SERVES_LABEL = "sluice.dev/serves"  # "true" on pods that answer HTTP (LWS workers do not)
 MANAGED_BY = "sluice-operator"
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"  # `sluice render` of an object never applied
 

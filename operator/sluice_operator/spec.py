@@ -24,14 +24,17 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+# The resource's names are the contract's (shared with the gateway); re-exported for the operator's modules.
+from sluice_contract import API_VERSION as API_VERSION
+from sluice_contract import GROUP as GROUP
+from sluice_contract import KIND as KIND
+from sluice_contract import NAME_SCOPE_CLUSTER, NAME_SCOPE_NAMESPACE, served_name
+from sluice_contract import PLURAL as PLURAL
+from sluice_contract import VERSION as VERSION
+
 from .config import ENGINE_IMAGE
 from .engine_flags import OPERATOR_OWNED_FLAGS, PASSTHROUGH_FLAGS, ArgValue, check_arg
 
-GROUP = "sluice.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceEndpoint"
-PLURAL = "inferenceendpoints"
 SINGULAR = "inferenceendpoint"
 SHORT_NAMES = ["ie"]
 
@@ -121,7 +124,13 @@ class ModelSource(_Object):
         "read-only) or s3://<bucket>/<prefix> (fetched by an init container)."))
     revision: str | None = Field(None, max_length=256, description="Hub revision (branch, tag or commit); hf:// only.")
     served_name: str | None = Field(None, max_length=256, description=(
-        "The model name clients send. Default: the last path component of uri."))
+        "The model name the engine answers to. Default: the last path component of uri. Through the gateway "
+        "clients send `<namespace>/<servedName>` (see nameScope)."))
+    name_scope: Literal["Namespace", "Cluster"] = Field(NAME_SCOPE_NAMESPACE, description=(
+        "Where the gateway publishes the served name. Namespace: clients send `<namespace>/<servedName>`, "
+        "and the plain servedName works only when the gateway serves this one namespace. Cluster: the plain "
+        "servedName works from everywhere too; if two endpoints claim the same cluster-wide name, the one "
+        "created first keeps it and the gateway reports the other (docs/gateway.md, model names)."))
     credentials_secret_ref: SecretRef | None = Field(None, description=(
         "A Secret whose keys become environment variables of the fetch and engine containers, e.g. HF_TOKEN "
         "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."))
@@ -138,7 +147,11 @@ class ModelSource(_Object):
 
     @property
     def name(self) -> str:
-        return self.served_name or self.location.rstrip("/").rsplit("/", 1)[-1]
+        return served_name(self.served_name, self.uri)
+
+    @property
+    def cluster_wide(self) -> bool:
+        return self.name_scope == NAME_SCOPE_CLUSTER
 
 
 # -- engine ---------------------------------------------------------------------------------------------
