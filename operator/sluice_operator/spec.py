@@ -413,11 +413,14 @@ class EndpointSpec(_Object):
 # -- status ---------------------------------------------------------------------------------------------
 class Condition(_Object):
     type: str = Field(max_length=316, description=(
-        "Ready, ModelReady, Scheduled, Progressing, Degraded, and with scaling AutoscalerReady, "
-        "AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
+        "Ready, ModelReady, Scheduled, Progressing, Degraded, Reconciled (False with NameConflict or ApplyFailed "
+        "when an object could not be applied), and with scaling AutoscalerReady, AutoscalerActive and "
+        "AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
     status: Literal["True", "False", "Unknown"]
     reason: str | None = Field(None, max_length=1024, description=(
-        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, or KEDA's own."))
+        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, NameConflict (an object of "
+        "that name exists and is not the endpoint's: it is left untouched), ApplyFailed (the API server refused "
+        "an object; the message is its own), or KEDA's own."))
     message: str | None = Field(None, max_length=32768)
     last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     observed_generation: int | None = Field(None, ge=0)
@@ -436,7 +439,8 @@ class EndpointStatus(_Object):
     phase: Literal["Pending", "Loading", "Ready", "Idle", "Degraded", "Failed"] | None = Field(
         None, description="Pending: no serving pod runs yet (InsufficientCapacity: none can be scheduled). "
                           "Loading: pods run, the model loads. Ready: at least one replica serves. Idle: scaled "
-                          "to zero. Degraded: serving, with a workload failure. Failed: nothing serves.")
+                          "to zero. Degraded: serving, with a workload failure or an object the API server "
+                          "refused. Failed: nothing serves, or an object's name is taken (NameConflict).")
     url: str | None = Field(None, description=(
         "OpenAI-compatible base URL inside the cluster: the gateway's for an autoscaled endpoint (it holds "
         "requests while replicas start), else the endpoint's Service."))
