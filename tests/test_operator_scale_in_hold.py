@@ -29,6 +29,8 @@ def test_which_pods_hold() -> None:
     assert replicas_to_hold([pod(waiting="CrashLoopBackOff")]) is None
     assert replicas_to_hold([pod(waiting="ContainerCreating")]) == 1  # still starting
     assert replicas_to_hold([pod(terminating=True), pod(phase="Failed")]) is None
+    # A rollout's surge pod (maxSurge 1: 2 ready + 1 new for 2 replicas) is not a replica to keep.
+    assert replicas_to_hold([pod(ready=True), pod(ready=True), pod()], current=2) == 2
 
 
 def test_hold_raises_the_minimum_within_the_maximum() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
-from .children import Problem, apply_children, owned_by
+from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
 from .reconcile import reconcile
@@ -101,8 +101,11 @@ class Loop:
                 status = invalid_status(meta.get("generation"), str(e), previous, _now())
                 await self._write_status(api, body, key, status, previous, logger)
                 raise InvalidEndpoint(str(e)) from None
+            manifests = reconcile(ep, self.cfg)
             pods = await self._serving_pods(api, ep, logger)
-            manifests = hold_scale_in(ep, reconcile(ep, self.cfg), replicas_to_hold(pods or []))
+            if ep.spec.scaling is not None and pods:
+                hold = replicas_to_hold(pods, await self._current_replicas(api, ep, manifests))
+                manifests = hold_scale_in(ep, manifests, hold)
             if apply:
                 # Children the spec no longer produces go first: a ScaledObject is gone before the workload's
                 # fixed count is applied, so KEDA's HPA does not fight over it meanwhile.
@@ -116,6 +119,17 @@ class Loop:
             if apply and self._problems[key]:
                 raise ChildrenNotApplied("; ".join(p.message for p in self._problems[key]))
             return status
+
+    async def _current_replicas(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object]) -> int | None:
+        """The serving workload's live replica count (the autoscaler's last choice), if it is the endpoint's."""
+        m = next(m for m in manifests if m["kind"] in WORKLOAD_KINDS and m["metadata"]["name"] == ep.name)
+        try:
+            live = await api.get(kind_of(m), ep.namespace, ep.name)
+        except ApiError:
+            return None
+        if live is None or not owned_by(live, ep.metadata.uid):
+            return None
+        return (live.get("spec") or {}).get("replicas")
 
     async def _move_hold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object],
                          logger: logging.Logger | logging.LoggerAdapter) -> None:

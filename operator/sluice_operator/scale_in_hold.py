@@ -10,7 +10,7 @@ Loading a large model takes minutes of GPU time. Two things can throw that away 
   ScaledObject's creation).
 
 The hold: while any serving replica is loading, the operator raises the ScaledObject's minReplicaCount to the
-replicas that exist (ready + loading), so neither the HPA nor KEDA's scale to zero goes below them; once they
+replicas that exist (ready + loading, at most the workload's current count), so neither the HPA nor KEDA's scale to zero goes below them; once they
 are ready (or have failed), minReplicaCount returns to scaling.minReplicas and the usual scale-down delay
 applies. A replica counts as loading while its pod answers HTTP (an LWS leader), is not terminating, not
 Ready, and has not restarted or got stuck (CrashLoopBackOff, image pull): a replica that failed its load is
@@ -47,8 +47,9 @@ def _failed_load(pod: Object) -> bool:
     return False
 
 
-def replicas_to_hold(pods: list[Object]) -> int | None:
-    """Replicas the autoscaler must not go below (ready + loading), or None when none is loading."""
+def replicas_to_hold(pods: list[Object], current: int | None = None) -> int | None:
+    """Replicas the autoscaler must not go below (ready + loading, at most the workload's `current` count:
+    a rollout's surge pod is not a replica to keep), or None when none is loading."""
     ready = loading = 0
     for pod in pods:
         meta, st = pod.get("metadata") or {}, pod.get("status") or {}
@@ -60,7 +61,9 @@ def replicas_to_hold(pods: list[Object]) -> int | None:
             ready += 1
         elif not _failed_load(pod):
             loading += 1
-    return ready + loading if loading else None
+    if not loading:
+        return None
+    return ready + loading if current is None else min(ready + loading, current)
 
 
 def hold_scale_in(ep: InferenceEndpoint, manifests: list[Object], hold: int | None) -> list[Object]:
