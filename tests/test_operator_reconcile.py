@@ -387,6 +387,12 @@ def test_rollout_reaches_deployment_and_leaderworkerset():
             strategy = lambda w: w["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]  # noqa: E731
         assert strategy(before) == {"maxSurge": 0, "maxUnavailable": 1}, example  # no spare GPUs by default
         assert strategy(after) == {"maxSurge": "25%", "maxUnavailable": 0}, example
+        if after["kind"] == "Deployment":  # the API's own schemas, strictly (a percentage is int-or-string)
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(after, version, strict=True)
+        else:
+            lws = crd_schema(reference_crd("leaderworkerset.x-k8s.io_leaderworkersets.yaml"), "v1")
+            assert schema_errors(lws, after) == []
 
 
 def test_reconcile_is_pure():
