@@ -56,6 +56,14 @@ def test_defaults():
     assert scaled.scaling.target_queue_depth == 4 and scaled.scaling.scale_down_delay_seconds == 300
 
 
+@pytest.mark.parametrize("rollout", [{"maxSurge": 1, "maxUnavailable": 0}, {"maxSurge": "25%"},
+                                     {"maxUnavailable": "100%"}, {"maxSurge": 2, "maxUnavailable": "0%"}])
+def test_valid_rollouts_pass_both_validators(rollout, schema):
+    doc = with_spec(rollout=rollout)
+    parse_endpoint(doc)
+    assert api_server_errors(schema, doc) == []
+
+
 # (document, what pydantic says, what the API server says)
 INVALID = [
     pytest.param(with_spec(replicas=2, scaling={"maxReplicas": 3}),
