@@ -5,6 +5,7 @@ that every rendered command line is one the engine's own parser accepts (issue 1
 from __future__ import annotations
 
 import copy
+import json
 import re
 from typing import Any
 
@@ -146,7 +147,11 @@ def test_tp8_pp2_renders_a_leaderworkerset_of_two_serves(tmp_path, capsys):
         assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 8
         assert shm_volume(template) == {"medium": "Memory", "sizeLimit": "16Gi"}  # NCCL's shared memory
     assert 8 * lwt["size"] == lead.tensor_parallel_size * lead.pipeline_parallel_size == 16
-    assert flags(leader)["--gpu-hour-usd"] == "2.5"  # per GPU; the engine multiplies by its GPU count
+    # The price is per GPU (the engine's sluice_num_gpus counts them); it reaches the leader through the
+    # ConfigMap file the engine re-reads, so editing it rolls no group.
+    assert flags(leader)["--objectives-file"] == "/etc/sluice/objectives.json"
+    cm = next(m for m in manifests if m["kind"] == "ConfigMap")
+    assert json.loads(cm["data"]["objectives.json"])["gpu-hour-usd"] == 2.5
 
 
 def test_workers_are_probed_on_their_health_and_serve_no_api():

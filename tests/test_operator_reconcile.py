@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from typing import Any
 
@@ -217,7 +218,16 @@ def test_single_gpu_example():
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
     args = pod["containers"][0]["args"]
     flag = dict(zip(args[::2], args[1::2], strict=False))
-    assert (flag["--slo-ttft-ms"], flag["--slo-tpot-ms"], flag["--gpu-hour-usd"]) == ("500", "50", "1.2")
+    # slo and cost reach the engine through the ConfigMap (a file it re-reads), not through flags.
+    assert flag["--objectives-file"] == "/etc/sluice/objectives.json"
+    assert not {"--slo-ttft-ms", "--slo-tpot-ms", "--gpu-hour-usd"} & set(args)
+    cm = one(manifests, "ConfigMap")
+    assert json.loads(cm["data"]["objectives.json"]) == {"slo-ttft-ms": 500, "slo-tpot-ms": 50, "gpu-hour-usd": 1.2}
+    config = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert config["configMap"]["name"] == cm["metadata"]["name"]
+    assert {"key": "objectives.json", "path": "objectives.json"} in config["configMap"]["items"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "config")
+    assert mount == {"name": "config", "mountPath": "/etc/sluice", "readOnly": True}  # no subPath: updated live
     pdb = one(manifests, "PodDisruptionBudget")
     assert _selects(pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
     assert _selects(deployment["spec"]["selector"]["matchLabels"],
@@ -420,6 +430,39 @@ def test_pods_roll_when_flags_change_and_only_then():
     assert config_hash() == config_hash()
     assert config_hash() != config_hash(engine={"args": {"max-num-seqs": 64}})
     assert config_hash() == config_hash(replicas=7)
+
+
+def test_slo_and_cost_edits_leave_the_pod_template_alone():
+    """Only the ConfigMap (and rules) change: no rollout, no model reloaded on every GPU."""
+    def rendered_with(**changes: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        _, manifests = rendered("gpu-8b.yaml", **changes)
+        return workloads(manifests)[0]["spec"]["template"], one(manifests, "ConfigMap")["data"]
+
+    template, data = rendered_with()
+    for changes in ({"slo": {"ttftMs": 200, "tpotMs": 20, "target": 0.95}}, {"cost": {"gpuHourUSD": 4.5}},
+                    {"slo": None, "cost": None}):
+        edited_template, edited_data = rendered_with(**changes)
+        assert edited_template == template, changes
+        assert edited_data["objectives.json"] != data["objectives.json"], changes
+
+
+def test_rollout_reaches_deployment_and_leaderworkerset():
+    for example in ("gpu-8b.yaml", "multinode-70b.yaml"):
+        _, default = rendered(example)
+        _, surge = rendered(example, rollout={"maxSurge": "25%", "maxUnavailable": 0})
+        (before,), (after,) = workloads(default), workloads(surge)
+        if before["kind"] == "Deployment":
+            strategy = lambda w: w["spec"]["strategy"]["rollingUpdate"]  # noqa: E731
+        else:
+            strategy = lambda w: w["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]  # noqa: E731
+        assert strategy(before) == {"maxSurge": 0, "maxUnavailable": 1}, example  # no spare GPUs by default
+        assert strategy(after) == {"maxSurge": "25%", "maxUnavailable": 0}, example
+        if after["kind"] == "Deployment":  # the API's own schemas, strictly (a percentage is int-or-string)
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(after, version, strict=True)
+        else:
+            lws = crd_schema(reference_crd("leaderworkerset.x-k8s.io_leaderworkersets.yaml"), "v1")
+            assert schema_errors(lws, after) == []
 
 
 def test_reconcile_is_pure():

@@ -50,9 +50,18 @@ def test_defaults():
     assert s.engine.dtype == "auto" and s.engine.args == {}
     assert s.model.cache.type == "emptyDir" and s.model.name == "model"
     assert s.startup_grace_seconds == 600
+    assert (s.rollout.max_surge, s.rollout.max_unavailable) == (0, 1)  # no spare GPUs for a rollout
     scaled = parse_endpoint(with_spec(scaling={"maxReplicas": 3})).spec
     assert scaled.fixed_replicas is None and scaled.scaling.min_replicas == 1
     assert scaled.scaling.target_queue_depth == 4 and scaled.scaling.scale_down_delay_seconds == 300
+
+
+@pytest.mark.parametrize("rollout", [{"maxSurge": 1, "maxUnavailable": 0}, {"maxSurge": "25%"},
+                                     {"maxUnavailable": "100%"}, {"maxSurge": 2, "maxUnavailable": "0%"}])
+def test_valid_rollouts_pass_both_validators(rollout, schema):
+    doc = with_spec(rollout=rollout)
+    parse_endpoint(doc)
+    assert api_server_errors(schema, doc) == []
 
 
 # (document, what pydantic says, what the API server says)
@@ -125,6 +134,14 @@ INVALID = [
                  "quote it", "is not valid under any of the given schemas", id="unquoted-switch"),
     pytest.param(with_spec(engine={"dtype": "fp8"}), "spec.engine.dtype: Input should be 'auto'",
                  "'fp8' is not one of", id="bad-dtype"),
+    pytest.param(with_spec(rollout={"maxSurge": 0, "maxUnavailable": "0%"}),
+                 "spec.rollout: rollout.maxSurge and rollout.maxUnavailable must not both be 0",
+                 "rollout.maxSurge and rollout.maxUnavailable must not both be 0", id="rollout-stuck"),
+    pytest.param(with_spec(rollout={"maxSurge": "1"}), "rollout.maxSurge must be a count >= 0 or a percentage",
+                 "rollout.maxSurge must be a count >= 0 or a percentage", id="rollout-string-count"),
+    pytest.param(with_spec(rollout={"maxUnavailable": -1}),
+                 "rollout.maxUnavailable must be a count >= 0 or a percentage",
+                 "rollout.maxUnavailable must be a count >= 0 or a percentage", id="rollout-negative"),
     pytest.param(with_spec(replicass=2), "spec.replicass: Extra inputs are not permitted",
                  "Additional properties are not allowed ('replicass' was unexpected)", id="unknown-field"),
     pytest.param({**BASE, "spec": {}}, "spec.model: Field required", "'model' is a required property",

@@ -13,6 +13,7 @@ import yaml
 from operator_schemas import CRD_FILE, crd_schema, schema_errors
 
 from sluice_operator.apply import event_manifest
+from sluice_operator.children import Problem
 from sluice_operator.config import ENGINE_IMAGE, ENV, OperatorConfig
 from sluice_operator.render import render_text
 from sluice_operator.spec import parse_endpoint
@@ -278,3 +279,32 @@ def test_render_reads_the_operator_environment(monkeypatch):
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/engine:dev"
     so = next(m for m in manifests if m["kind"] == "ScaledObject")
     assert [t["type"] for t in so["spec"]["triggers"]] == ["prometheus"]
+
+
+def test_apply_problems() -> None:
+    failed = Problem("ApplyFailed", "PrometheusRule", "qwen", "PrometheusRule qwen: admission webhook denied it")
+    conflict = Problem("NameConflict", "Service", "qwen", "Service team-a/qwen already exists, ...")
+    # Still serving: Degraded, and Ready stays True (clients are answered), with the reason in Degraded.
+    st = endpoint_status(ep(), serving=deploy(2, readyReplicas=2), problems=[failed], now=NOW)
+    assert st["phase"] == "Degraded"
+    assert _cond(st, "Ready")["status"] == "True"
+    assert (_cond(st, "Degraded")["status"], _cond(st, "Degraded")["reason"]) == ("True", "ApplyFailed")
+    assert (_cond(st, "Reconciled")["status"], _cond(st, "Reconciled")["message"]) == ("False", failed.message)
+    # Nothing serves: Failed, with the API server's message in Ready.
+    st = endpoint_status(ep(), serving=None, problems=[failed], now=NOW)
+    assert (st["phase"], _cond(st, "Ready")["reason"], _cond(st, "Ready")["message"]) == (
+        "Failed", "ApplyFailed", failed.message)
+    # A name conflict fails the endpoint even while replicas serve: a person must act.
+    st = endpoint_status(ep(), serving=deploy(2, readyReplicas=2), problems=[failed, conflict], now=NOW)
+    assert (st["phase"], _cond(st, "Ready")["status"], _cond(st, "Ready")["reason"]) == ("Failed", "False",
+                                                                                         "NameConflict")
+    assert _cond(st, "Reconciled")["reason"] == "NameConflict"
+    assert schema_errors(STATUS_SCHEMA, st) == []
+    events = transitions(None, st)
+    assert ("Warning", "NameConflict") in [(e.type, e.reason) for e in events]
+    clean = endpoint_status(ep(), serving=deploy(2, readyReplicas=2), now=NOW)
+    assert (_cond(clean, "Reconciled")["status"], _cond(clean, "Reconciled")["reason"]) == ("True", "Applied")
+
+
+def _cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == type_)

@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     obs.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token objective")
     obs.add_argument("--gpu-hour-usd", type=float, default=None,
                      help="price of one GPU-hour, exported so Prometheus can compute cost per token")
+    obs.add_argument("--objectives-file", default=None, metavar="PATH",
+                     help='JSON {"slo-ttft-ms", "slo-tpot-ms", "gpu-hour-usd"} replacing the three flags above, '
+                          "re-read while running (the operator mounts it from the endpoint's ConfigMap)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                       help="propose draft tokens and verify them in one forward (default: off; --draft-model "

@@ -71,6 +71,8 @@ class EngineConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     gpu_hour_usd: float | None = None
+    # A JSON file whose values replace the three above, re-read at every metrics scrape (objectives.py).
+    objectives_file: str | None = None
     attention_backend: str = "auto"  # auto | cpu | torch | triton
     seed: int = 0
     # Speculative decoding (None: off). See spec_decode/proposer.py.

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .config import EngineConfig
+from .objectives import Objectives, ObjectivesFile
 
 # Buckets (upper bounds, seconds or tokens). vLLM's (vllm/v1/metrics/loggers.py), with finer low ends
 # where a small model on a GPU would otherwise land everything in the first bucket.
@@ -106,6 +107,13 @@ class EngineMetrics:
             num_gpus=num_gpus,
         )
 
+    def set_objectives(self, o: Objectives) -> None:
+        """New objectives and price (--objectives-file); requests completing from now on are judged by them.
+        Plain attribute stores: the engine thread reads each whole, old or new."""
+        self.slo_ttft = None if o.slo_ttft_ms is None else o.slo_ttft_ms * 1e-3
+        self.slo_tpot = None if o.slo_tpot_ms is None else o.slo_tpot_ms * 1e-3
+        self.gpu_hour_usd = o.gpu_hour_usd or 0.0
+
     # -- from the engine ---------------------------------------------------------------------
     def on_step(self, scheduled: list, preempted: list, started: float) -> None:
         """After a step's outputs are built: `scheduled` holds the step's (request, tokens computed),
@@ -170,10 +178,15 @@ class _EngineCollector:
     def __init__(self, engine, async_engine=None):
         self.engine = engine
         self.async_engine = async_engine
+        path = getattr(engine.cfg, "objectives_file", None)
+        self.objectives = ObjectivesFile(path) if path else None
 
     def collect(self):
         e = self.engine
         m: EngineMetrics = e.metrics
+        # Objectives edited while the engine runs (a ConfigMap update) take effect from this scrape on.
+        if self.objectives is not None and (o := self.objectives.changed()) is not None:
+            m.set_objectives(o)
         names = ["model_name"]
         values = [e.served_model_name]
         if e.cfg.endpoint_label:

@@ -68,6 +68,7 @@ class ApiError(Exception):
     def __init__(self, status: int, method: str, path: str, message: str):
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
         self.status = status
+        self.message = message  # the API server's own words (Status.message)
 
 
 class KubeApi:
@@ -116,22 +117,15 @@ class KubeApi:
         return json.loads(text) if text else {}
 
     # -- children ---------------------------------------------------------------------------------
-    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply (force, one field manager); returns the live object."""
+    async def apply(self, manifest: dict[str, Any], *, field_manager: str = FIELD_MANAGER,
+                    force: bool = True) -> dict[str, Any]:
+        """Server-side apply (creates a missing object); returns the live object. `force` takes over fields
+        other managers own; without it the API server answers 409 for them."""
         kind, meta = kind_of(manifest), manifest["metadata"]
         base = collection_path(kind.api_version, kind.plural, meta["namespace"])
-        try:
-            return await self._request("PATCH", f"{base}/{meta['name']}", body=manifest,
-                                       params={"fieldManager": FIELD_MANAGER, "force": "true"},
-                                       content_type=APPLY_CONTENT_TYPE)
-        except ApiError as e:
-            if e.status != 404:
-                raise
-        # NOTE: a real API server's apply creates a missing object and never answers 404 for it; a 404
-        # there means the resource type or the namespace is missing, and this POST gets 404 as well. In-memory
-        # emulators (kmock) answer 404 to a PATCH of a missing object, and treat any PATCH as a JSON merge
-        # (fields this manager dropped are not removed): this create is the fallback for them.
-        return await self._request("POST", base, body=manifest, params={"fieldManager": FIELD_MANAGER})
+        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        return await self._request("PATCH", f"{base}/{meta['name']}", body=manifest, params=params,
+                                   content_type=APPLY_CONTENT_TYPE)
 
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         try:

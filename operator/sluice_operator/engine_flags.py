@@ -18,6 +18,7 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "slo-ttft-ms": "slo.ttftMs",
     "slo-tpot-ms": "slo.tpotMs",
     "gpu-hour-usd": "cost.gpuHourUSD",
+    "objectives-file": "slo and cost (the ConfigMap's objectives.json, re-read while the engine runs)",
     "tensor-parallel-size": "parallelism.tensor",
     "pipeline-parallel-size": "parallelism.pipeline",
     # A multi-node replica's rendezvous: from the layout and the env LeaderWorkerSet injects into each pod.

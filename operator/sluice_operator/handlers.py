@@ -28,10 +28,12 @@ from typing import Any
 import kopf
 
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
+from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
 from .operator_metrics import OperatorMetrics
 from .reconcile import reconcile
+from .scale_in_hold import hold_scale_in, replicas_to_hold
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
 from .status import changed, endpoint_status, invalid_status, transitions
 from .workload import LWS_API_VERSION
@@ -58,9 +60,8 @@ def _plain(body: Any) -> Object:
     return json.loads(json.dumps(body, default=dict))
 
 
-def _owned_by(obj: Object, uid: str) -> bool:
-    refs = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(r.get("controller") and r.get("uid") == uid for r in refs)
+class ChildrenNotApplied(Exception):
+    """Some children could not be applied; the endpoint's status says which and why."""
 
 
 @dataclass
@@ -69,8 +70,10 @@ class Loop:
     credentials: kopf.ConnectionInfo | None = None  # set by the login handler
     resync_task: asyncio.Task[None] | None = None
     _locks: defaultdict[tuple[str, str], asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
-    # Per endpoint: the kinds its last apply found the cluster does not serve (their CRD is not installed).
+    # Per endpoint, from its last applying pass: the kinds the cluster does not serve (their CRD is not
+    # installed), and the children that could not be applied. Passes that only fold status keep reporting them.
     _missing: dict[tuple[str, str], frozenset[str]] = field(default_factory=dict)
+    _problems: dict[tuple[str, str], tuple[Problem, ...]] = field(default_factory=dict)
     _pods_unreadable: bool = False  # logged once: without RBAC for pods, Scheduled stays Unknown
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
@@ -82,7 +85,8 @@ class Loop:
     async def converge(self, api: KubeApi, body: Any, logger: logging.Logger | logging.LoggerAdapter,
                        apply: bool = True) -> Object:
         """One pass; returns the status written ({} if the endpoint is gone). `apply=False` only folds the
-        children's status."""
+        children's status (and moves the scale-in hold). Raises ChildrenNotApplied, after writing the status,
+        when a child could not be applied."""
         meta = _plain(body)["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         started, result = time.monotonic(), "error"
@@ -118,28 +122,47 @@ class Loop:
                 status = invalid_status(meta.get("generation"), str(e), previous, _now(), reason=e.reason)
                 await self._write_status(api, body, key, status, previous, logger)
                 raise InvalidEndpoint(str(e)) from None
+            pods = await self._serving_pods(api, ep, logger)
+            if ep.spec.scaling is not None and pods:
+                hold = replicas_to_hold(pods, await self._current_replicas(api, ep, manifests))
+                manifests = hold_scale_in(ep, manifests, hold)
             if apply:
-                self._missing[key] = await self._apply(api, manifests, logger)
+                # Children the spec no longer produces go first: a ScaledObject is gone before the workload's
+                # fixed count is applied, so KEDA's HPA does not fight over it meanwhile.
                 await self._prune(api, ep, manifests, logger)
-            status = await self._fold(api, ep, manifests, previous, self._missing.get(key, frozenset()), logger)
+                applied = await apply_children(api, ep.metadata.uid, manifests, logger)
+                self._missing[key], self._problems[key] = frozenset(applied.missing), tuple(applied.problems)
+            else:
+                await self._move_hold(api, ep, manifests, logger)
+            status = await self._fold(api, ep, manifests, previous, pods, key, logger)
             await self._write_status(api, body, key, status, previous, logger)
+            if apply and self._problems[key]:
+                raise ChildrenNotApplied("; ".join(p.message for p in self._problems[key]))
             return status
 
-    async def _apply(self, api: KubeApi, manifests: list[Object],
-                     logger: logging.Logger | logging.LoggerAdapter) -> frozenset[str]:
-        """Apply every child; returns the optional kinds the cluster does not serve (those are skipped)."""
-        missing = set()
-        for manifest in manifests:
-            try:
-                await api.apply(manifest)
-            except ApiError as e:
-                # A real API server answers 404 to an apply only when the resource type is unknown.
-                if e.status != 404 or not kind_of(manifest).optional:
-                    raise
-                logger.warning("skipping %s %s: the cluster does not serve %s (its CRD is not installed)",
-                               manifest["kind"], manifest["metadata"]["name"], manifest["apiVersion"])
-                missing.add(manifest["kind"])
-        return frozenset(missing)
+    async def _current_replicas(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object]) -> int | None:
+        """The serving workload's live replica count (the autoscaler's last choice), if it is the endpoint's."""
+        m = next(m for m in manifests if m["kind"] in WORKLOAD_KINDS and m["metadata"]["name"] == ep.name)
+        try:
+            live = await api.get(kind_of(m), ep.namespace, ep.name)
+        except ApiError:
+            return None
+        if live is None or not owned_by(live, ep.metadata.uid):
+            return None
+        return (live.get("spec") or {}).get("replicas")
+
+    async def _move_hold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object],
+                         logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Apply the ScaledObject alone when the scale-in hold moved (a replica started or finished loading)."""
+        so = next((m for m in manifests if m["kind"] == "ScaledObject"), None)
+        if so is None or "ScaledObject" in self._missing.get((ep.namespace, ep.name), frozenset()):
+            return
+        live = await api.get(kind_of(so), ep.namespace, so["metadata"]["name"])
+        if live is None or not owned_by(live, ep.metadata.uid):
+            return  # not applied yet, or someone else's: the next applying pass decides
+        if (live.get("spec") or {}).get("minReplicaCount") != so["spec"]["minReplicaCount"]:
+            logger.info("scale-in hold: minReplicaCount %s", so["spec"]["minReplicaCount"])
+            await apply_children(api, ep.metadata.uid, [so], logger)
 
     async def _prune(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object],
                      logger: logging.Logger | logging.LoggerAdapter) -> None:
@@ -150,23 +173,30 @@ class Loop:
         for kind in CHILD_KINDS:
             for obj in await api.list(kind, ep.namespace, {ENDPOINT_LABEL: ep.name}) or []:
                 name = obj["metadata"]["name"]
-                if (kind.api_version, kind.kind, name) not in wanted and _owned_by(obj, ep.metadata.uid):
+                if (kind.api_version, kind.kind, name) not in wanted and owned_by(obj, ep.metadata.uid):
                     logger.info("pruning %s %s: the spec no longer produces it", kind.kind, name)
                     await api.delete(kind, ep.namespace, name)
 
     async def _fold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object], previous: Object,
-                    missing: frozenset[str], logger: logging.Logger | logging.LoggerAdapter) -> Object:
+                    pods: list[Object] | None, key: tuple[str, str],
+                    logger: logging.Logger | logging.LoggerAdapter) -> Object:
+        missing = self._missing.get(key, frozenset())
+
         async def live(name: str, kinds: tuple[str, ...]) -> Object | None:
             m = next((m for m in manifests if m["kind"] in kinds and m["metadata"]["name"] == name), None)
-            return None if m is None or m["kind"] in missing else await api.get(kind_of(m), ep.namespace, name)
+            if m is None or m["kind"] in missing:
+                return None
+            obj = await api.get(kind_of(m), ep.namespace, name)
+            # Only the endpoint's own: an object of the same name that belongs to someone else says nothing.
+            return obj if obj is not None and owned_by(obj, ep.metadata.uid) else None
 
         workloads = ("Deployment", "LeaderWorkerSet")
         serving = await live(ep.name, workloads)
         return endpoint_status(
             ep, serving=serving, standby=await live(standby_name(ep), workloads),
             scaled_object=await live(ep.name, ("ScaledObject",)),
-            pods=await self._serving_pods(api, ep, logger) if serving is not None else [],
-            missing_kinds=missing, previous=previous, now=_now(), cfg=self.cfg)
+            pods=pods if serving is not None else [], missing_kinds=missing,
+            problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg)
 
     async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
                             logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:
@@ -194,6 +224,14 @@ class Loop:
             await api.post_event(involved, event.type, event.reason, event.message, _now(), logger)
 
 
+MAX_RETRY_DELAY_S = 300.0
+
+
+def retry_delay(base_seconds: float, retry: int) -> float:
+    """Exponential backoff: base, 2 x base, 4 x base, ... at most MAX_RETRY_DELAY_S."""
+    return min(base_seconds * 2 ** min(retry, 16), MAX_RETRY_DELAY_S)
+
+
 def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: LoginFn = default_login,
                    resync_seconds: float = 60.0, retry_seconds: float = 10.0) -> kopf.OperatorRegistry:
     """All handlers, in a registry of their own (tests run several operators in one process)."""
@@ -208,19 +246,22 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
         loop.credentials = info or loop.credentials
         return info
 
-    async def converge(body: Any, logger: Any, apply: bool = True) -> None:
+    async def converge(body: Any, logger: Any, retry: int) -> None:
         try:
             async with loop.api() as api:
-                await loop.converge(api, body, logger, apply=apply)
+                await loop.converge(api, body, logger)
         except InvalidEndpoint as e:
             raise kopf.PermanentError(str(e)) from None
+        except ChildrenNotApplied as e:
+            # The status already says why; retry the pass, less often the longer it keeps failing.
+            raise kopf.TemporaryError(str(e), delay=retry_delay(retry_seconds, retry)) from None
         # Anything else (API errors, timeouts) is retried by kopf after `backoff` seconds.
 
     @kopf.on.resume(*endpoint, registry=registry, backoff=retry_seconds)
     @kopf.on.create(*endpoint, registry=registry, backoff=retry_seconds)
     @kopf.on.update(*endpoint, registry=registry, backoff=retry_seconds)
-    async def endpoint_changed(body: kopf.Body, logger: Any, **_: Any) -> None:
-        await converge(body, logger)
+    async def endpoint_changed(body: kopf.Body, logger: Any, retry: int = 0, **_: Any) -> None:
+        await converge(body, logger, retry)
 
     async def resync_forever(logger: Any) -> None:
         while True:
@@ -237,6 +278,8 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
                             await loop.converge(api, body, logger)
                         except InvalidEndpoint:
                             pass  # the status says why; the next spec change gets a fresh try
+                        except ChildrenNotApplied as e:
+                            logger.warning("resync of %s: %s", body["metadata"]["name"], e)
                         except Exception:  # one endpoint's trouble must not stop the others' resync
                             logger.exception("resync of %s failed", body["metadata"]["name"])
             except Exception:
@@ -267,8 +310,8 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
             try:
                 # A deleted child is applied again at once; anything else only moves the status.
                 await loop.converge(api, parent, logger, apply=type == "DELETED")
-            except InvalidEndpoint:
-                pass
+            except (InvalidEndpoint, ChildrenNotApplied):
+                pass  # the status says why; the endpoint's own handler or the resync retries
 
     children = {ENDPOINT_LABEL: kopf.PRESENT}
     kopf.on.event("apps", "v1", "deployments", labels=children, registry=registry)(child_event)

@@ -15,7 +15,9 @@ from .spec import InferenceEndpoint
 
 CACHE_DIR = "/models-cache"  # SLUICE_CACHE_DIR of the engine image (engine_image/Dockerfile)
 PVC_MODEL_DIR = "/models"
-CONFIG_DIR = "/etc/sluice"
+CONFIG_DIR = "/etc/sluice"  # the endpoint's ConfigMap, in the engine and fetch containers
+OBJECTIVES_KEY = "objectives.json"  # spec.slo and spec.cost, re-read by the engine (--objectives-file)
+OBJECTIVES_PATH = f"{CONFIG_DIR}/{OBJECTIVES_KEY}"
 FETCH_CONTAINER = "fetch-model"  # the init container that fills the cache (status reads it: ModelDownloading)
 
 # Mounted from the endpoint's ConfigMap and run by the engine image's Python (transformers brings
@@ -41,6 +43,7 @@ class ModelMount:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     engine_mounts: list[dict[str, Any]] = field(default_factory=list)
     init_containers: list[dict[str, Any]] = field(default_factory=list)
+    config_items: list[dict[str, str]] = field(default_factory=list)  # ConfigMap keys the fetch step reads
 
 
 def _dir_safe(text: str) -> str:
@@ -88,8 +91,8 @@ def model_mount(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[str, 
             ],
             "volumeMounts": [*common_mounts, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
         }
-        volumes = [{"name": "config", "configMap": {"name": config_map, "items": [
-            {"key": "fetch-hf.py", "path": "fetch-hf.py"}]}}]
+        volumes: list[dict[str, Any]] = []
+        config_items = [{"key": "fetch-hf.py", "path": "fetch-hf.py"}]
     else:  # s3
         target = f"{CACHE_DIR}/s3/{model.location.rstrip('/')}"
         fetch = {
@@ -99,8 +102,8 @@ def model_mount(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[str, 
             "env": [{"name": "HOME", "value": "/tmp"}],
             "volumeMounts": common_mounts,
         }
-        volumes = []
+        volumes, config_items = [], []
     if ep.spec.model.credentials_secret_ref:
         fetch["envFrom"] = credentials_env_from(ep)
     fetch["securityContext"] = security
-    return ModelMount(model_path=target, volumes=volumes, init_containers=[fetch])
+    return ModelMount(model_path=target, volumes=volumes, init_containers=[fetch], config_items=config_items)

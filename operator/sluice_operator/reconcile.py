@@ -22,7 +22,7 @@ from .meta import (
     object_meta,
     standby_name,
 )
-from .model_source import FETCH_HF_SCRIPT
+from .model_source import FETCH_HF_SCRIPT, OBJECTIVES_KEY
 from .monitoring import prometheus_rule
 from .spec import InferenceEndpoint
 from .workload import component_of, serve_args, workload
@@ -57,8 +57,16 @@ def has_warm_pool(ep: InferenceEndpoint) -> bool:
     return bool(scaling and scaling.warm_pool and scaling.warm_pool.replicas > 0)
 
 
+def objectives(ep: InferenceEndpoint) -> str:
+    """spec.slo and spec.cost as the engine's --objectives-file (every key, null when unset)."""
+    slo, cost = ep.spec.slo, ep.spec.cost
+    return json.dumps({"slo-ttft-ms": slo.ttft_ms if slo else None, "slo-tpot-ms": slo.tpot_ms if slo else None,
+                       "gpu-hour-usd": cost.gpu_hour_usd if cost else None}, sort_keys=True)
+
+
 def config_map(ep: InferenceEndpoint, name: str) -> dict[str, Any]:
-    data = {"served-model-name": ep.spec.model.name, "model-uri": ep.spec.model.uri}
+    data = {"served-model-name": ep.spec.model.name, "model-uri": ep.spec.model.uri,
+            OBJECTIVES_KEY: objectives(ep)}
     if ep.spec.model.scheme == "hf":
         data["fetch-hf.py"] = FETCH_HF_SCRIPT
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(ep, name, "config"), "data": data}
@@ -132,8 +140,9 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[
     check_scaling(ep, cfg)
     layout = layout_of(ep)
     cm = config_map(ep, f"{ep.name}-engine")
-    # Pods roll when what they read from the ConfigMap or their flags change.
-    config_hash = _hash([cm["data"], serve_args(ep, "")])
+    # Pods roll when what they read from the ConfigMap at start or their flags change; not for the objectives,
+    # which the engines re-read while they run.
+    config_hash = _hash([{k: v for k, v in cm["data"].items() if k != OBJECTIVES_KEY}, serve_args(ep, "")])
     scaling = ep.spec.scaling
     serving = workload(ep, layout, cfg, name=ep.name, role=SERVING, replicas=ep.spec.fixed_replicas,
                        config_map=cm["metadata"]["name"], config_hash=config_hash)

@@ -277,6 +277,51 @@ class Scaling(_Object):
         "max(minReplicas, 1) replicas."))
 
 
+# -- rollouts ------------------------------------------------------------------------------------------
+PERCENT_PATTERN = r"^(100|[1-9]?[0-9])%$"
+_IntOrPercent = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
+
+
+def _int_or_percent(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, str) and re.match(PERCENT_PATTERN, value) is not None
+
+
+def _valid_cel(f: str) -> str:
+    return f"type(self.{f}) == int ? self.{f} >= 0 : self.{f}.matches('{PERCENT_PATTERN}')"
+
+
+def _zero_cel(f: str) -> str:
+    return f"(type(self.{f}) == int ? self.{f} == 0 : self.{f} == '0%')"
+
+
+class Rollout(_Object):
+    """How a changed pod template replaces running replicas: the Deployment's strategy.rollingUpdate, or the
+    LeaderWorkerSet's rolloutStrategy.rollingUpdateConfiguration (counted in replicas, i.e. groups). The
+    default replaces one replica at a time and needs no spare GPUs; an endpoint with one replica is then down
+    while its new pod loads. Set maxSurge 1 and maxUnavailable 0 to keep serving at full size through a
+    rollout, if the cluster has a spare replica's worth of GPUs."""
+
+    RULES = (
+        Rule(_valid_cel("maxSurge"), "rollout.maxSurge must be a count >= 0 or a percentage such as 25%",
+             lambda r: _int_or_percent(r.max_surge), field_path=".maxSurge"),
+        Rule(_valid_cel("maxUnavailable"), "rollout.maxUnavailable must be a count >= 0 or a percentage such as 25%",
+             lambda r: _int_or_percent(r.max_unavailable), field_path=".maxUnavailable"),
+        Rule(f"!({_zero_cel('maxSurge')} && {_zero_cel('maxUnavailable')})",
+             "rollout.maxSurge and rollout.maxUnavailable must not both be 0: the rollout could not replace "
+             "any replica",
+             lambda r: not (r.max_surge in (0, "0%") and r.max_unavailable in (0, "0%"))),
+    )
+    max_surge: _IntOrPercent = Field(0, description=(
+        "Replicas created above the desired count during a rollout (a count, or a percentage of the desired "
+        "count, rounded up). Each needs its own GPUs."))
+    max_unavailable: _IntOrPercent = Field(1, description=(
+        "Replicas that may be unavailable during a rollout (a count, or a percentage, rounded down)."))
+
+
 # -- objectives, cost and pod escape hatches --------------------------------------------------------------
 class Slo(_Object):
     """Latency objectives; a request meeting both counts toward goodput."""
@@ -367,8 +412,12 @@ class EndpointSpec(_Object):
         "The longest the engine may take to load the model before its pod is restarted (the fetch init "
         "container runs before and is not counted); also the autoscaler's initial cooldown. Set it above the "
         "worst load time."))
-    slo: Slo | None = Field(None, description="Latency objectives.")
-    cost: Cost | None = Field(None, description="Cost inputs.")
+    rollout: Rollout = Field(default_factory=Rollout, description=(
+        "How a changed pod template rolls out. Default: one replica at a time, no spare GPUs (maxSurge 0, "
+        "maxUnavailable 1)."))
+    slo: Slo | None = Field(None, description=(
+        "Latency objectives. Changing them reaches the engines through the ConfigMap and restarts no pod."))
+    cost: Cost | None = Field(None, description="Cost inputs. Changing them restarts no pod.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Pod-level escape hatches.")
 
     @property
@@ -382,11 +431,14 @@ class EndpointSpec(_Object):
 # -- status ---------------------------------------------------------------------------------------------
 class Condition(_Object):
     type: str = Field(max_length=316, description=(
-        "Ready, ModelReady, Scheduled, Progressing, Degraded, and with scaling AutoscalerReady, "
-        "AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
+        "Ready, ModelReady, Scheduled, Progressing, Degraded, Reconciled (False with NameConflict or ApplyFailed "
+        "when an object could not be applied), and with scaling AutoscalerReady, AutoscalerActive and "
+        "AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
     status: Literal["True", "False", "Unknown"]
     reason: str | None = Field(None, max_length=1024, description=(
-        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, or KEDA's own."))
+        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, NameConflict (an object of "
+        "that name exists and is not the endpoint's: it is left untouched), ApplyFailed (the API server refused "
+        "an object; the message is its own), or KEDA's own."))
     message: str | None = Field(None, max_length=32768)
     last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     observed_generation: int | None = Field(None, ge=0)
@@ -405,7 +457,8 @@ class EndpointStatus(_Object):
     phase: Literal["Pending", "Loading", "Ready", "Idle", "Degraded", "Failed"] | None = Field(
         None, description="Pending: no serving pod runs yet (InsufficientCapacity: none can be scheduled). "
                           "Loading: pods run, the model loads. Ready: at least one replica serves. Idle: scaled "
-                          "to zero. Degraded: serving, with a workload failure. Failed: nothing serves.")
+                          "to zero. Degraded: serving, with a workload failure or an object the API server "
+                          "refused. Failed: nothing serves, or an object's name is taken (NameConflict).")
     url: str | None = Field(None, description=(
         "OpenAI-compatible base URL inside the cluster: the gateway's for an autoscaled endpoint (it holds "
         "requests while replicas start), else the endpoint's Service."))

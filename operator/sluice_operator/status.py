@@ -7,15 +7,19 @@ Degraded (serving, but the workload reports a failure), Failed (nothing serves a
 failure, a kind the endpoint needs is not installed, or the spec is invalid).
 
 Conditions, each with observedGeneration: Ready, ModelReady (the engines' model load, from the pods),
-Scheduled (InsufficientCapacity when serving pods cannot be placed), Progressing, Degraded, and with
+Scheduled (InsufficientCapacity when serving pods cannot be placed), Progressing, Degraded, Reconciled
+(NameConflict or ApplyFailed when a child could not be applied, with the API server's message), and with
 `scaling`: AutoscalerReady, AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .children import APPLY_FAILED, NAME_CONFLICT
+from .children import Problem as ApplyProblem
 from .config import OperatorConfig
 from .meta import serving_selector
 from .model_source import FETCH_CONTAINER
@@ -133,12 +137,15 @@ def _unschedulable_message(pods: Pods) -> str:
 # -- the status -------------------------------------------------------------------------------------------
 def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: Object | None = None,
                     scaled_object: Object | None = None, pods: list[Object] | None = None,
-                    missing_kinds: frozenset[str] | set[str] = frozenset(), previous: Object | None = None,
+                    missing_kinds: frozenset[str] | set[str] = frozenset(),
+                    problems: Sequence[ApplyProblem] = (), previous: Object | None = None,
                     now: str, cfg: OperatorConfig | None = None) -> Object:
     """The endpoint's status from its live serving workload, warm pool, KEDA ScaledObject and serving pods.
 
     `pods` None: the pods were not read (the workload's counts stand in for them; Scheduled is Unknown).
     `missing_kinds`: kinds the endpoint needs that the cluster does not serve (their CRD is not installed).
+    `problems`: children the last pass could not apply. A NameConflict fails the endpoint (its objects'
+    names are someone else's until a person acts); an ApplyFailed degrades it while replicas still serve.
     """
     cfg = cfg or OperatorConfig()
     gen, prev = ep.metadata.generation, list((previous or {}).get("conditions") or [])
@@ -148,8 +155,14 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     failure = workload_failure(serving)
     standby_ready = _count(standby, "readyReplicas")
     what = f"{ready}/{desired} replicas ready"
+    conflicts = [p for p in problems if p.reason == NAME_CONFLICT]
+    apply_failed = [p for p in problems if p.reason != NAME_CONFLICT]
 
-    if serving is None and "LeaderWorkerSet" in missing_kinds:
+    if conflicts:
+        phase, reason, message = "Failed", NAME_CONFLICT, "; ".join(p.message for p in conflicts)
+    elif apply_failed and ready == 0:
+        phase, reason, message = "Failed", APPLY_FAILED, "; ".join(p.message for p in apply_failed)
+    elif serving is None and "LeaderWorkerSet" in missing_kinds:
         phase, reason = "Failed", "LeaderWorkerSetNotInstalled"
         message = f"the cluster does not serve LeaderWorkerSets: install {PROVIDERS['LeaderWorkerSet']}"
     elif serving is None:
@@ -160,7 +173,8 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         if standby_ready:
             message += f" ({standby_ready} warm-pool pod{'s' if standby_ready != 1 else ''} ready meanwhile)"
     elif ready > 0:
-        phase, reason, message = ("Degraded" if failure and ready < desired else "Ready"), "ReplicasReady", what
+        degraded = (failure and ready < desired) or apply_failed
+        phase, reason, message = ("Degraded" if degraded else "Ready"), "ReplicasReady", what
     elif failure:
         phase, reason, message = "Failed", failure.get("reason") or failure["type"], failure.get("message") or what
     elif seen is not None and seen.unschedulable and seen.scheduled == 0:
@@ -188,10 +202,13 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         progressing = ("False", "Complete", what)
     conditions.append(condition("Progressing", *progressing, gen, prev, now))
     if failure:
-        degraded = ("True", failure.get("reason") or failure["type"], failure.get("message") or "")
+        degraded_state = ("True", failure.get("reason") or failure["type"], failure.get("message") or "")
+    elif apply_failed:
+        degraded_state = ("True", APPLY_FAILED, "; ".join(p.message for p in apply_failed))
     else:
-        degraded = ("False", "AsExpected", "")
-    conditions.append(condition("Degraded", *degraded, gen, prev, now))
+        degraded_state = ("False", "AsExpected", "")
+    conditions.append(condition("Degraded", *degraded_state, gen, prev, now))
+    conditions.append(condition("Reconciled", *_reconciled(problems), gen, prev, now))
     if ep.spec.scaling is not None:
         for keda_type, type_ in KEDA_CONDITIONS.items():
             state = _keda(scaled_object, keda_type, "ScaledObject" in missing_kinds)
@@ -208,6 +225,13 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         "selector": serving_selector(ep),
         "conditions": conditions,
     }
+
+
+def _reconciled(problems: Sequence[ApplyProblem]) -> tuple[str, str, str]:
+    if not problems:
+        return "True", "Applied", "every object of the endpoint is applied"
+    first = next((p for p in problems if p.reason == NAME_CONFLICT), problems[0])
+    return "False", first.reason, "; ".join(p.message for p in problems)
 
 
 def _model_ready(phase: str, reason: str, message: str, ready: int, desired: int) -> tuple[str, str, str]:
@@ -306,6 +330,8 @@ def transitions(old: Object | None, new: Object) -> list[Event]:
     if c := became("Scheduled", "False", ("InsufficientCapacity",)):
         events.append(Event("Warning", "InsufficientCapacity", c.get("message") or ""))
     if c := became("ModelReady", "False", STUCK_REASONS):
+        events.append(Event("Warning", c["reason"], c.get("message") or ""))
+    if c := became("Reconciled", "False"):
         events.append(Event("Warning", c["reason"], c.get("message") or ""))
     if c := became("AutoscalerFallback", "True"):
         events.append(Event("Warning", "AutoscalerFallback", c.get("message") or c.get("reason") or ""))

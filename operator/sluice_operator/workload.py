@@ -14,7 +14,15 @@ from .config import OperatorConfig
 from .engine_flags import render_args
 from .layout import Layout, ceil_div
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
-from .model_source import CACHE_DIR, cache_volume, credentials_env_from, model_mount
+from .model_source import (
+    CACHE_DIR,
+    CONFIG_DIR,
+    OBJECTIVES_KEY,
+    OBJECTIVES_PATH,
+    cache_volume,
+    credentials_env_from,
+    model_mount,
+)
 from .spec import InferenceEndpoint
 
 PORT = 8000
@@ -57,13 +65,10 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     if spec.parallelism.pipeline > 1:
         args += ["--pipeline-parallel-size", str(spec.parallelism.pipeline)]
     args += ["--host", "0.0.0.0", "--port", str(PORT)]
-    # Goodput and cost metrics (docs/engine-flags.md): the engine counts requests meeting the objectives.
-    if spec.slo and spec.slo.ttft_ms is not None:
-        args += ["--slo-ttft-ms", f"{spec.slo.ttft_ms:g}"]
-    if spec.slo and spec.slo.tpot_ms is not None:
-        args += ["--slo-tpot-ms", f"{spec.slo.tpot_ms:g}"]
-    if spec.cost and spec.cost.gpu_hour_usd is not None:
-        args += ["--gpu-hour-usd", f"{spec.cost.gpu_hour_usd:g}"]
+    # Goodput and cost metrics (docs/engine-flags.md): slo and cost come from a file of the ConfigMap that the
+    # engine re-reads while it runs, not from flags: editing them must not change the pod template (a
+    # rollout that reloads every model).
+    args += ["--objectives-file", OBJECTIVES_PATH]
     return args + render_args(spec.engine.args)
 
 
@@ -126,9 +131,13 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         {"name": "HOME", "value": "/tmp"},
         *copy.deepcopy(pod.env),
     ]
+    # The ConfigMap as a directory (never subPath): the kubelet then updates its files in place, and the
+    # engine sees new objectives without a restart.
     mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
-              *mount.engine_mounts]
-    volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(ep), *mount.volumes]
+              {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *mount.engine_mounts]
+    config_items = [{"key": OBJECTIVES_KEY, "path": OBJECTIVES_KEY}, *mount.config_items]
+    volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(ep),
+               {"name": "config", "configMap": {"name": config_map, "items": config_items}}, *mount.volumes]
     if gpu or layout.distributed:
         # NCCL, torch's CUDA IPC and the rank processes need more shared memory than the container's 64 MiB.
         # A tmpfs: what is written counts against the pod's memory; sizeLimit caps it.
@@ -192,6 +201,12 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     }
 
 
+def rolling_update(ep: InferenceEndpoint) -> dict[str, int | str]:
+    """spec.rollout, as both Deployment's rollingUpdate and LeaderWorkerSet's rollingUpdateConfiguration
+    spell it (LWS counts replicas as groups)."""
+    return {"maxSurge": ep.spec.rollout.max_surge, "maxUnavailable": ep.spec.rollout.max_unavailable}
+
+
 def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name: str, role: str,
              replicas: int | None, config_map: str, config_hash: str) -> dict[str, Any]:
     """A Deployment (one pod per replica) or a LeaderWorkerSet (a group of pods per replica).
@@ -209,7 +224,7 @@ def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name
     if not layout.multi_node:
         spec: dict[str, Any] = {
             "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, ROLE_LABEL: role}},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling_update(ep)},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": ep.spec.startup_grace_seconds + 600,
             "template": template(serves=True),
@@ -228,8 +243,7 @@ def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name
             "leaderTemplate": template(serves=True),
             "workerTemplate": template(serves=False),
         },
-        "rolloutStrategy": {"type": "RollingUpdate",
-                            "rollingUpdateConfiguration": {"maxSurge": 0, "maxUnavailable": 1}},
+        "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": rolling_update(ep)},
         # Workers start with the leader: it is Ready only once every rank has joined (LeaderReady would wait
         # forever).
         "startupPolicy": "LeaderCreated",
