@@ -7,6 +7,8 @@ kmock (by kopf's author) stores objects as plain JSON and merges every PATCH. `A
 - server-side apply (`application/apply-patch+yaml`) with field ownership in `metadata.managedFields`
   (kube_ssa.py): an apply creates a missing object, removes the fields its manager dropped, and conflicts
   with other managers unless forced; other writes take over the fields they change;
+- optimistic concurrency: a write that names a resourceVersion other than the stored one gets 409 Conflict
+  (leader election's Lease updates rely on it);
 - resource types left out, as a cluster without a CRD serves them (`absent`), and writes refused as an
   admission webhook or a validation rule would refuse them (`refuse`).
 """
@@ -90,6 +92,10 @@ class ApiServer(kmock.KubernetesEmulator):
                     data = kube_ssa.merge_patch(old, new)
                     _rewrite(request, data=data)
             elif old is not None:
+                expected = (data.get("metadata") or {}).get("resourceVersion")
+                if expected is not None and expected != (old.get("metadata") or {}).get("resourceVersion"):
+                    raise ApplyConflict(message="the object has been modified; please apply your changes to the "
+                                                "latest version and try again")
                 merged = _merged(old, data)
                 data = kube_ssa.merge_patch(old, kube_ssa.update(old, merged, manager))
                 _rewrite(request, data=data)

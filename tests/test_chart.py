@@ -62,6 +62,7 @@ MODES = {
                          "networkPolicy.engines.exceptEndpoints={public}",
                          "networkPolicy.gateway.clients[0].podSelector.matchLabels.role=client"], "all", None),
     "no-network-policy": (["networkPolicy.enabled=false", "scope=namespace"], "namespace", RELEASE_NS),
+    "single-operator": (["leaderElection.enabled=false", "replicaCount=1", "metrics.enabled=false"], "all", None),
     "gateway-ha": (["gateway.replicas=3", "gateway.podAntiAffinity=hard", "gateway.podDisruptionBudget.minAvailable=2",
                     "gateway.podDisruptionBudget.maxUnavailable=null"], "all", None),
 }
@@ -176,16 +177,23 @@ def test_deployment(rendered: dict[str, list[dict[str, Any]]], mode: str) -> Non
     _, scope, served = MODES[mode]
     (dep,) = component(rendered[mode], "Deployment", "operator")
     assert dep["metadata"]["namespace"] == RELEASE_NS
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    electing = mode != "single-operator"  # leader election and 2 replicas by default
+    assert (dep["spec"]["replicas"], dep["spec"]["strategy"]["type"]) == ((2, "RollingUpdate") if electing else (1, "Recreate"))
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     args = ["--all-namespaces"] if scope == "all" else ["--namespace", served]
+    ports = []
     if mode != "all-discovery":  # liveness on (the default): kopf's endpoint, probed by the kubelet
         args += ["--liveness", "http://0.0.0.0:8080/healthz"]
         assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-        assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+        ports.append({"name": "health", "containerPort": 8080, "protocol": "TCP"})
     else:
-        assert "livenessProbe" not in container and "ports" not in container
+        assert "livenessProbe" not in container
+    if electing:
+        args += ["--leader-election", "--metrics-port", "8081"]
+        ports.append({"name": "metrics", "containerPort": 8081, "protocol": "TCP"})
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    assert container.get("ports", []) == ports
     assert container["args"] == args
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001
@@ -310,6 +318,9 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]], mode
             assert not ({"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"]))
             if rule["apiGroups"] == ["sluice.dev"] and rule["resources"] == ["inferenceendpoints"]:
                 assert not ({"create", "update", "delete"} & set(rule["verbs"])), "the operator never writes spec"
+    # Leader election: the Lease in the release namespace, whatever the scope (test_operator_leader_election...).
+    lease_role = f"{RELEASE}-leader-election"
+    docs = [d for d in docs if not (d["kind"] in ("Role", "RoleBinding") and d["metadata"]["name"] == lease_role)]
     if scope == "namespace":
         # Namespaced: objects only in the served namespace; the gateway also reads its peers' EndpointSlices in
         # its own namespace.
@@ -737,3 +748,35 @@ def test_scaler_token_is_refused_with_the_reason(helm: tuple[str, dict[str, str]
 ])
 def test_values_schema_types_the_new_values(helm: tuple[str, dict[str, str]], value: str, where: str) -> None:
     assert where in helm_error(helm, value)
+
+
+def test_operator_leader_election_and_metrics_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The Lease's Role (only what leader.py does: get, create, patch) and the metrics Service; neither
+    without them."""
+    docs = rendered["all"]
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == RELEASE_NS
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "patch"]}]
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"].endswith("-leader-election")]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics")]
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
+    (dep,) = component(docs, "Deployment", "operator")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    single = rendered["single-operator"]
+    assert not [d for d in single if d["metadata"]["name"].endswith(("-leader-election", "-metrics"))]
+
+
+def test_operator_service_monitor_and_the_replica_guard(helm: tuple[str, dict[str, str]]) -> None:
+    text = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                    "--set", "metrics.serviceMonitor.enabled=true", "--set", "monitoring.labels.release=kps")
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor" and d["metadata"]["name"].endswith("-operator")]
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics")]
+    assert all(svc["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    refused = subprocess.run([helm[0], "template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
+                              "--set", "leaderElection.enabled=false"], env=helm[1], capture_output=True, text=True)
+    assert refused.returncode != 0 and "needs leaderElection.enabled" in refused.stderr

@@ -130,7 +130,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_operator(args: argparse.Namespace) -> int:
     from sluice_operator.main import run  # kopf is imported only when the operator runs
 
-    return run(args.namespace, resync_seconds=args.resync_seconds, liveness=args.liveness)
+    return run(args.namespace, resync_seconds=args.resync_seconds, liveness=args.liveness,
+               leader_election=args.leader_election, lease_namespace=args.lease_namespace,
+               metrics_port=args.metrics_port)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -170,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="re-apply every endpoint's objects this often (recreates deleted ones, undoes drift)")
     op.add_argument("--liveness", metavar="URL", default=None,
                     help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    op.add_argument("--leader-election", action="store_true",
+                    help="run as one of several replicas: only the holder of a coordination.k8s.io Lease reconciles")
+    op.add_argument("--lease-namespace", default=None,
+                    help="the Lease's namespace (default: $POD_NAMESPACE, else default)")
+    op.add_argument("--metrics-port", type=int, default=None,
+                    help="serve the operator's own Prometheus metrics on this port (docs/metrics.md#operator)")
     op.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     op.set_defaults(func=cmd_operator)
     from sluice_autoscaler.cli import add_gateway_args  # argparse only

@@ -165,10 +165,12 @@ class KubeApi:
         """POST: 409 (ApiError) if it exists."""
         return await self._request("POST", collection_path(kind.api_version, kind.plural, namespace), body=obj)
 
-    async def replace(self, kind: Kind, namespace: str, name: str, obj: dict[str, Any]) -> dict[str, Any]:
-        """PUT, guarded by the body's metadata.resourceVersion: 409 (ApiError) if the object changed since."""
-        return await self._request("PUT", f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}",
-                                   body=obj)
+    async def patch_if_unchanged(self, kind: Kind, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch carrying metadata.resourceVersion: the API server refuses it with 409 (ApiError)
+        if the object changed since that version (optimistic concurrency, as an update would be)."""
+        assert patch.get("metadata", {}).get("resourceVersion"), "an unguarded patch"
+        return await self._request("PATCH", f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}",
+                                   body=patch, content_type=MERGE_CONTENT_TYPE)
 
     # -- the endpoint -----------------------------------------------------------------------------
     async def list_endpoints(self, namespaces: list[str]) -> list[dict[str, Any]]:
