@@ -1,7 +1,7 @@
 """Operator-wide settings: what no single endpoint decides (images, where Prometheus and the gateway are).
 
 Defaults are the release images at this version and the chart's default install (release `sluice` in
-namespace `sluice-system`). The chart passes its values to the operator as the SLUICE_* environment
+namespace `sluice-system`), with a policy that allows what any endpoint asks for (policy.py tightens it). The chart passes its values to the operator as the SLUICE_* environment
 variables in `ENV`; `sluice render` reads the same variables, so it previews what that operator applies.
 """
 
@@ -39,18 +39,30 @@ class OperatorConfig:
     # A PrometheusRule per endpoint (monitoring.py). Off where the chart's generic rules replace them: both
     # would record the same series.
     endpoint_rules: bool = True
+    # Multi-tenancy policy (policy.py): what an endpoint's author may make the operator run. Empty lists
+    # allow anything; the operator's own images (above) are always allowed.
+    allowed_image_prefixes: tuple[str, ...] = ()  # spec.engine.image must start with one of these
+    host_path_allowed: bool = True  # hostPath volumes (model cache, pod.volumes) at all
+    host_path_prefixes: tuple[str, ...] = ()  # ... and only at or under one of these directories
+    pod_secret_refs_allowed: bool = True  # pod.env secretKeyRef and secret volumes at all
+    allowed_secrets: tuple[str, ...] = ()  # every Secret an endpoint names must be one of these
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Defaults, overridden by the SLUICE_* variables that are set (an empty one counts for the gateway)."""
         env = os.environ if env is None else env
-        changes: dict[str, str | bool] = {}
+        changes: dict[str, str | bool | tuple[str, ...]] = {}
         for field, var in ENV.items():
             value = env.get(var)
             if value is None or (value == "" and not field.startswith("gateway_")):
                 continue
             value = value.strip()
-            changes[field] = _flag(var, value) if field in BOOL_FIELDS else value
+            if field in BOOL_FIELDS:
+                changes[field] = _flag(var, value)
+            elif field in LIST_FIELDS:
+                changes[field] = tuple(item.strip() for item in value.split(",") if item.strip())
+            else:
+                changes[field] = value
         return dataclasses.replace(cls(), **changes)
 
 
@@ -71,5 +83,11 @@ ENV = {
     "gateway_scaler_address": "SLUICE_GATEWAY_SCALER_ADDRESS",
     "gateway_url": "SLUICE_GATEWAY_URL",
     "endpoint_rules": "SLUICE_ENDPOINT_RULES",
+    "allowed_image_prefixes": "SLUICE_ALLOWED_IMAGE_PREFIXES",
+    "host_path_allowed": "SLUICE_HOST_PATH_ALLOWED",
+    "host_path_prefixes": "SLUICE_HOST_PATH_PREFIXES",
+    "pod_secret_refs_allowed": "SLUICE_POD_SECRET_REFS_ALLOWED",
+    "allowed_secrets": "SLUICE_ALLOWED_SECRETS",
 }
-BOOL_FIELDS = frozenset({"endpoint_rules"})
+BOOL_FIELDS = frozenset({"endpoint_rules", "host_path_allowed", "pod_secret_refs_allowed"})
+LIST_FIELDS = frozenset({"allowed_image_prefixes", "host_path_prefixes", "allowed_secrets"})  # comma-separated

@@ -29,6 +29,7 @@ import kopf
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
+from .policy import check as check_policy
 from .reconcile import reconcile
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
 from .status import changed, endpoint_status, invalid_status, transitions
@@ -93,8 +94,9 @@ class Loop:
             previous = doc.get("status") or {}
             try:
                 ep = parse_endpoint({k: doc.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
+                check_policy(ep, self.cfg)  # a forbidden endpoint gets nothing applied, not even its ConfigMap
             except SpecError as e:
-                status = invalid_status(meta.get("generation"), str(e), previous, _now())
+                status = invalid_status(meta.get("generation"), str(e), previous, _now(), reason=e.reason)
                 await self._write_status(api, body, key, status, previous, logger)
                 raise InvalidEndpoint(str(e)) from None
             manifests = reconcile(ep, self.cfg)

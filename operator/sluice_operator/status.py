@@ -255,13 +255,15 @@ def _keda(scaled_object: Object | None, keda_type: str, missing: bool) -> tuple[
     return "Unknown", "AwaitingKeda", f"KEDA has not reported {keda_type} on the ScaledObject yet"
 
 
-def invalid_status(generation: int | None, message: str, previous: Object | None, now: str) -> Object:
-    """An endpoint the operator cannot serve as written: Failed, with the validation message."""
+def invalid_status(generation: int | None, message: str, previous: Object | None, now: str,
+                   reason: str = "InvalidSpec") -> Object:
+    """An endpoint the operator cannot serve as written: Failed, with the validation message. `reason`:
+    InvalidSpec (the spec does not validate) or PolicyViolation (the operator's policy forbids it)."""
     prev = list((previous or {}).get("conditions") or [])
     return {
         "observedGeneration": generation,
         "phase": "Failed",
-        "conditions": [condition("Ready", "False", "InvalidSpec", message, generation, prev, now)],
+        "conditions": [condition("Ready", "False", reason, message, generation, prev, now)],
     }
 
 
