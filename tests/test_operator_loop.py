@@ -92,10 +92,10 @@ def k8s(kmock: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def operator(k8s: Any, resync_seconds: float = 1.0) -> AsyncIterator[None]:
-    """kopf.operator() as a task of this event loop, logged in to the emulator."""
+async def operator(k8s: Any, resync_seconds: float = 1.0, cfg: OperatorConfig | None = None) -> AsyncIterator[None]:
+    """kopf.operator() as a task of this event loop, logged in to the emulator, with the settings `cfg`."""
     server = str(k8s.url).rstrip("/")
-    registry = build_registry(Loop(), namespaces=[NS], login=lambda **_: kopf.ConnectionInfo(server=server),
+    registry = build_registry(Loop(cfg or OperatorConfig()), namespaces=[NS], login=lambda **_: kopf.ConnectionInfo(server=server),
                               resync_seconds=resync_seconds, retry_seconds=0.5)
     settings = operator_settings()
     stop, ready = asyncio.Event(), asyncio.Event()
