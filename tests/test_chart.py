@@ -43,16 +43,18 @@ CHILD_RESOURCES = {
     "ServiceMonitor": ("monitoring.coreos.com", "servicemonitors"),
     "PrometheusRule": ("monitoring.coreos.com", "prometheusrules"),
 }
-# Server-side apply is a patch (create on first apply); watch for status and drift; delete for children
-# that a spec change makes obsolete (e.g. the ScaledObject when scaling is removed).
-CHILD_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+# What the operator does to every child (apply.py): server-side apply is a patch (and a create, the first
+# time); get reads its status; list and delete are the prune pass's (e.g. the ScaledObject when scaling is
+# removed). Never update: nothing is replaced with a PUT. Watched kinds (the handlers' watches) add watch.
+CHILD_VERBS = {"get", "list", "create", "patch", "delete"}
 
-# Named render cases: helm --set values, the mode, and the namespace served.
+# Named render cases: helm --set values, the mode, and the namespaces served (None: every namespace).
 MODES = {
     "all": ([], "all", None),
-    "namespace": (["scope=namespace", "watchNamespace=team-a"], "namespace", "team-a"),
-    "release-namespace": (["scope=namespace"], "namespace", RELEASE_NS),
-    "discovery": (["scope=namespace", "rbac.discovery=true"], "namespace", RELEASE_NS),
+    "namespace": (["scope=namespace", "watchNamespace=team-a"], "namespace", ["team-a"]),
+    "namespaces": (["scope=namespace", "watchNamespaces={team-a,team-b}"], "namespace", ["team-a", "team-b"]),
+    "release-namespace": (["scope=namespace"], "namespace", [RELEASE_NS]),
+    "discovery": (["scope=namespace", "rbac.discovery=true"], "namespace", [RELEASE_NS]),
     "all-discovery": (["rbac.discovery=true", "liveness.enabled=false"], "all", None),
     "existing-sa": (["serviceAccount.create=false", "serviceAccount.name=ops"], "all", None),
     "no-gateway": (["gateway.enabled=false"], "all", None),
@@ -61,7 +63,7 @@ MODES = {
                          "networkPolicy.engines.namespaces={team-a,team-b}",
                          "networkPolicy.engines.exceptEndpoints={public}",
                          "networkPolicy.gateway.clients[0].podSelector.matchLabels.role=client"], "all", None),
-    "no-network-policy": (["networkPolicy.enabled=false", "scope=namespace"], "namespace", RELEASE_NS),
+    "no-network-policy": (["networkPolicy.enabled=false", "scope=namespace"], "namespace", [RELEASE_NS]),
     "single-operator": (["leaderElection.enabled=false", "replicaCount=1", "metrics.enabled=false"], "all", None),
     "gateway-ha": (["gateway.replicas=3", "gateway.podAntiAffinity=hard", "gateway.podDisruptionBudget.minAvailable=2",
                     "gateway.podDisruptionBudget.maxUnavailable=null"], "all", None),
@@ -181,7 +183,7 @@ def test_deployment(rendered: dict[str, list[dict[str, Any]]], mode: str) -> Non
     assert (dep["spec"]["replicas"], dep["spec"]["strategy"]["type"]) == ((2, "RollingUpdate") if electing else (1, "Recreate"))
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    args = ["--all-namespaces"] if scope == "all" else ["--namespace", served]
+    args = ["--all-namespaces"] if scope == "all" else [a for ns in served for a in ("--namespace", ns)]
     ports = []
     if mode != "all-discovery":  # liveness on (the default): kopf's endpoint, probed by the kubelet
         args += ["--liveness", "http://0.0.0.0:8080/healthz"]
@@ -263,21 +265,27 @@ def test_rbac_covers_every_child(rendered: dict[str, list[dict[str, Any]]], mode
     _, scope, served = MODES[mode]
     docs = rendered[mode]
     sa = "ops" if mode == "existing-sa" else RELEASE
-    namespace = "any-namespace" if scope == "all" else served
-    rules = granted(docs, sa, namespace)
     kinds = rendered_kinds()
     assert {"Deployment", "LeaderWorkerSet", "ScaledObject", "ServiceMonitor"} <= set(kinds), kinds
-    for kind, api_version in kinds.items():
-        assert kind in CHILD_RESOURCES, (
-            f"reconcile emits {kind} ({api_version}): add it to the chart's RBAC rules and CHILD_RESOURCES")
-        group, resource = CHILD_RESOURCES[kind]
-        assert group == (api_version.rsplit("/", 1)[0] if "/" in api_version else "")
-        missing = CHILD_VERBS - allowed(rules, group, resource)
-        assert not missing, f"{kind}: the operator may not {sorted(missing)} {resource}.{group}"
-    assert {"get", "list", "watch", "patch"} <= allowed(rules, "sluice.dev", "inferenceendpoints")
-    assert {"get", "patch", "update"} <= allowed(rules, "sluice.dev", "inferenceendpoints/status")
-    assert "update" in allowed(rules, "sluice.dev", "inferenceendpoints/finalizers")
-    assert {"create", "patch"} <= allowed(rules, "", "events")
+    watched = watched_resources()
+    for namespace in ["any-namespace"] if scope == "all" else served:
+        rules = granted(docs, sa, namespace)
+        for kind, api_version in kinds.items():
+            assert kind in CHILD_RESOURCES, (
+                f"reconcile emits {kind} ({api_version}): add it to the chart's RBAC rules and CHILD_RESOURCES")
+            group, resource = CHILD_RESOURCES[kind]
+            assert group == (api_version.rsplit("/", 1)[0] if "/" in api_version else "")
+            # Exactly what the code uses: no verb missing, none to spare.
+            expected = CHILD_VERBS | ({"watch"} if (group, resource) in watched else set())
+            assert allowed(rules, group, resource) == expected, f"{kind} in {namespace}"
+        assert allowed(rules, "sluice.dev", "inferenceendpoints") == {"get", "list", "watch", "patch"}
+        assert allowed(rules, "sluice.dev", "inferenceendpoints/status") == {"patch"}
+        assert allowed(rules, "sluice.dev", "inferenceendpoints/finalizers") == {"update"}
+        assert allowed(rules, "", "events") == {"create"}
+        assert allowed(rules, "", "pods") == {"list"}
+    if scope == "namespace":  # nothing outside the served namespaces (but rbac.discovery's cluster-wide reads)
+        elsewhere = {r for rule in granted(docs, sa, "elsewhere") for r in rule["resources"]}
+        assert elsewhere <= {"customresourcedefinitions", "namespaces"}, elsewhere
     # kopf's cluster scanning is off (the operator's settings): CRD and namespace access only on request.
     cluster = granted(docs, sa, None)
     crds = allowed(cluster, "apiextensions.k8s.io", "customresourcedefinitions")
@@ -301,6 +309,18 @@ def test_rbac_covers_every_kind_the_loop_applies(rendered: dict[str, list[dict[s
         assert CHILD_RESOURCES.get(k.kind) == (group, k.plural), f"{k}: update CHILD_RESOURCES"
         missing = CHILD_VERBS - allowed(rules, group, k.plural)
         assert not missing, f"{k.kind}: the operator may not {sorted(missing)} {k.plural}.{group}"
+    # Every watch the handlers open is granted (kopf would stall on a 403 otherwise).
+    for group, plural in watched_resources():
+        assert "watch" in allowed(rules, group, plural), f"{plural}.{group} is watched"
+
+
+def watched_resources() -> set[tuple[str, str]]:
+    """(API group, plural) of everything the operator's kopf handlers watch."""
+    from sluice_operator.handlers import Loop, build_registry
+
+    registry = build_registry(Loop())
+    handlers = [*registry._watching.get_all_handlers(), *registry._changing.get_all_handlers()]
+    return {(h.selector.group or "", h.selector.plural or h.selector.any_name) for h in handlers}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -326,11 +346,11 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]], mode
         # its own namespace.
         for role in of_kind(docs, "Role"):
             if role["metadata"]["name"] == f"{GATEWAY}-peers":
-                assert role["metadata"]["namespace"] == RELEASE_NS != served
+                assert role["metadata"]["namespace"] == RELEASE_NS and RELEASE_NS not in served
                 assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                                           "verbs": ["get", "list", "watch"]}]
                 continue
-            assert role["metadata"]["namespace"] == served
+            assert role["metadata"]["namespace"] in served
     else:
         assert not of_kind(docs, "Role") and not of_kind(docs, "RoleBinding")
     # Any ClusterRole besides the "all" scope's main ones (operator, gateway) is the read-only discovery role.
@@ -365,7 +385,7 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     # --shutdown-timeout: the pod's grace period (60 s by default) less 15 s for the rest of shutdown
     args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090", "--peer-port", "9091",
             "--peer-service", f"{GATEWAY}-peers", "--peer-namespace", RELEASE_NS, "--shutdown-timeout", "45"]
-    args += [] if scope == "all" else ["--namespace", served]
+    args += [] if scope == "all" else [a for ns in served for a in ("--namespace", ns)]
     if mode == "gateway-secrets":
         args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",
                  "--scaler-tls-cert", "/etc/sluice/scaler-tls/tls.crt",
@@ -389,7 +409,7 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     # Its own ServiceAccount, with read-only access to what it discovers backends from.
     sa = pod["serviceAccountName"]
     assert sa == GATEWAY and component(docs, "ServiceAccount", "gateway")
-    rules = granted(docs, sa, "any-namespace" if scope == "all" else served)
+    rules = granted(docs, sa, "any-namespace" if scope == "all" else served[-1])
     assert allowed(rules, "sluice.dev", "inferenceendpoints") == {"get", "list", "watch"}
     assert allowed(rules, "discovery.k8s.io", "endpointslices") == {"get", "list", "watch"}
     assert allowed(rules, "", "services") == {"get", "list", "watch"}
@@ -486,6 +506,23 @@ def test_operator_settings_reach_the_operator(helm: tuple[str, dict[str, str]]) 
     cfg = OperatorConfig.from_env(env)
     assert cfg.engine_image == "registry.local/engine:dev" and cfg.prometheus_url == "http://prom:9090"
     assert cfg.gateway_scaler_address == f"{GATEWAY}.{RELEASE_NS}.svc:9999"
+    # The multi-tenancy policy (values `policy`) becomes the operator's.
+    env = operator_env("policy.images.allowedPrefixes={registry.corp/ml/,ghcr.io/acme}", "policy.hostPath.allowed=false",
+                       "policy.hostPath.pathPrefixes={/var/lib/sluice}", "policy.secrets.podReferences=false",
+                       "policy.secrets.allowedNames={hf-token}")
+    cfg = OperatorConfig.from_env(env)
+    assert cfg.allowed_image_prefixes == ("registry.corp/ml/", "ghcr.io/acme")
+    assert (cfg.host_path_allowed, cfg.host_path_prefixes) == (False, ("/var/lib/sluice",))
+    assert (cfg.pod_secret_refs_allowed, cfg.allowed_secrets) == (False, ("hf-token",))
+
+
+@pytest.mark.parametrize("values", [["policy.hostPath.pathPrefixes={var/lib}"], ["policy.images.allowed=true"],
+                                    ["policy.secrets.allowedNames={Bad_Name}"], ["watchNamespaces={Team A}"]])
+def test_values_schema_rejects_a_bad_policy(helm: tuple[str, dict[str, str]], values: list[str]) -> None:
+    path, env = helm
+    proc = subprocess.run([path, "template", RELEASE, str(CHART), *set_args(values)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and values[0].split("=")[0].split(".")[-1].split("[")[0] in proc.stderr, proc.stderr
 
 
 def test_versions_agree() -> None:
@@ -613,7 +650,7 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], mode: str) 
         assert "from" not in rules["http"]  # clients from anywhere
     # The engines: one policy per served namespace.
     engines = component(docs, "NetworkPolicy", "engines")
-    expected = {"namespace": [served], "all": []}[scope] if mode != "gateway-secrets" else ["team-a", "team-b"]
+    expected = {"namespace": served, "all": []}[scope] if mode != "gateway-secrets" else ["team-a", "team-b"]
     assert sorted(p["metadata"]["namespace"] for p in engines) == sorted(expected)
     pods = engine_pod_templates()
     assert len(pods) >= 4

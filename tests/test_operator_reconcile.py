@@ -213,7 +213,7 @@ def test_single_gpu_example():
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert "envFrom" not in pod["containers"][0]  # model credentials reach the fetch container only
     assert pod["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}} in pod["volumes"]
     args = pod["containers"][0]["args"]

@@ -1,7 +1,7 @@
 """Operator-wide settings: what no single endpoint decides (images, where Prometheus and the gateway are).
 
 Defaults are the release images at this version and the chart's default install (release `sluice` in
-namespace `sluice-system`). The chart passes its values to the operator as the SLUICE_* environment
+namespace `sluice-system`), with a policy that allows what any endpoint asks for (policy.py tightens it). The chart passes its values to the operator as the SLUICE_* environment
 variables in `ENV`; `sluice render` reads the same variables, so it previews what that operator applies.
 """
 
@@ -64,12 +64,19 @@ class OperatorConfig:
                 if labels is self.monitoring_labels and not LABEL_VALUE.fullmatch(value):
                     raise ValueError(f"{var}: {value!r} (of {key!r}) is not a valid label value: at most 63 "
                                      "letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
+    # Multi-tenancy policy (policy.py): what an endpoint's author may make the operator run. Empty lists
+    # allow anything; the operator's own images (above) are always allowed.
+    allowed_image_prefixes: tuple[str, ...] = ()  # spec.engine.image must start with one of these
+    host_path_allowed: bool = True  # hostPath volumes (model cache, pod.volumes) at all
+    host_path_prefixes: tuple[str, ...] = ()  # ... and only at or under one of these directories
+    pod_secret_refs_allowed: bool = True  # pod.env secretKeyRef and secret volumes at all
+    allowed_secrets: tuple[str, ...] = ()  # every Secret an endpoint names must be one of these
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Defaults, overridden by the SLUICE_* variables that are set (an empty one counts for the gateway)."""
         env = os.environ if env is None else env
-        changes: dict[str, str | bool | dict[str, str]] = {}
+        changes: dict[str, str | bool | dict[str, str] | tuple[str, ...]] = {}
         for name, var in ENV.items():
             value = env.get(var)
             if value is None or (value == "" and not name.startswith("gateway_")):
@@ -79,6 +86,8 @@ class OperatorConfig:
                 changes[name] = _flag(var, value)
             elif name in MAP_FIELDS:
                 changes[name] = _string_map(var, value)
+            elif name in LIST_FIELDS:
+                changes[name] = tuple(item.strip() for item in value.split(",") if item.strip())
             else:
                 changes[name] = value
         return dataclasses.replace(cls(), **changes)
@@ -117,9 +126,15 @@ ENV = {
     "monitoring_labels": "SLUICE_MONITORING_LABELS",
     "monitoring_annotations": "SLUICE_MONITORING_ANNOTATIONS",
     "gateway_scaler_tls_secret": "SLUICE_GATEWAY_SCALER_TLS_SECRET",
+    "allowed_image_prefixes": "SLUICE_ALLOWED_IMAGE_PREFIXES",
+    "host_path_allowed": "SLUICE_HOST_PATH_ALLOWED",
+    "host_path_prefixes": "SLUICE_HOST_PATH_PREFIXES",
+    "pod_secret_refs_allowed": "SLUICE_POD_SECRET_REFS_ALLOWED",
+    "allowed_secrets": "SLUICE_ALLOWED_SECRETS",
 }
-BOOL_FIELDS = frozenset({"endpoint_rules"})
+BOOL_FIELDS = frozenset({"endpoint_rules", "host_path_allowed", "pod_secret_refs_allowed"})
 MAP_FIELDS = frozenset({"monitoring_labels", "monitoring_annotations"})
+LIST_FIELDS = frozenset({"allowed_image_prefixes", "host_path_prefixes", "allowed_secrets"})  # comma-separated
 # Kubernetes' syntax: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
 QUALIFIED_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")

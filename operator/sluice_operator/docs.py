@@ -8,11 +8,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import crd, spec
+from . import core_schemas, crd, spec
 
+# The pod fields are core/v1 types (core_schemas.py): their own fields are Kubernetes', documented there.
+_CORE_TYPED = "spec.pod."
 _CONSTRAINTS = {
     "minimum": ">= {}", "maximum": "<= {}", "minLength": "length >= {}", "maxLength": "length <= {}",
-    "maxProperties": "at most {} entries", "pattern": "matches `{}`",
+    "maxProperties": "at most {} entries", "maxItems": "at most {} items", "pattern": "matches `{}`",
 }
 
 
@@ -55,6 +57,8 @@ def _rows(node: dict[str, Any], path: str, required: bool, rows: list[str], rule
     for rule in node.get("x-kubernetes-validations", []):
         rules.append(f"| `{path}` | {_cell(rule['message'])} | `{_cell(rule['rule'])}` |")
     children = node.get("properties", {})
+    if path.startswith(_CORE_TYPED):
+        return
     if node.get("type") == "array" and "properties" in node.get("items", {}):
         children, path = node["items"]["properties"], path + "[]"
         node = node["items"]
@@ -75,6 +79,9 @@ def reference() -> str:
         "Field names are camelCase. Unknown fields are rejected (kubectl's strict field validation, and "
         "`sluice render`).",
         "Defaults apply when the enclosing object is present; the operator fills the rest the same way.",
+        f"The `spec.pod` fields named after core/v1 types are checked against those types' schemas (Kubernetes "
+        f"{core_schemas.KUBE_VERSION.rsplit('.', 1)[0]}, embedded in the CRD): their own fields are the Kubernetes "
+        "API reference's.",
         "",
     ]
     for part in ("spec", "status"):

@@ -32,6 +32,7 @@ from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
 from .operator_metrics import OperatorMetrics
+from .policy import check as check_policy
 from .reconcile import reconcile
 from .scale_in_hold import hold_scale_in, replicas_to_hold
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
@@ -117,6 +118,7 @@ class Loop:
             previous = doc.get("status") or {}
             try:
                 ep = parse_endpoint({k: doc.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
+                check_policy(ep, self.cfg)  # a forbidden endpoint gets nothing applied, not even its ConfigMap
                 manifests = reconcile(ep, self.cfg)  # may refuse what this operator's settings cannot serve
             except SpecError as e:
                 status = invalid_status(meta.get("generation"), str(e), previous, _now(), reason=e.reason)

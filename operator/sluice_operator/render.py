@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import yaml
 
 from .config import OperatorConfig
+from .policy import check as check_policy
 from .reconcile import reconcile
 from .spec import SpecError, parse_endpoint
 
@@ -22,7 +23,8 @@ def load_documents(text: str, source: str) -> list[Any]:
 
 
 def render_text(text: str, source: str = "<stdin>", cfg: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """All manifests for every InferenceEndpoint in a YAML stream; SpecError names the bad field.
+    """All manifests for every InferenceEndpoint in a YAML stream; SpecError names the bad field (PolicyViolation,
+    one the operator's policy forbids).
 
     The operator's settings come from the same SLUICE_* environment variables the chart gives the operator
     (config.ENV), so `SLUICE_ENGINE_IMAGE=... sluice render` previews that operator's objects."""
@@ -32,7 +34,7 @@ def render_text(text: str, source: str = "<stdin>", cfg: OperatorConfig | None =
         raise SpecError(f"{source}: no InferenceEndpoint found")
     manifests: list[dict[str, Any]] = []
     for doc in docs:
-        manifests += reconcile(parse_endpoint(doc), cfg)
+        manifests += reconcile(check_policy(parse_endpoint(doc), cfg), cfg)
     return manifests
 
 

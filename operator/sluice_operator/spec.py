@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -32,6 +33,7 @@ from sluice_contract import NAME_SCOPE_CLUSTER, NAME_SCOPE_NAMESPACE, served_nam
 from sluice_contract import PLURAL as PLURAL
 from sluice_contract import VERSION as VERSION
 
+from . import core_schemas
 from .config import ENGINE_IMAGE
 from .engine_flags import OPERATOR_OWNED_FLAGS, PASSTHROUGH_FLAGS, ArgValue, check_arg
 
@@ -39,7 +41,15 @@ SINGULAR = "inferenceendpoint"
 SHORT_NAMES = ["ie"]
 
 MAX_NAME_LENGTH = 40  # child names add suffixes ("-warm"), and LWS pod names add group/worker indices
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+|pvc://[a-z0-9][a-z0-9.-]*/.+|s3://[a-z0-9][a-z0-9.-]*/.*)$"
+
+# A node directory: absolute, not the root, no `..` segment (CEL has no path normalization).
+HOST_PATH_CEL = "{p}.startsWith('/') && !{p}.matches('^/+$') && !{p}.matches('(^|/)[.][.](/|$)')"
+
+
+def host_path_ok(path: str) -> bool:
+    return path.startswith("/") and path.strip("/") != "" and ".." not in path.split("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,9 @@ class ModelCache(_Object):
         Rule("self.type != 'hostPath' || has(self.path)",
              "model.cache.path is required when model.cache.type is hostPath",
              lambda c: c.type != "hostPath" or c.path is not None),
+        Rule("!has(self.path) || (" + HOST_PATH_CEL.format(p="self.path") + ")",
+             "model.cache.path must be an absolute directory other than / without '..'",
+             lambda c: c.path is None or host_path_ok(c.path), field_path=".path"),
     )
     type: Literal["emptyDir", "pvc", "hostPath"] = Field(
         "emptyDir",
@@ -132,8 +145,8 @@ class ModelSource(_Object):
         "servedName works from everywhere too; if two endpoints claim the same cluster-wide name, the one "
         "created first keeps it and the gateway reports the other (docs/gateway.md, model names)."))
     credentials_secret_ref: SecretRef | None = Field(None, description=(
-        "A Secret whose keys become environment variables of the fetch and engine containers, e.g. HF_TOKEN "
-        "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."))
+        "A Secret whose keys become environment variables of the model fetch init container only (never of "
+        "the serving container), e.g. HF_TOKEN or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."))
     cache: ModelCache = Field(default_factory=ModelCache, description="The model cache volume.")
 
     @property
@@ -339,27 +352,124 @@ class Cost(_Object):
     gpu_hour_usd: float | None = Field(None, ge=0, alias="gpuHourUSD", description="Price of one GPU-hour, USD.")
 
 
-_FreeForm = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
-_FreeFormList = Annotated[list[dict[str, Any]], WithJsonSchema(
-    {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})]
-
-
 class LocalObjectReference(_Object):
     name: str = Field(min_length=1, max_length=253)
 
 
-class PodOverrides(_Object):
-    """Pod-level settings passed through to the engine pods (validated by the API server when applied)."""
+# What the operator sets on every engine pod itself: pod.labels, pod.annotations, pod.volumes and
+# pod.volumeMounts may not take these (a test checks them against what reconcile renders).
+OPERATOR_LABEL_PREFIX = "sluice.dev/"  # the endpoint, role and serves labels; the config-hash annotation
+OPERATOR_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+                   "app.kubernetes.io/managed-by")
+OPERATOR_VOLUMES = ("model-cache", "tmp", "dshm", "model", "config")
+OPERATOR_MOUNT_PATHS = ("/models-cache", "/tmp", "/dev/shm", "/models", "/etc/sluice")
+MAX_POD_VOLUMES = 16
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
 
-    resources: _FreeForm | None = Field(None, description=(
+
+def _core(name: str, *, max_items: int | None = None, **extra: Any) -> WithJsonSchema:
+    """A core/v1 type's schema (core_schemas.py), or a list of it, as the CRD shows it."""
+    node = {**core_schemas.schema(name), **extra}
+    if max_items is not None:
+        node = {"type": "array", "maxItems": max_items, "items": node}
+    return WithJsonSchema(node)
+
+
+def _bounded_names(node: dict[str, Any]) -> dict[str, Any]:
+    # Bounds the CEL rules below need for their cost estimate (a volume name is a DNS label, a path <= PATH_MAX).
+    node["properties"]["name"]["maxLength"] = 63
+    return node
+
+
+_VOLUME = _bounded_names(core_schemas.schema("Volume"))
+_VOLUME["properties"]["hostPath"]["properties"]["path"]["maxLength"] = 4096
+_MOUNT = _bounded_names(core_schemas.schema("VolumeMount"))
+_MOUNT["properties"]["mountPath"]["maxLength"] = 4096
+_StringMap = Annotated[dict[str, str], WithJsonSchema(
+    {"type": "object", "maxProperties": 64, "additionalProperties": {"type": "string"}})]
+
+
+class PodOverrides(_Object):
+    """Pod-level settings passed through to the engine pods. Fields named after core/v1 types are checked
+    against those types' schemas (Kubernetes 1.30): a misspelt field is refused, not dropped."""
+
+    RULES = (
+        Rule(f"!has(self.labels) || self.labels.all(k, !k.startsWith('{OPERATOR_LABEL_PREFIX}') && "
+             f"!(k in {_cel_list(OPERATOR_LABELS)}))",
+             f"pod.labels must not set the operator's own labels ({OPERATOR_LABEL_PREFIX}*, "
+             + ", ".join(OPERATOR_LABELS) + "): its Services and selectors rely on them",
+             lambda p: all(not k.startswith(OPERATOR_LABEL_PREFIX) and k not in OPERATOR_LABELS for k in p.labels),
+             field_path=".labels"),
+        Rule(f"!has(self.annotations) || self.annotations.all(k, !k.startsWith('{OPERATOR_LABEL_PREFIX}'))",
+             f"pod.annotations must not set the operator's own annotations ({OPERATOR_LABEL_PREFIX}*)",
+             lambda p: all(not k.startswith(OPERATOR_LABEL_PREFIX) for k in p.annotations),
+             field_path=".annotations"),
+        Rule(f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(OPERATOR_VOLUMES)}))",
+             "pod.volumes must not use the names of the operator's volumes (" + ", ".join(OPERATOR_VOLUMES) + ")",
+             lambda p: all(v.get("name") not in OPERATOR_VOLUMES for v in p.volumes), field_path=".volumes"),
+        Rule("!has(self.volumes) || self.volumes.all(v, !has(v.hostPath) || ("
+             + HOST_PATH_CEL.format(p="v.hostPath.path") + "))",
+             "pod.volumes[].hostPath.path must be an absolute directory other than / without '..'",
+             lambda p: all(host_path_ok(v["hostPath"].get("path", "")) for v in p.volumes if "hostPath" in v),
+             field_path=".volumes"),
+        Rule("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+             "self.volumes.exists(v, v.name == m.name))",
+             "pod.volumeMounts[].name must name one of pod.volumes",
+             lambda p: all(m.get("name") in {v.get("name") for v in p.volumes} for m in p.volume_mounts),
+             field_path=".volumeMounts"),
+        Rule(f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {_cel_list(OPERATOR_MOUNT_PATHS)})"
+             f" && {_cel_list(OPERATOR_MOUNT_PATHS)}.all(d, !m.mountPath.startsWith(d + '/')))",
+             "pod.volumeMounts[].mountPath must not be or be under a directory the operator mounts ("
+             + ", ".join(OPERATOR_MOUNT_PATHS) + ")",
+             lambda p: all(not any(m.get("mountPath", "") == d or m.get("mountPath", "").startswith(d + "/")
+                                   for d in OPERATOR_MOUNT_PATHS) for m in p.volume_mounts),
+             field_path=".volumeMounts"),
+    )
+    resources: Annotated[dict[str, Any] | None, _core("ResourceRequirements")] = Field(None, description=(
         "Engine container resources (core/v1 ResourceRequirements). The operator sets the GPU limit itself."))
     node_selector: dict[str, str] = Field(default_factory=dict, description="Added to the product selector.")
-    tolerations: _FreeFormList = Field(default_factory=list, description=(
-        "core/v1 Tolerations, added to the GPU toleration the operator sets."))
-    affinity: _FreeForm | None = Field(None, description="core/v1 Affinity.")
+    tolerations: Annotated[list[dict[str, Any]], _core("Toleration", max_items=32)] = Field(
+        default_factory=list, description="core/v1 Tolerations, added to the GPU toleration the operator sets.")
+    affinity: Annotated[dict[str, Any] | None, _core("Affinity")] = Field(None, description="core/v1 Affinity.")
+    topology_spread_constraints: Annotated[list[dict[str, Any]], _core("TopologySpreadConstraint", max_items=8)] = (
+        Field(default_factory=list, description=(
+            "core/v1 TopologySpreadConstraints, e.g. replicas spread over zones (a labelSelector on "
+            "sluice.dev/endpoint selects this endpoint's pods).")))
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass of the pods.")
-    env: _FreeFormList = Field(default_factory=list, description="core/v1 EnvVars of the engine container.")
+    service_account_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN, description=(
+        "ServiceAccount of the pods, e.g. one bound to a cloud identity (IRSA, GKE Workload Identity). "
+        "Default: the namespace's default. Its API token is not mounted (automountServiceAccountToken false); "
+        "identity webhooks project their own token."))
+    runtime_class_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN, description=(
+        "RuntimeClass of the pods, e.g. nvidia or a sandboxed runtime."))
+    scheduler_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN, description=(
+        "The scheduler that places the pods. Default: the cluster's default scheduler."))
+    labels: _StringMap = Field(default_factory=dict, description=(
+        "Extra labels of the engine pods (not of the workload); the operator's own labels always win."))
+    annotations: _StringMap = Field(default_factory=dict, description="Extra annotations of the engine pods.")
+    env: Annotated[list[dict[str, Any]], _core("EnvVar", max_items=64)] = Field(default_factory=list, description=(
+        "core/v1 EnvVars of the engine container (a Secret named in valueFrom is subject to the operator's policy)."))
+    volumes: Annotated[list[dict[str, Any]], WithJsonSchema(
+        {"type": "array", "maxItems": MAX_POD_VOLUMES, "items": _VOLUME})] = Field(
+        default_factory=list, description=(
+            "Extra core/v1 Volumes of the engine pods (hostPath and Secret volumes are subject to the "
+            "operator's policy)."))
+    volume_mounts: Annotated[list[dict[str, Any]], WithJsonSchema(
+        {"type": "array", "maxItems": MAX_POD_VOLUMES, "items": _MOUNT})] = Field(
+        default_factory=list, description="core/v1 VolumeMounts of the engine container, of pod.volumes.")
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, description="Image pull Secrets.")
+
+    @field_validator("resources", "tolerations", "affinity", "topology_spread_constraints", "env", "volumes",
+                     "volume_mounts")
+    @classmethod
+    def _core_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        node = cls.model_fields[info.field_name].metadata
+        schema = next(m.json_schema for m in node if isinstance(m, WithJsonSchema))
+        problems = core_schemas.errors(schema, value, to_camel(info.field_name))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
 
 # -- the spec -------------------------------------------------------------------------------------------
@@ -436,9 +546,9 @@ class Condition(_Object):
         "AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
     status: Literal["True", "False", "Unknown"]
     reason: str | None = Field(None, max_length=1024, description=(
-        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, NameConflict (an object of "
-        "that name exists and is not the endpoint's: it is left untouched), ApplyFailed (the API server refused "
-        "an object; the message is its own), or KEDA's own."))
+        "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, InvalidSpec, PolicyViolation, "
+        "NameConflict (an object of that name exists and is not the endpoint's: it is left untouched), "
+        "ApplyFailed (the API server refused an object; the message is its own), or KEDA's own."))
     message: str | None = Field(None, max_length=32768)
     last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     observed_generation: int | None = Field(None, ge=0)
@@ -521,6 +631,8 @@ class SpecError(ValueError):
     reason the operator reports it under."""
 
     reason = "InvalidSpec"
+
+    reason = "InvalidSpec"  # the Ready condition's reason when the operator refuses the endpoint
 
 
 def format_errors(err: ValidationError) -> str:

@@ -4,7 +4,7 @@ the objects (workloads, the ScaledObject, the serving pods) and the clock.
 Phases: Pending (no serving pod yet, or none can be scheduled), Loading (pods run, none ready: the model is
 loading), Ready (at least one replica serves; Progressing says when more are coming), Idle (scaled to zero),
 Degraded (serving, but the workload reports a failure), Failed (nothing serves and the workload reports a
-failure, a kind the endpoint needs is not installed, or the spec is invalid).
+failure, a kind the endpoint needs is not installed, the spec is invalid, or the operator's policy forbids it).
 
 Conditions, each with observedGeneration: Ready, ModelReady (the engines' model load, from the pods),
 Scheduled (InsufficientCapacity when serving pods cannot be placed), Progressing, Degraded, Reconciled
@@ -281,8 +281,9 @@ def _keda(scaled_object: Object | None, keda_type: str, missing: bool) -> tuple[
 
 def invalid_status(generation: int | None, message: str, previous: Object | None, now: str,
                    reason: str = "InvalidSpec") -> Object:
-    """An endpoint the operator cannot serve as written: Failed, with the validation message (reason
-    InvalidSpec, or ScaleToZeroNeedsGateway where only the operator's settings rule it out)."""
+    """An endpoint the operator cannot serve as written: Failed, with the validation message. `reason`:
+    InvalidSpec (the spec does not validate), PolicyViolation (the operator's policy forbids it) or
+    ScaleToZeroNeedsGateway (only the operator's settings rule it out)."""
     prev = list((previous or {}).get("conditions") or [])
     return {
         "observedGeneration": generation,

@@ -20,9 +20,9 @@ from .model_source import (
     OBJECTIVES_KEY,
     OBJECTIVES_PATH,
     cache_volume,
-    credentials_env_from,
     model_mount,
 )
+from .pod_customization import customize_pod
 from .spec import InferenceEndpoint
 
 PORT = 8000
@@ -158,8 +158,8 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         **probes(ep, serves=serves),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
     }
-    if spec.model.credentials_secret_ref:
-        engine["envFrom"] = credentials_env_from(ep)
+    # NOTE: no model credentials here: only the fetch init container reads model.credentialsSecretRef. The
+    # engine loads local files, and a Secret in the serving container is one exploit away from a client.
     res = resources(ep, layout)
     if res:
         engine["resources"] = res
@@ -191,14 +191,14 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         pod_spec["priorityClassName"] = pod.priority_class_name
     if pod.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in pod.image_pull_secrets]
-    return {
+    return customize_pod({
         "metadata": {
             "labels": {**labels(ep, component_of(role)), ROLE_LABEL: role,
                        SERVES_LABEL: "true" if serves else "false"},
             "annotations": {"sluice.dev/config-hash": config_hash},
         },
         "spec": pod_spec,
-    }
+    }, ep)
 
 
 def rolling_update(ep: InferenceEndpoint) -> dict[str, int | str]:

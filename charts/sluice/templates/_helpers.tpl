@@ -89,20 +89,28 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s.%s.svc" (include "sluice.gateway.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
-{{/* The namespace served when scope is "namespace". */}}
-{{- define "sluice.watchNamespace" -}}
-{{- default .Release.Namespace .Values.watchNamespace -}}
+{{/* The namespaces served when scope is "namespace", as a JSON list (`include ... | fromJsonArray`):
+watchNamespaces, else watchNamespace, else the release namespace. */}}
+{{- define "sluice.watchNamespaces" -}}
+{{- if .Values.watchNamespaces -}}
+{{- toJson (uniq .Values.watchNamespaces) -}}
+{{- else -}}
+{{- toJson (list (default .Release.Namespace .Values.watchNamespace)) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
 What the operator does inside the namespaces it serves (least privilege: only what it manages).
-- InferenceEndpoints: watched; kopf patches annotations/finalizers on the object and writes status through
-  the status subresource. The operator never writes spec.
+Each verb is one the code uses (tests/test_chart.py checks them against the operator's client and handlers):
+- InferenceEndpoints: listed and watched by kopf (and read and listed by the resync); kopf patches its
+  progress annotations; status is merge-patched through the status subresource. The operator never writes spec.
 - inferenceendpoints/finalizers update: children's ownerReferences set blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin allows only to whoever can update this.
-- Children, applied server-side (field manager sluice-operator) and watched for their status.
-- Events: kopf posts core v1 Events about handler progress; the operator on phase transitions.
-- Pods: read only (get, list), the serving pods' scheduling and model load become status conditions.
+- Children: applied server-side (patch; create for an object that does not exist yet), read for their status
+  (get), listed and deleted by the prune pass. Only the workloads are watched (their events move the status);
+  nothing is ever replaced with a PUT (no update).
+- Events: created (kopf's about handler progress; the operator's on phase transitions).
+- Pods: listed only, the serving pods' scheduling and model load become status conditions.
 */}}
 {{- define "sluice.namespacedRules" -}}
 - apiGroups: [sluice.dev]
@@ -110,34 +118,34 @@ What the operator does inside the namespaces it serves (least privilege: only wh
   verbs: [get, list, watch, patch]
 - apiGroups: [sluice.dev]
   resources: [inferenceendpoints/status]
-  verbs: [get, patch, update]
+  verbs: [patch]
 - apiGroups: [sluice.dev]
   resources: [inferenceendpoints/finalizers]
   verbs: [update]
 - apiGroups: [""]
   resources: [configmaps, services]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [keda.sh]
   resources: [scaledobjects, triggerauthentications]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list]
+  verbs: [list]
 {{- with .Values.rbac.extraRules }}
 {{ toYaml . }}
 {{- end }}
