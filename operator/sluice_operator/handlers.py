@@ -26,9 +26,11 @@ from typing import Any
 
 import kopf
 
+from . import cache_sync
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
+from .model_cache import MODEL_CACHE_LABEL
 from .reconcile import reconcile
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
 from .status import changed, endpoint_status, invalid_status, transitions
@@ -97,19 +99,25 @@ class Loop:
                 status = invalid_status(meta.get("generation"), str(e), previous, _now())
                 await self._write_status(api, body, key, status, previous, logger)
                 raise InvalidEndpoint(str(e)) from None
-            manifests = reconcile(ep, self.cfg)
+            cache = await cache_sync.observe(api, ep, logger)
+            manifests = reconcile(ep, self.cfg, awaiting_model=cache is not None and cache.hold)
             if apply:
-                self._missing[key] = await self._apply(api, manifests, logger)
+                self._missing[key] = await self._apply(api, manifests, logger, cache)
                 await self._prune(api, ep, manifests, logger)
-            status = await self._fold(api, ep, manifests, previous, self._missing.get(key, frozenset()), logger)
+                await cache_sync.release_unused(api, ep, manifests, logger)
+            status = await self._fold(api, ep, manifests, previous, self._missing.get(key, frozenset()), logger,
+                                      cache)
             await self._write_status(api, body, key, status, previous, logger)
             return status
 
-    async def _apply(self, api: KubeApi, manifests: list[Object],
-                     logger: logging.Logger | logging.LoggerAdapter) -> frozenset[str]:
+    async def _apply(self, api: KubeApi, manifests: list[Object], logger: logging.Logger | logging.LoggerAdapter,
+                     cache: cache_sync.SharedCache | None = None) -> frozenset[str]:
         """Apply every child; returns the optional kinds the cluster does not serve (those are skipped)."""
         missing = set()
         for manifest in manifests:
+            if cache_sync.is_shared(manifest):  # created once and co-owned, never applied over
+                await cache_sync.ensure(api, manifest, cache, logger)
+                continue
             try:
                 await api.apply(manifest)
             except ApiError as e:
@@ -135,7 +143,8 @@ class Loop:
                     await api.delete(kind, ep.namespace, name)
 
     async def _fold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object], previous: Object,
-                    missing: frozenset[str], logger: logging.Logger | logging.LoggerAdapter) -> Object:
+                    missing: frozenset[str], logger: logging.Logger | logging.LoggerAdapter,
+                    cache: cache_sync.SharedCache | None = None) -> Object:
         async def live(name: str, kinds: tuple[str, ...]) -> Object | None:
             m = next((m for m in manifests if m["kind"] in kinds and m["metadata"]["name"] == name), None)
             return None if m is None or m["kind"] in missing else await api.get(kind_of(m), ep.namespace, name)
@@ -146,7 +155,8 @@ class Loop:
             ep, serving=serving, standby=await live(standby_name(ep), workloads),
             scaled_object=await live(ep.name, ("ScaledObject",)),
             pods=await self._serving_pods(api, ep, logger) if serving is not None else [],
-            missing_kinds=missing, previous=previous, now=_now(), cfg=self.cfg)
+            missing_kinds=missing, previous=previous, now=_now(), cfg=self.cfg,
+            model_cache=cache.state if cache is not None else None)
 
     async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
                             logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:
@@ -246,6 +256,24 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
                 await loop.converge(api, parent, logger, apply=type == "DELETED")
             except InvalidEndpoint:
                 pass
+
+    async def shared_cache_event(body: kopf.Body, logger: Any, **_: Any) -> None:
+        """A shared model cache's Job moved (a download finished or failed): every endpoint using it converges,
+        so their workloads scale up as soon as the model is there."""
+        owners = [r for r in body.metadata.get("ownerReferences") or [] if r.get("kind") == KIND]
+        async with loop.api() as api:
+            for owner in owners:
+                parent = await api.get(ENDPOINT_KIND, body.metadata.namespace, owner["name"])
+                if parent is None or parent["metadata"].get("deletionTimestamp") or \
+                        parent["metadata"].get("uid") != owner.get("uid"):
+                    continue
+                try:
+                    await loop.converge(api, parent, logger)
+                except InvalidEndpoint:
+                    pass
+
+    kopf.on.event("batch", "v1", "jobs", labels={MODEL_CACHE_LABEL: kopf.PRESENT}, registry=registry,
+                  id="model_cache_job_event")(shared_cache_event)
 
     children = {ENDPOINT_LABEL: kopf.PRESENT}
     kopf.on.event("apps", "v1", "deployments", labels=children, registry=registry)(child_event)

@@ -13,10 +13,11 @@ from .autoscaling import scaled_object
 from .config import OperatorConfig
 from .layout import Layout, plan_layout
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, STANDBY, object_meta, standby_name
-from .model_source import FETCH_HF_SCRIPT
+from .model_cache import KEDA_PAUSED_REPLICAS
+from .model_source import FETCH_HF_SCRIPT, shared_cache_manifests
 from .monitoring import prometheus_rule
 from .spec import InferenceEndpoint
-from .workload import component_of, serve_args, workload
+from .workload import CONTAINER_SECURITY, POD_SECURITY, component_of, serve_args, workload
 
 SERVICE_PORT = 80
 
@@ -115,28 +116,40 @@ def service_monitor(ep: InferenceEndpoint) -> dict[str, Any]:
     }
 
 
-def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """Every object the endpoint owns, in apply order (config before the pods that mount it)."""
+def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
+              awaiting_model: bool = False) -> list[dict[str, Any]]:
+    """Every object the endpoint owns or shares (its shared model cache), in apply order (config before the
+    pods that mount it).
+
+    `awaiting_model`: the shared model cache is still downloading and nothing serves yet (cache_sync.py
+    decides): the workloads are held at zero replicas and KEDA is paused, so no pod waits on a GPU and no
+    Deployment runs into its progress deadline while the model downloads.
+    """
     cfg = cfg or OperatorConfig()
     layout = layout_of(ep)
     cm = config_map(ep, f"{ep.name}-engine")
     # Pods roll when what they read from the ConfigMap or their flags change.
     config_hash = _hash([cm["data"], serve_args(ep, "")])
     scaling = ep.spec.scaling
-    serving = workload(ep, layout, cfg, name=ep.name, role=SERVING, replicas=ep.spec.fixed_replicas,
+    serving = workload(ep, layout, cfg, name=ep.name, role=SERVING,
+                       replicas=0 if awaiting_model else ep.spec.fixed_replicas,
                        config_map=cm["metadata"]["name"], config_hash=config_hash)
-    out = [cm, serving]
+    out = [*shared_cache_manifests(ep, cfg, CONTAINER_SECURITY, POD_SECURITY), cm, serving]
     warm = has_warm_pool(ep)
     if warm:  # a fixed count, outside the ScaledObject: the pool stays filled whatever the autoscaler does
         out.append(workload(ep, layout, cfg, name=standby_name(ep), role=STANDBY,
-                            replicas=scaling.warm_pool.replicas, config_map=cm["metadata"]["name"],
+                            replicas=0 if awaiting_model else scaling.warm_pool.replicas,
+                            config_map=cm["metadata"]["name"],
                             config_hash=config_hash))
     out.append(service(ep))
     if warm:
         out.append(service(ep, STANDBY))
     out.append(pod_disruption_budget(ep))
     if scaling:
-        out.append(scaled_object(ep, cfg, serving))
+        autoscaler = scaled_object(ep, cfg, serving)
+        if awaiting_model:
+            autoscaler["metadata"].setdefault("annotations", {})[KEDA_PAUSED_REPLICAS] = "0"
+        out.append(autoscaler)
     out.append(service_monitor(ep))
     if cfg.endpoint_rules:
         out.append(prometheus_rule(ep))
