@@ -72,9 +72,11 @@ print("model ready in", path, flush=True)
 '''
 
 # The same steps for s3:// in the AWS CLI image's shell: skip when complete, report progress, mark complete.
+# The reporter ticks every second, so the sleep it leaves behind when killed ends at once.
 FETCH_S3_SCRIPT = (
     f'if [ -f "$1/{COMPLETE_MARKER}" ]; then echo "model already complete in $1"; exit 0; fi; '
-    f'(while sleep {PROGRESS_PERIOD_S}; do echo "{PROGRESS_PREFIX} $(du -sb "$1" 2>/dev/null | cut -f1) bytes"; done) & '
+    f'(n=0; while sleep 1; do n=$((n+1)); [ $((n % {PROGRESS_PERIOD_S})) -ne 0 ] || '
+    f'echo "{PROGRESS_PREFIX} $(du -sb "$1" 2>/dev/null | cut -f1) bytes"; done) & '
     'aws s3 sync --only-show-errors "$0" "$1"; rc=$?; kill $! 2>/dev/null; [ $rc -eq 0 ] || exit $rc; '
     f'echo "{PROGRESS_PREFIX} $(du -sb "$1" | cut -f1) bytes"; echo "$0" > "$1/{COMPLETE_MARKER}"'
 )
