@@ -541,3 +541,20 @@ def json_of(value: Any) -> str:
     import json
 
     return json.dumps(value)
+
+
+def test_rbac_covers_shared_model_caches(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Shared model caches (cache_sync.py): created once, co-owned by patch, deleted by the last user; their
+    Jobs watched; the fetch pod's log read for the download's progress."""
+    try:
+        from sluice_operator.cache_sync import SHARED_KINDS
+    except ImportError as e:
+        pytest.skip(f"the operator loop is not importable here ({e})")
+    for mode in ("all", "namespace"):
+        _, scope, served = MODES[mode]
+        rules = granted(rendered[mode], RELEASE, "any-namespace" if scope == "all" else served)
+        for k in SHARED_KINDS.values():
+            group = k.api_version.rsplit("/", 1)[0] if "/" in k.api_version else ""
+            missing = {"get", "list", "watch", "create", "patch", "delete"} - allowed(rules, group, k.plural)
+            assert not missing, f"{k.kind}: the operator may not {sorted(missing)} {k.plural}.{group}"
+        assert allowed(rules, "", "pods/log") == {"get"}

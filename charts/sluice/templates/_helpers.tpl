@@ -138,6 +138,17 @@ What the operator does inside the namespaces it serves (least privilege: only wh
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list]
+# Shared model caches (spec.model.cache.type shared): a claim and a fetch Job per model, and the fetch pod's log
+# for the download's progress.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
 {{- with .Values.rbac.extraRules }}
 {{ toYaml . }}
 {{- end }}
