@@ -3,8 +3,10 @@
 One pass (`Loop.converge`): parse the endpoint, server-side apply every child, prune the children the spec no
 longer produces, fold the children's status into the endpoint's. It runs on create/update/resume, on a periodic resync
 (so deleted children come back and drift is undone), and on every event of a child workload (a deleted one
-is re-applied at once; a status change is folded into the endpoint's status). Deletion is left to the
-garbage collector: every child has a controller ownerReference, so the loop needs no finalizer.
+is re-applied at once; a status change is folded into the endpoint's status), and on every event of a shared model
+cache's Job (cache_sync.py). Deletion is left to the garbage collector: every child has a controller
+ownerReference (a shared cache, one non-controller reference per endpoint using it), so the loop needs no
+finalizer.
 
 NOTE: the periodic resync is one operator-wide task, not a `@kopf.timer`: kopf makes a finalizer mandatory
 for any resource with timers or daemons (it must stop them before the object goes), and a finalizer would
