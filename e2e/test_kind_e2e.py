@@ -13,7 +13,12 @@ What it does (docs/operator.md, "End-to-end test on kind"):
 5. applies examples/cpu-pipeline-2node.yaml (pipeline 2 over two CPU pods: one LeaderWorkerSet group of a
    leader and a worker, each one `sluice serve --nnodes 2`), waits for Ready, checks the worker's /health and
    rendezvous, asks through the Service, deletes the worker pod, and waits until the whole group was restarted
-   and answers again.
+   and answers again;
+6. (issue 14) two endpoints of one model and revision with `model.cache.type: shared` (a static ReadWriteMany
+   hostPath volume stands in for NFS): one claim and one fetch Job, co-owned by both, one successful download,
+   both Ready and answering; the claim outlives the first endpoint and is garbage-collected with the second;
+7. (issue 14) a hostPath cache directory nobody prepared (the kubelet creates it root-owned) is handed to the
+   engine's uid by the operator's init container, and the endpoint serves from it.
 
 Needs docker (a running daemon), kind, kubectl and helm (helm and kubectl may be in .tools/bin), and network
 access for the images, the KEDA chart and the model (Hugging Face Hub). It skips, saying what is missing,
@@ -370,4 +375,94 @@ def test_pipeline_over_two_cpu_pods(stack: Cluster) -> None:
         group_pods(k, name)) and k.phase(name, "Ready"), timeout=1800)
     with k.port_forward(f"svc/{name}", 80) as url:
         chat(url, name)
+    k.kubectl("delete", "ie", name, "-n", NS, "--wait=true")
+
+
+# -- issue 14: model storage that loads once ----------------------------------------------------------------------
+SHARED_CLASS, SHARED_DIR = "sluice-e2e-rwx", "/var/lib/sluice-e2e-shared"
+
+
+def shared_volume() -> str:
+    """A ReadWriteMany volume for the shared cache: kind's default provisioner (local-path) offers ReadWriteOnce
+    only, so a static hostPath volume on the (single) node stands in for NFS/CephFS, in a class of its own."""
+    return yaml.safe_dump_all([
+        {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": SHARED_CLASS},
+         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"},
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": SHARED_CLASS},
+         "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteMany"],
+                  "storageClassName": SHARED_CLASS, "persistentVolumeReclaimPolicy": "Retain",
+                  "hostPath": {"path": SHARED_DIR, "type": "DirectoryOrCreate"}}},
+    ])
+
+
+def shared_cache_objects(k: Cluster, kind: str) -> list[dict[str, Any]]:
+    out = k.kubectl("get", kind, "-n", NS, "-l", "sluice.dev/model-cache", "-o", "json")
+    return [o for o in json.loads(out)["items"] if not o["metadata"].get("deletionTimestamp")]
+
+
+def owner_names(obj: dict[str, Any]) -> set[str]:
+    return {r["name"] for r in obj["metadata"].get("ownerReferences") or []}
+
+
+@pytest.mark.timeout(5400)
+def test_two_endpoints_share_one_download(stack: Cluster) -> None:
+    k = stack
+    # The static volume's directory: the engine's uid writes it (fsGroup does not apply to hostPath volumes).
+    for node in run(KIND, "get", "nodes", "--name", CLUSTER).split():
+        run(DOCKER, "exec", node, "sh", "-c", f"mkdir -p {SHARED_DIR} && chown 10001:10001 {SHARED_DIR}")
+    k.kubectl("apply", "-f", "-", input=shared_volume())
+    cache = {"type": "shared", "size": "2Gi", "storageClassName": SHARED_CLASS}
+    names = ("smollm2-shared-a", "smollm2-shared-b")
+    for name in names:
+        k.kubectl("apply", "-n", NS, "-f", "-", input=example(name, model={
+            "uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "main", "servedName": name,
+            "cache": cache}))
+    # One claim and one Job for both, co-owned by both.
+    job = k.wait_for("one fetch Job owned by both endpoints", lambda: (lambda jobs: jobs[0] if len(jobs) == 1 and
+                     owner_names(jobs[0]) == set(names) else None)(shared_cache_objects(k, "jobs")), timeout=300)
+    (claim,) = shared_cache_objects(k, "pvc")
+    assert claim["metadata"]["name"] == job["metadata"]["name"] and owner_names(claim) == set(names)
+    for name in names:
+        st = k.wait_for(f"{name} Ready", lambda name=name: k.phase(name, "Ready"), timeout=1800)
+        assert condition(st, "ModelReady")["status"] == "True"
+        with k.port_forward(f"svc/{name}", 80) as url:
+            chat(url, name)
+    # It downloaded once: one successful fetch pod, and the claim says it is complete.
+    job = k.get("jobs", job["metadata"]["name"])
+    assert job and job["status"].get("succeeded") == 1 and not job["status"].get("failed")
+    fetch_pods = k.kubectl("get", "pods", "-n", NS, "-l", f"job-name={job['metadata']['name']}", "-o", "name").split()
+    assert len(fetch_pods) == 1, fetch_pods
+    claim = k.get("pvc", claim["metadata"]["name"])
+    assert claim and claim["metadata"]["annotations"]["sluice.dev/model-complete"] == "true"
+    reasons = k.event_reasons(names[0])
+    assert "Loading" in reasons, reasons  # Downloading, then loading: never Failed on the way
+    assert "Failed" not in reasons, reasons
+
+    # Garbage collection: the claim outlives one endpoint, and goes with the last.
+    k.kubectl("delete", "ie", names[0], "-n", NS, "--wait=true")
+    k.wait_for("the claim owned by the other endpoint only", lambda: owner_names(
+        k.get("pvc", claim["metadata"]["name"]) or {"metadata": {}}) == {names[1]}, timeout=300)
+    k.kubectl("delete", "ie", names[1], "-n", NS, "--wait=true")
+    k.wait_for("the shared claim and Job deleted with the last endpoint", lambda: not shared_cache_objects(k, "pvc")
+               and not shared_cache_objects(k, "jobs"), timeout=300)
+    k.kubectl("delete", "pv", SHARED_CLASS, "--ignore-not-found")
+
+
+@pytest.mark.timeout(5400)
+def test_node_local_cache_made_by_the_kubelet_is_handed_to_the_engine(stack: Cluster) -> None:
+    """A hostPath cache nobody prepared: the kubelet creates it root-owned, the operator's init container hands
+    it to the engine's uid, and the fetch writes there."""
+    k, name, path = stack, "smollm2-node-cache", "/var/lib/sluice-e2e-fresh-cache"
+    nodes = run(KIND, "get", "nodes", "--name", CLUSTER).split()
+    for node in nodes:
+        run(DOCKER, "exec", node, "rm", "-rf", path)
+    k.kubectl("apply", "-n", NS, "-f", "-", input=example(name, model={
+        "uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": name,
+        "cache": {"type": "hostPath", "path": path}}))
+    k.wait_for(f"{name} Ready", lambda: k.phase(name, "Ready"), timeout=1800)
+    with k.port_forward(f"svc/{name}", 80) as url:
+        chat(url, name)
+    owners = {run(DOCKER, "exec", node, "sh", "-c", f"stat -c %u:%g {path} 2>/dev/null || true").strip()
+              for node in nodes} - {""}
+    assert owners == {"10001:10001"}, owners
     k.kubectl("delete", "ie", name, "-n", NS, "--wait=true")

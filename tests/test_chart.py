@@ -817,3 +817,21 @@ def test_operator_service_monitor_and_the_replica_guard(helm: tuple[str, dict[st
     refused = subprocess.run([helm[0], "template", RELEASE, str(CHART), "--namespace", RELEASE_NS,
                               "--set", "leaderElection.enabled=false"], env=helm[1], capture_output=True, text=True)
     assert refused.returncode != 0 and "needs leaderElection.enabled" in refused.stderr
+
+
+def test_rbac_covers_shared_model_caches(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Shared model caches (cache_sync.py): created once, co-owned by patch, deleted by the last user; their
+    Jobs watched; the fetch pod's log read for the download's progress."""
+    try:
+        from sluice_operator.cache_sync import SHARED_KINDS
+    except ImportError as e:
+        pytest.skip(f"the operator loop is not importable here ({e})")
+    for mode in ("all", "namespace"):
+        _, scope, served = MODES[mode]
+        for namespace in ["any-namespace"] if scope == "all" else served:
+            rules = granted(rendered[mode], RELEASE, namespace)
+            for k in SHARED_KINDS.values():
+                group = k.api_version.rsplit("/", 1)[0] if "/" in k.api_version else ""
+                missing = {"get", "list", "watch", "create", "patch", "delete"} - allowed(rules, group, k.plural)
+                assert not missing, f"{k.kind}: the operator may not {sorted(missing)} {k.plural}.{group}"
+            assert allowed(rules, "", "pods/log") == {"get"}

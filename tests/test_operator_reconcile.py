@@ -246,7 +246,8 @@ def test_multinode_example_is_a_leaderworkerset_of_two():
         assert template["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
         assert template["spec"]["priorityClassName"] == "inference-high"
         assert "--model" in engine["args"] and "/models/Llama-3.1-70B-Instruct" in engine["args"]
-        assert "initContainers" not in template["spec"]  # pvc:// is mounted, not fetched
+        # pvc:// is mounted, not fetched; the hostPath cache (the engine's scratch) is made the engine user's.
+        assert [c["name"] for c in template["spec"]["initContainers"]] == ["own-model-cache"]
         args = engine["args"]
         flag = dict(zip(args[::2], args[1::2], strict=True))
         assert (flag["--tensor-parallel-size"], flag["--pipeline-parallel-size"], flag["--nnodes"]) == ("8", "2", "2")
@@ -304,8 +305,9 @@ def test_scale_to_zero_example():
     assert push == {"type": "external-push", "name": "gateway", "metricType": "AverageValue", "metadata": {
         "scalerAddress": "sluice-gateway.sluice-system.svc:9090", "endpoint": "inference/qwen-7b",
         "model": "qwen2.5-7b-instruct", "metric": "queue", "targetValue": "4"}}
-    fetch = serving["spec"]["template"]["spec"]["initContainers"][0]
-    assert fetch["command"][:3] == ["aws", "s3", "sync"]
+    own, fetch = serving["spec"]["template"]["spec"]["initContainers"]
+    assert own["name"] == "own-model-cache" and fetch["name"] == "fetch-model"  # hostPath: owned, then filled
+    assert fetch["command"][:2] == ["sh", "-c"] and "aws s3 sync" in fetch["command"][2]
     assert "s3://models/qwen2.5-7b-instruct/" in fetch["command"]
     monitor = one(manifests, "ServiceMonitor")["spec"]
     for svc in (service, standby):  # both pools' queues are demand

@@ -93,8 +93,8 @@ def test_summarize_pods():
     ([pod(scheduled=None)], deploy(1, replicas=1), "Pending", "AwaitingScheduler",
      ("False", "NoPodsRunning"), ("Unknown", "AwaitingScheduler")),
     # Placed; the init container fetches the weights.
-    ([pod(init={"running": {}})], deploy(1, replicas=1), "Loading", "ModelDownloading",
-     ("False", "ModelDownloading"), ("True", "PodsScheduled")),
+    ([pod(init={"running": {}})], deploy(1, replicas=1), "Loading", "Downloading",
+     ("False", "Downloading"), ("True", "PodsScheduled")),
     # The engine runs and loads the model.
     ([pod(engine={"running": {}})], deploy(1, replicas=1), "Loading", "ModelLoading",
      ("False", "ModelLoading"), ("True", "PodsScheduled")),

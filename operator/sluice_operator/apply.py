@@ -21,6 +21,8 @@ FIELD_MANAGER = "sluice-operator"  # also the events' reporting component
 MAX_EVENT_MESSAGE = 1024
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the body is plain JSON
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
+# Merges list entries by their key (ownerReferences: uid), so two writers adding their own entries never clash.
+STRATEGIC_CONTENT_TYPE = "application/strategic-merge-patch+json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +163,42 @@ class KubeApi:
             if e.status != 404:
                 raise
 
-    async def create(self, kind: Kind, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
-        """POST: 409 (ApiError) if it exists."""
-        return await self._request("POST", collection_path(kind.api_version, kind.plural, namespace), body=obj)
+    # -- shared objects (cache_sync.py): created once, then co-owned, never applied over --------------------
+    async def create(self, kind: Kind, manifest: dict[str, Any]) -> dict[str, Any]:
+        """POST a new object; ApiError 409 when it exists."""
+        path = collection_path(kind.api_version, kind.plural, manifest["metadata"]["namespace"])
+        return await self._request("POST", path, body=manifest, params={"fieldManager": FIELD_MANAGER})
+
+    async def patch(self, kind: Kind, namespace: str, name: str, body: dict[str, Any],
+                    content_type: str = MERGE_CONTENT_TYPE) -> dict[str, Any]:
+        path = f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}"
+        return await self._request("PATCH", path, body=body, params={"fieldManager": FIELD_MANAGER},
+                                   content_type=content_type)
+
+    async def delete_unchanged(self, kind: Kind, namespace: str, name: str, resource_version: str) -> bool:
+        """Delete the object only if nobody wrote it since `resource_version`; False if someone did."""
+        path = f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}"
+        try:
+            await self._request("DELETE", path, body={
+                "kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background",
+                "preconditions": {"resourceVersion": resource_version}})
+        except ApiError as e:
+            if e.status == 409:
+                return False
+            if e.status != 404:
+                raise
+        return True
+
+    async def read_log(self, namespace: str, pod: str, container: str, tail_lines: int) -> str | None:
+        """The last lines of a container's log; None where it cannot be read (no such pod, no RBAC)."""
+        assert self._session is not None, "use `async with KubeApi(...)`"
+        path = f"{collection_path('v1', 'pods', namespace)}/{pod}/log"
+        params = {"container": container, "tailLines": str(tail_lines)}
+        try:
+            async with self._session.get(self._server + path, params=params) as resp:
+                return await resp.text() if resp.status < 400 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     async def patch_if_unchanged(self, kind: Kind, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """A JSON merge patch carrying metadata.resourceVersion: the API server refuses it with 409 (ApiError)

@@ -3,8 +3,10 @@
 One pass (`Loop.converge`): parse the endpoint, server-side apply every child, prune the children the spec no
 longer produces, fold the children's status into the endpoint's. It runs on create/update/resume, on a periodic resync
 (so deleted children come back and drift is undone), and on every event of a child workload (a deleted one
-is re-applied at once; a status change is folded into the endpoint's status). Deletion is left to the
-garbage collector: every child has a controller ownerReference, so the loop needs no finalizer.
+is re-applied at once; a status change is folded into the endpoint's status), and on every event of a shared model
+cache's Job (cache_sync.py). Deletion is left to the garbage collector: every child has a controller
+ownerReference (a shared cache, one non-controller reference per endpoint using it), so the loop needs no
+finalizer.
 
 NOTE: the periodic resync is one operator-wide task, not a `@kopf.timer`: kopf makes a finalizer mandatory
 for any resource with timers or daemons (it must stop them before the object goes), and a finalizer would
@@ -27,10 +29,12 @@ from typing import Any
 
 import kopf
 
+from . import cache_sync
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
+from .model_cache import MODEL_CACHE_LABEL
 from .operator_metrics import OperatorMetrics
 from .policy import check as check_policy
 from .reconcile import reconcile
@@ -119,7 +123,9 @@ class Loop:
             try:
                 ep = parse_endpoint({k: doc.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
                 check_policy(ep, self.cfg)  # a forbidden endpoint gets nothing applied, not even its ConfigMap
-                manifests = reconcile(ep, self.cfg)  # may refuse what this operator's settings cannot serve
+                cache = await cache_sync.observe(api, ep, logger)
+                # May refuse what this operator's settings cannot serve.
+                manifests = reconcile(ep, self.cfg, awaiting_model=cache is not None and cache.hold)
             except SpecError as e:
                 status = invalid_status(meta.get("generation"), str(e), previous, _now(), reason=e.reason)
                 await self._write_status(api, body, key, status, previous, logger)
@@ -132,11 +138,19 @@ class Loop:
                 # Children the spec no longer produces go first: a ScaledObject is gone before the workload's
                 # fixed count is applied, so KEDA's HPA does not fight over it meanwhile.
                 await self._prune(api, ep, manifests, logger)
-                applied = await apply_children(api, ep.metadata.uid, manifests, logger)
+                # A shared model cache (claim and fetch Job) is created once and co-owned, never applied over.
+                own = []
+                for manifest in manifests:
+                    if cache_sync.is_shared(manifest):
+                        await cache_sync.ensure(api, manifest, cache, logger)
+                    else:
+                        own.append(manifest)
+                applied = await apply_children(api, ep.metadata.uid, own, logger)
                 self._missing[key], self._problems[key] = frozenset(applied.missing), tuple(applied.problems)
+                await cache_sync.release_unused(api, ep, manifests, logger)
             else:
                 await self._move_hold(api, ep, manifests, logger)
-            status = await self._fold(api, ep, manifests, previous, pods, key, logger)
+            status = await self._fold(api, ep, manifests, previous, pods, key, logger, cache)
             await self._write_status(api, body, key, status, previous, logger)
             if apply and self._problems[key]:
                 raise ChildrenNotApplied("; ".join(p.message for p in self._problems[key]))
@@ -181,7 +195,8 @@ class Loop:
 
     async def _fold(self, api: KubeApi, ep: InferenceEndpoint, manifests: list[Object], previous: Object,
                     pods: list[Object] | None, key: tuple[str, str],
-                    logger: logging.Logger | logging.LoggerAdapter) -> Object:
+                    logger: logging.Logger | logging.LoggerAdapter,
+                    cache: cache_sync.SharedCache | None = None) -> Object:
         missing = self._missing.get(key, frozenset())
 
         async def live(name: str, kinds: tuple[str, ...]) -> Object | None:
@@ -198,7 +213,8 @@ class Loop:
             ep, serving=serving, standby=await live(standby_name(ep), workloads),
             scaled_object=await live(ep.name, ("ScaledObject",)),
             pods=pods if serving is not None else [], missing_kinds=missing,
-            problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg)
+            problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg,
+            model_cache=cache.state if cache is not None else None)
 
     async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
                             logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:
@@ -314,6 +330,24 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
                 await loop.converge(api, parent, logger, apply=type == "DELETED")
             except (InvalidEndpoint, ChildrenNotApplied):
                 pass  # the status says why; the endpoint's own handler or the resync retries
+
+    async def shared_cache_event(body: kopf.Body, logger: Any, **_: Any) -> None:
+        """A shared model cache's Job moved (a download finished or failed): every endpoint using it converges,
+        so their workloads scale up as soon as the model is there."""
+        owners = [r for r in body.metadata.get("ownerReferences") or [] if r.get("kind") == KIND]
+        async with loop.api() as api:
+            for owner in owners:
+                parent = await api.get(ENDPOINT_KIND, body.metadata.namespace, owner["name"])
+                if parent is None or parent["metadata"].get("deletionTimestamp") or \
+                        parent["metadata"].get("uid") != owner.get("uid"):
+                    continue
+                try:
+                    await loop.converge(api, parent, logger)
+                except InvalidEndpoint:
+                    pass
+
+    kopf.on.event("batch", "v1", "jobs", labels={MODEL_CACHE_LABEL: kopf.PRESENT}, registry=registry,
+                  id="model_cache_job_event")(shared_cache_event)
 
     children = {ENDPOINT_LABEL: kopf.PRESENT}
     kopf.on.event("apps", "v1", "deployments", labels=children, registry=registry)(child_event)

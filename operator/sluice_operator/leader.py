@@ -60,7 +60,7 @@ class LeaseElector:
             now = _micro_time()
             if lease is None:
                 try:
-                    await api.create(LEASE_KIND, self.namespace, self._lease(None, now, transitions=0))
+                    await api.create(LEASE_KIND, self._lease(None, now, transitions=0))
                 except ApiError as e:
                     if e.status == 409:  # another candidate created it first
                         return False

@@ -22,10 +22,11 @@ from .meta import (
     object_meta,
     standby_name,
 )
-from .model_source import FETCH_HF_SCRIPT, OBJECTIVES_KEY
+from .model_cache import KEDA_PAUSED_REPLICAS
+from .model_source import FETCH_HF_SCRIPT, OBJECTIVES_KEY, shared_cache_manifests
 from .monitoring import prometheus_rule
 from .spec import InferenceEndpoint
-from .workload import component_of, serve_args, workload
+from .workload import CONTAINER_SECURITY, POD_SECURITY, component_of, serve_args, workload
 
 SERVICE_PORT = 80
 
@@ -132,10 +133,17 @@ def service_monitor(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) ->
     }
 
 
-def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """Every object the endpoint owns, in apply order (config before the pods that mount it).
+def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
+              awaiting_model: bool = False) -> list[dict[str, Any]]:
+    """Every object the endpoint owns or shares (its shared model cache), in apply order (config before the
+    pods that mount it).
 
-    Raises SpecError (ScalingNeedsGateway) for an endpoint this operator's settings cannot serve."""
+    `awaiting_model`: the shared model cache is still downloading and nothing serves yet (cache_sync.py
+    decides): the workloads are held at zero replicas and KEDA is paused, so no pod waits on a GPU and no
+    Deployment runs into its progress deadline while the model downloads.
+
+    Raises SpecError (ScalingNeedsGateway) for an endpoint this operator's settings cannot serve.
+    """
     cfg = cfg or OperatorConfig()
     check_scaling(ep, cfg)
     layout = layout_of(ep)
@@ -144,13 +152,15 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[
     # which the engines re-read while they run.
     config_hash = _hash([{k: v for k, v in cm["data"].items() if k != OBJECTIVES_KEY}, serve_args(ep, "")])
     scaling = ep.spec.scaling
-    serving = workload(ep, layout, cfg, name=ep.name, role=SERVING, replicas=ep.spec.fixed_replicas,
+    serving = workload(ep, layout, cfg, name=ep.name, role=SERVING,
+                       replicas=0 if awaiting_model else ep.spec.fixed_replicas,
                        config_map=cm["metadata"]["name"], config_hash=config_hash)
-    out = [cm, serving]
+    out = [*shared_cache_manifests(ep, cfg, CONTAINER_SECURITY, POD_SECURITY), cm, serving]
     warm = has_warm_pool(ep)
     if warm:  # a fixed count, outside the ScaledObject: the pool stays filled whatever the autoscaler does
         out.append(workload(ep, layout, cfg, name=standby_name(ep), role=STANDBY,
-                            replicas=scaling.warm_pool.replicas, config_map=cm["metadata"]["name"],
+                            replicas=0 if awaiting_model else scaling.warm_pool.replicas,
+                            config_map=cm["metadata"]["name"],
                             config_hash=config_hash))
     out.append(service(ep))
     if warm:
@@ -159,7 +169,10 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) -> list[
     if scaling:
         if cfg.gateway_scaler_address and cfg.gateway_scaler_tls_secret:  # before the ScaledObject naming it
             out.append(trigger_authentication(ep, cfg))
-        out.append(scaled_object(ep, cfg, serving))
+        autoscaler = scaled_object(ep, cfg, serving)
+        if awaiting_model:
+            autoscaler["metadata"].setdefault("annotations", {})[KEDA_PAUSED_REPLICAS] = "0"
+        out.append(autoscaler)
     out.append(service_monitor(ep, cfg))
     if cfg.endpoint_rules:
         out.append(prometheus_rule(ep, cfg))

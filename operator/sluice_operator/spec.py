@@ -42,6 +42,7 @@ SHORT_NAMES = ["ie"]
 
 MAX_NAME_LENGTH = 40  # child names add suffixes ("-warm"), and LWS pod names add group/worker indices
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"  # a storage size, e.g. 100Gi
 MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+|pvc://[a-z0-9][a-z0-9.-]*/.+|s3://[a-z0-9][a-z0-9.-]*/.*)$"
 
 # A node directory: absolute, not the root, no `..` segment (CEL has no path normalization).
@@ -108,16 +109,34 @@ class ModelCache(_Object):
         Rule("!has(self.path) || (" + HOST_PATH_CEL.format(p="self.path") + ")",
              "model.cache.path must be an absolute directory other than / without '..'",
              lambda c: c.path is None or host_path_ok(c.path), field_path=".path"),
+        Rule("self.type != 'shared' || has(self.size)",
+             "model.cache.size is required when model.cache.type is shared: the claim's storage request, room "
+             "for the weights, e.g. 100Gi",
+             lambda c: c.type != "shared" or c.size is not None),
+        Rule("self.type == 'shared' || (!has(self.size) && !has(self.storageClassName))",
+             "model.cache.size and model.cache.storageClassName apply to model.cache.type shared only",
+             lambda c: c.type == "shared" or (c.size is None and c.storage_class_name is None)),
     )
-    type: Literal["emptyDir", "pvc", "hostPath"] = Field(
+    type: Literal["emptyDir", "pvc", "hostPath", "shared"] = Field(
         "emptyDir",
-        description="emptyDir: per pod, lost with it. pvc: a shared claim (ReadWriteMany to share across "
-                    "nodes). hostPath: a node-local directory, reused by every pod on the node.",
+        description="emptyDir: per pod, lost with it (every pod downloads). pvc: your claim, filled by every "
+                    "pod's fetch init container (ReadWriteMany to share across nodes). hostPath: a node-local "
+                    "directory, reused by every pod on the node (the operator makes it writable by the engine's "
+                    "user). shared: a claim the operator creates and fills once, by one Job per model, revision "
+                    "and storage class in the namespace, shared by every endpoint that serves that model; "
+                    "serving pods mount it read-only and start once the download is complete.",
     )
     claim_name: str | None = Field(None, max_length=253, description="The PersistentVolumeClaim (type pvc).")
     path: str | None = Field(None, pattern=r"^/", max_length=4096,
                              description="Absolute directory on the node (type hostPath).")
     size_limit: str | None = Field(None, max_length=64, description="Size limit of the emptyDir, e.g. 50Gi.")
+    size: str | None = Field(None, pattern=QUANTITY_PATTERN, max_length=64, description=(
+        "Storage the shared claim requests (type shared), e.g. 100Gi. Set when the claim is created: the first "
+        "endpoint of a model decides it; grow the claim itself (kubectl) if its StorageClass allows expansion."))
+    storage_class_name: str | None = Field(None, max_length=253, description=(
+        "StorageClass of the shared claim (type shared). It must offer ReadWriteMany volumes (NFS, CephFS, "
+        "EFS, Filestore, ...): the fetch Job writes, serving pods on any node read. Default: the cluster's "
+        "default class."))
 
 
 class ModelSource(_Object):
@@ -131,6 +150,9 @@ class ModelSource(_Object):
         Rule("!has(self.revision) || self.uri.startsWith('hf://')",
              "model.revision applies to hf:// models only; pin pvc:// and s3:// models by their path",
              lambda m: m.revision is None or m.uri.startswith("hf://"), field_path=".revision"),
+        Rule("!has(self.cache) || self.cache.type != 'shared' || !self.uri.startsWith('pvc://')",
+             "model.cache.type shared downloads hf:// and s3:// models; a pvc:// model is read where it is",
+             lambda m: m.cache.type != "shared" or m.scheme != "pvc", field_path=".cache"),
     )
     uri: str = Field(max_length=1024, description=(
         "hf://<org>/<name> (Hugging Face Hub, fetched by an init container), pvc://<claim>/<path> (mounted "

@@ -6,9 +6,10 @@ loading), Ready (at least one replica serves; Progressing says when more are com
 Degraded (serving, but the workload reports a failure), Failed (nothing serves and the workload reports a
 failure, a kind the endpoint needs is not installed, the spec is invalid, or the operator's policy forbids it).
 
-Conditions, each with observedGeneration: Ready, ModelReady (the engines' model load, from the pods),
-Scheduled (InsufficientCapacity when serving pods cannot be placed), Progressing, Degraded, Reconciled
-(NameConflict or ApplyFailed when a child could not be applied, with the API server's message), and with
+Conditions, each with observedGeneration: Ready, ModelReady (the download, from the pods' fetch init containers
+or the shared cache's Job, then the engines' model load), Scheduled (InsufficientCapacity when serving pods
+cannot be placed), Progressing, Degraded, Reconciled (NameConflict or ApplyFailed when a child could not be
+applied, with the API server's message), and with
 `scaling`: AutoscalerReady, AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback).
 """
 
@@ -22,6 +23,7 @@ from .children import APPLY_FAILED, NAME_CONFLICT
 from .children import Problem as ApplyProblem
 from .config import OperatorConfig
 from .meta import serving_selector
+from .model_cache import WAIT_CONTAINER, CacheState
 from .model_source import FETCH_CONTAINER
 from .reconcile import endpoint_url
 from .spec import InferenceEndpoint
@@ -93,7 +95,7 @@ class Pods:
     total: int = 0
     unschedulable: list[Object] = field(default_factory=list)  # PodScheduled=False, reason Unschedulable
     unplaced: int = 0  # not scheduled yet, no verdict from the scheduler either
-    downloading: int = 0  # the fetch-model init container runs
+    downloading: int = 0  # the fetch-model init container runs, or wait-for-model (the shared cache's Job)
     stuck: tuple[str, str] | None = None  # (reason, message) of a container that will not start by waiting
 
     @property
@@ -116,7 +118,7 @@ def summarize_pods(pods: list[Object]) -> Pods:
                 out.unplaced += 1
             continue
         for c in st.get("initContainerStatuses") or []:
-            if c.get("name") == FETCH_CONTAINER and "running" in (c.get("state") or {}):
+            if c.get("name") in (FETCH_CONTAINER, WAIT_CONTAINER) and "running" in (c.get("state") or {}):
                 out.downloading += 1
         for c in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
             waiting = (c.get("state") or {}).get("waiting") or {}
@@ -139,13 +141,14 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
                     scaled_object: Object | None = None, pods: list[Object] | None = None,
                     missing_kinds: frozenset[str] | set[str] = frozenset(),
                     problems: Sequence[ApplyProblem] = (), previous: Object | None = None,
-                    now: str, cfg: OperatorConfig | None = None) -> Object:
+                    now: str, cfg: OperatorConfig | None = None, model_cache: CacheState | None = None) -> Object:
     """The endpoint's status from its live serving workload, warm pool, KEDA ScaledObject and serving pods.
 
     `pods` None: the pods were not read (the workload's counts stand in for them; Scheduled is Unknown).
     `missing_kinds`: kinds the endpoint needs that the cluster does not serve (their CRD is not installed).
     `problems`: children the last pass could not apply. A NameConflict fails the endpoint (its objects'
     names are someone else's until a person acts); an ApplyFailed degrades it while replicas still serve.
+    `model_cache`: the shared model cache's state, when the endpoint uses one (cache_sync.observe).
     """
     cfg = cfg or OperatorConfig()
     gen, prev = ep.metadata.generation, list((previous or {}).get("conditions") or [])
@@ -153,6 +156,10 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     seen = summarize_pods(pods) if pods is not None else None
     started = seen.total if seen is not None else _count(serving, "replicas")
     failure = workload_failure(serving)
+    if failure and failure.get("reason") == "ProgressDeadlineExceeded" and seen is not None and seen.downloading:
+        # The Deployment's progress deadline counts the download too; a download still running has not failed.
+        failure = None
+    downloading = model_cache is not None and not model_cache.complete
     standby_ready = _count(standby, "readyReplicas")
     what = f"{ready}/{desired} replicas ready"
     conflicts = [p for p in problems if p.reason == NAME_CONFLICT]
@@ -167,6 +174,10 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         message = f"the cluster does not serve LeaderWorkerSets: install {PROVIDERS['LeaderWorkerSet']}"
     elif serving is None:
         phase, reason, message = "Pending", "WorkloadMissing", "the serving workload does not exist yet"
+    elif downloading and ready == 0:  # the workloads are held at zero until the shared cache is complete
+        assert model_cache is not None
+        phase, reason = ("Failed", "DownloadFailed") if model_cache.failed else ("Loading", "Downloading")
+        message = model_cache.message
     elif desired == 0:
         phase, reason = "Idle", "ScaledToZero"
         message = "scaled to zero; a request brings a replica back"
@@ -182,7 +193,7 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     elif seen is not None and seen.stuck:
         phase, (reason, message) = "Loading", seen.stuck
     elif seen is not None and seen.downloading and seen.downloading == seen.scheduled:
-        phase, reason, message = "Loading", "ModelDownloading", f"{what}: fetching the model into the cache"
+        phase, reason, message = "Loading", "Downloading", f"{what}: fetching the model into the cache"
     elif started > 0 and (seen is None or seen.scheduled > 0):
         phase, reason, message = "Loading", "ModelLoading", f"{what}: loading the model"
     elif started > 0:
@@ -237,7 +248,7 @@ def _reconciled(problems: Sequence[ApplyProblem]) -> tuple[str, str, str]:
 def _model_ready(phase: str, reason: str, message: str, ready: int, desired: int) -> tuple[str, str, str]:
     if ready > 0:
         return "True", "ModelLoaded", f"{ready}/{desired} serving replicas have the model loaded"
-    if phase == "Loading":  # ModelLoading, ModelDownloading, or a container stuck (CrashLoopBackOff, ...)
+    if phase == "Loading" or reason == "DownloadFailed":  # ModelLoading, Downloading, a stuck container, ...
         return "False", reason, message
     if phase == "Idle":
         return "False", "ScaledToZero", message

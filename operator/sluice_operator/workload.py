@@ -14,14 +14,7 @@ from .config import OperatorConfig
 from .engine_flags import render_args
 from .layout import Layout, ceil_div
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
-from .model_source import (
-    CACHE_DIR,
-    CONFIG_DIR,
-    OBJECTIVES_KEY,
-    OBJECTIVES_PATH,
-    cache_volume,
-    model_mount,
-)
+from .model_source import CONFIG_DIR, OBJECTIVES_KEY, OBJECTIVES_PATH, model_mount
 from .pod_customization import customize_pod
 from .spec import InferenceEndpoint
 
@@ -49,6 +42,11 @@ CONTAINER_SECURITY = {
     "runAsNonRoot": True,
     "capabilities": {"drop": ["ALL"]},
 }
+
+
+# fsGroup: volumes that support ownership management (emptyDir, most claims) are the engine group's.
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
@@ -123,20 +121,20 @@ def termination_grace_seconds(ep: InferenceEndpoint) -> int:
 def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, role: str, serves: bool,
                  config_map: str, config_hash: str) -> dict[str, Any]:
     spec, pod = ep.spec, ep.spec.pod
-    mount = model_mount(ep, cfg, CONTAINER_SECURITY, config_map)
+    mount = model_mount(ep, cfg, CONTAINER_SECURITY, config_map, run_as=RUN_AS)
     gpu = layout.gpus_per_pod > 0
     env = [
-        {"name": "SLUICE_CACHE_DIR", "value": CACHE_DIR},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "SLUICE_CACHE_DIR", "value": mount.engine_cache_dir},
+        {"name": "HF_HOME", "value": f"{mount.engine_cache_dir}/huggingface"},
         {"name": "HOME", "value": "/tmp"},
         *copy.deepcopy(pod.env),
     ]
     # The ConfigMap as a directory (never subPath): the kubelet then updates its files in place, and the
     # engine sees new objectives without a restart.
-    mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+    mounts = [mount.cache_mount, {"name": "tmp", "mountPath": "/tmp"},
               {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *mount.engine_mounts]
     config_items = [{"key": OBJECTIVES_KEY, "path": OBJECTIVES_KEY}, *mount.config_items]
-    volumes = [{"name": "tmp", "emptyDir": {}}, cache_volume(ep),
+    volumes = [{"name": "tmp", "emptyDir": {}}, mount.cache_volume,
                {"name": "config", "configMap": {"name": config_map, "items": config_items}}, *mount.volumes]
     if gpu or layout.distributed:
         # NCCL, torch's CUDA IPC and the rank processes need more shared memory than the container's 64 MiB.
@@ -166,8 +164,7 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": POD_SECURITY,
         "containers": [engine],
         "volumes": volumes,
         "terminationGracePeriodSeconds": termination_grace_seconds(ep),

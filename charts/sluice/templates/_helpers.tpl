@@ -146,6 +146,17 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
+# Shared model caches (spec.model.cache.type shared): a claim and a fetch Job per model, and the fetch pod's log
+# for the download's progress.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
 {{- with .Values.rbac.extraRules }}
 {{ toYaml . }}
 {{- end }}
