@@ -7,6 +7,8 @@ kmock (by kopf's author) stores objects as plain JSON and merges every PATCH. `A
 - server-side apply (`application/apply-patch+yaml`) with field ownership in `metadata.managedFields`
   (kube_ssa.py): an apply creates a missing object, removes the fields its manager dropped, and conflicts
   with other managers unless forced; other writes take over the fields they change;
+- a write that changes nothing keeps the object's resourceVersion, as the API server's no-op writes do
+  (the operator's resync tells objects at rest by their versions);
 - optimistic concurrency: a write that names a resourceVersion other than the stored one gets 409 Conflict
   (leader election's Lease updates rely on it);
 - resource types left out, as a cluster without a CRD serves them (`absent`), and writes refused as an
@@ -100,6 +102,10 @@ class ApiServer(kmock.KubernetesEmulator):
                 data = kube_ssa.merge_patch(old, kube_ssa.update(old, merged, manager))
                 _rewrite(request, data=data)
         version = str(next(_versions))
+        if request.action == kmock.action.UPDATE and isinstance(data, dict) and request.subresource is None:
+            old = self._stored(request)
+            if old is not None and _without_version(_merged(old, data)) == _without_version(old):
+                version = (old.get("metadata") or {}).get("resourceVersion") or version  # a no-op write
         if isinstance(data, dict):
             meta = data.setdefault("metadata", {})
             meta["resourceVersion"] = version
@@ -122,6 +128,11 @@ def _rewrite(request: Any, **fields: Any) -> None:
     # NOTE: in place, not attrs.evolve(): kmock routes only the request objects it recorded itself.
     for name, value in fields.items():
         object.__setattr__(request, name, value)
+
+
+def _without_version(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "resourceVersion"}
+    return {**obj, "metadata": meta}
 
 
 def _merged(old: Any, patch: Any) -> Any:

@@ -154,6 +154,30 @@ class KubeApi:
             item.setdefault("kind", kind.kind)
         return items
 
+    async def list_labelled(self, kind: Kind, namespaces: list[str],
+                            selector: dict[str, str | None]) -> list[dict[str, Any]] | None:
+        """Objects of `kind` in `namespaces` (none: the whole cluster, one request) carrying the selector's
+        labels (a None value: the label with any value). None when the cluster does not serve the kind."""
+        query = ",".join(k if v is None else f"{k}={v}" for k, v in selector.items())
+        prefix = "/api/v1" if kind.api_version == "v1" else f"/apis/{kind.api_version}"
+        paths = [collection_path(kind.api_version, kind.plural, ns) for ns in namespaces] or [f"{prefix}/{kind.plural}"]
+        items: list[dict[str, Any]] = []
+        for path in paths:
+            try:
+                out = await self._request("GET", path, params={"labelSelector": query})
+            except ApiError as e:
+                if e.status == 404:
+                    return None
+                raise
+            items += out.get("items", [])
+        items = [i for i in items if all(
+            k in labels and (v is None or labels[k] == v)
+            for labels in [(i.get("metadata") or {}).get("labels") or {}] for k, v in selector.items())]
+        for item in items:  # list items carry no apiVersion/kind
+            item.setdefault("apiVersion", kind.api_version)
+            item.setdefault("kind", kind.kind)
+        return items
+
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
         path = f"{collection_path(kind.api_version, kind.plural, namespace)}/{name}"
         try:

@@ -29,7 +29,7 @@ from typing import Any
 
 import kopf
 
-from . import cache_sync
+from . import cache_sync, drift
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
@@ -81,6 +81,9 @@ class Loop:
     _problems: dict[tuple[str, str], tuple[Problem, ...]] = field(default_factory=dict)
     _pods_unreadable: bool = False  # logged once: without RBAC for pods, Scheduled stays Unknown
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    # Per endpoint: what the last resync round saw of it (drift.py), to skip endpoints at rest.
+    _seen: dict[tuple[str, str], drift.Seen] = field(default_factory=dict)
+    background: set[asyncio.Task[None]] = field(default_factory=set)  # coalesced passes after child events
 
     def api(self) -> KubeApi:
         if self.credentials is None:
@@ -117,6 +120,8 @@ class Loop:
             fresh = await api.get(ENDPOINT_KIND, *key)
             if fresh is None or fresh["metadata"].get("uid") != meta.get("uid", fresh["metadata"].get("uid")):
                 return {}  # deleted meanwhile (or replaced by a new endpoint of the same name)
+            if fresh["metadata"].get("deletionTimestamp"):
+                return {}  # being deleted: the garbage collector takes the children away, nothing is re-applied
             doc = _plain(fresh)
             meta = doc["metadata"]
             previous = doc.get("status") or {}
@@ -251,7 +256,8 @@ def retry_delay(base_seconds: float, retry: int) -> float:
 
 
 def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: LoginFn = default_login,
-                   resync_seconds: float = 60.0, retry_seconds: float = 10.0) -> kopf.OperatorRegistry:
+                   resync_seconds: float = 60.0, retry_seconds: float = 10.0,
+                   debounce_seconds: float = 0.25) -> kopf.OperatorRegistry:
     """All handlers, in a registry of their own (tests run several operators in one process)."""
     registry = kopf.OperatorRegistry()
     endpoint = (GROUP, VERSION, PLURAL)
@@ -281,25 +287,50 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
     async def endpoint_changed(body: kopf.Body, logger: Any, retry: int = 0, **_: Any) -> None:
         await converge(body, logger, retry)
 
+    async def resync_round(api: KubeApi, logger: Any) -> None:
+        """One round (drift.py): a few lists for every endpoint at once, then a pass only where something
+        changed, a status-only pass where only status moved."""
+        scope = list(namespaces or [])
+        bodies = [b for b in await api.list_endpoints(scope) if not b["metadata"].get("deletionTimestamp")]
+        keys = {(b["metadata"].get("namespace") or "default", b["metadata"]["name"]) for b in bodies}
+        loop.metrics.keep_only(keys)
+        children: list[Object] = []
+        for kind in CHILD_KINDS:
+            children += await api.list_labelled(kind, scope, {ENDPOINT_LABEL: None}) or []
+        try:
+            pods = await api.list_labelled(POD_KIND, scope, {ENDPOINT_LABEL: None, ROLE_LABEL: SERVING}) or []
+        except ApiError as e:
+            if e.status != 403:
+                raise
+            pods = []  # without RBAC for pods: status-only passes follow workload events alone
+        seen = drift.observe(bodies, children, pods)
+        loop._seen = {k: v for k, v in loop._seen.items() if k in keys}
+        for body in bodies:
+            key = (body["metadata"].get("namespace") or "default", body["metadata"]["name"])
+            need = drift.needed(loop._seen.get(key), seen[key])
+            if loop._problems.get(key):
+                need = "apply"  # a child could not be applied last time: try again
+            loop._seen[key] = seen[key]
+            if need is None:
+                continue
+            try:
+                await loop.converge(api, body, logger, apply=need == "apply")
+            except InvalidEndpoint:
+                pass  # the status says why; the next spec change gets a fresh try
+            except ChildrenNotApplied as e:
+                logger.warning("resync of %s: %s", body["metadata"]["name"], e)
+            except Exception:  # one endpoint's trouble must not stop the others' resync
+                loop._seen.pop(key, None)  # look again next round
+                logger.exception("resync of %s failed", body["metadata"]["name"])
+
     async def resync_forever(logger: Any) -> None:
         while True:
             await asyncio.sleep(resync_seconds)
+            started = time.monotonic()
             try:
                 async with loop.api() as api:
-                    bodies = await api.list_endpoints(list(namespaces or []))
-                    loop.metrics.keep_only({(b["metadata"].get("namespace") or "default", b["metadata"]["name"])
-                                            for b in bodies})
-                    for body in bodies:
-                        if body["metadata"].get("deletionTimestamp"):
-                            continue
-                        try:
-                            await loop.converge(api, body, logger)
-                        except InvalidEndpoint:
-                            pass  # the status says why; the next spec change gets a fresh try
-                        except ChildrenNotApplied as e:
-                            logger.warning("resync of %s: %s", body["metadata"]["name"], e)
-                        except Exception:  # one endpoint's trouble must not stop the others' resync
-                            logger.exception("resync of %s failed", body["metadata"]["name"])
+                    await resync_round(api, logger)
+                loop.metrics.resync_rounds.observe(time.monotonic() - started)
             except Exception:
                 logger.exception("resync failed; next try in %s s", resync_seconds)
 
@@ -309,27 +340,46 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
 
     @kopf.on.cleanup(registry=registry)
     async def stop_resync(**_: Any) -> None:
+        for task in list(loop.background):
+            task.cancel()
         if loop.resync_task is not None:
             loop.resync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop.resync_task
+
+    # Child events come in bursts (a rollout moves a workload's status many times a second): they are
+    # coalesced per endpoint into one pass `debounce_seconds` after the first, applying if any of them was a
+    # deletion.
+    pending: dict[tuple[str, str], tuple[str, bool]] = {}  # endpoint -> (owner uid, apply)
+
+    async def coalesced_pass(key: tuple[str, str], logger: Any) -> None:
+        await asyncio.sleep(debounce_seconds)
+        uid, apply = pending.pop(key)
+        # The uid makes converge skip an endpoint that was deleted, or replaced by one of the same name.
+        body = {"metadata": {"namespace": key[0], "name": key[1], "uid": uid}}
+        try:
+            async with loop.api() as api:
+                await loop.converge(api, body, logger, apply=apply)
+        except (InvalidEndpoint, ChildrenNotApplied):
+            pass  # the status says why; the endpoint's own handler or the resync retries
+        except Exception:
+            logger.exception("pass over %s/%s after a child's event failed; the resync retries", *key)
 
     async def child_event(type: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
         owner = next((r for r in body.metadata.get("ownerReferences") or []
                       if r.get("kind") == KIND and r.get("controller")), None)
         if owner is None:
             return
-        async with loop.api() as api:
-            parent = await api.get(ENDPOINT_KIND, body.metadata.namespace, owner["name"])
-            if parent is None or parent["metadata"].get("deletionTimestamp"):
-                return  # the garbage collector is taking the children away
-            if parent["metadata"].get("uid") != owner.get("uid"):
-                return  # a child of an earlier endpoint of the same name
-            try:
-                # A deleted child is applied again at once; anything else only moves the status.
-                await loop.converge(api, parent, logger, apply=type == "DELETED")
-            except (InvalidEndpoint, ChildrenNotApplied):
-                pass  # the status says why; the endpoint's own handler or the resync retries
+        key = (body.metadata.namespace, owner["name"])
+        apply = type == "DELETED"  # a deleted child is applied again; anything else only moves the status
+        if key in pending:
+            uid, applying = pending[key]
+            pending[key] = (owner.get("uid") or uid, applying or apply)
+            return
+        pending[key] = (owner.get("uid") or "", apply)
+        task = asyncio.create_task(coalesced_pass(key, logger))
+        loop.background.add(task)
+        task.add_done_callback(loop.background.discard)
 
     async def shared_cache_event(body: kopf.Body, logger: Any, **_: Any) -> None:
         """A shared model cache's Job moved (a download finished or failed): every endpoint using it converges,

@@ -21,6 +21,9 @@ class OperatorMetrics:
                                   "(ok, invalid: the spec does not validate, error: retried).", ["result"], registry=r)
         self.reconcile_seconds = Histogram("sluice_operator_reconcile_duration_seconds", "Duration of one "
                                            "reconcile pass over an endpoint.", buckets=RECONCILE_BUCKETS, registry=r)
+        self.resync_rounds = Histogram("sluice_operator_resync_round_duration_seconds", "Duration of one resync "
+                                       "round over every endpoint (its count: rounds done).", buckets=RECONCILE_BUCKETS,
+                                       registry=r)
         self.api_requests = Counter("sluice_operator_api_requests", "Requests the operator made to the Kubernetes "
                                     "API, by method and HTTP status (error: no answer).", ["method", "code"],
                                     registry=r)
