@@ -197,6 +197,10 @@ def test_deployment(rendered: dict[str, list[dict[str, Any]]], mode: str) -> Non
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
     assert container.get("ports", []) == ports
     assert container["args"] == args
+    # ... and are flags `sluice operator` knows (the image's entrypoint is `sluice operator`).
+    from sluice_engine.cli import build_parser
+
+    build_parser(["operator"]).parse_args(["operator", *container["args"]])
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 10001
     sc = container["securityContext"]

@@ -257,6 +257,22 @@ def test_every_expression_parses_and_every_metric_exists() -> None:
         assert name in used, name
 
 
+def test_the_contract_names_series_the_engine_and_the_gateway_export() -> None:
+    """sluice_contract's metric names are what the operator's queries read; the engine keeps its own literals
+    (sluice_engine/metrics.py), so this is where the two meet."""
+    import sluice_contract
+
+    names = {k: v for k, v in vars(sluice_contract).items() if k.endswith("_METRIC")}
+    engine, gateway = set(engine_metrics()), gateway_metrics()
+    for constant, name in names.items():
+        if constant.startswith("ENGINE_"):
+            # a histogram is named without the suffixes the queries add
+            assert name in engine or f"{name}_bucket" in engine, f"{constant} = {name!r}: no engine series"
+        else:
+            assert constant.startswith("GATEWAY_") and name in gateway, f"{constant} = {name!r}: no gateway series"
+    assert len(names) > 20
+
+
 def test_every_recording_rule_is_documented() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     for name in recorded_names() | {r["alert"] for r in monitoring.generic_groups()[0]["rules"] if "alert" in r}:

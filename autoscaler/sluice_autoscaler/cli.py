@@ -1,5 +1,6 @@
-"""`sluice gateway` flags. Imported when the `sluice` parser is built, so only argparse here: aiohttp and grpc
-load when the gateway runs. NOTE: the chart renders these flags; they are a contract like the engine's."""
+"""`sluice gateway` flags. The `sluice` dispatcher imports this module to parse them, so only argparse here:
+aiohttp and grpc load when the gateway runs. NOTE: the chart renders these flags; they are a contract like the
+engine's."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from sluice_contract import (
     GATEWAY_BACKENDS_METRIC,
     GATEWAY_INFLIGHT_METRIC,
     GATEWAY_PENDING_METRIC,
+    GATEWAY_STANDBY_REQUESTS_METRIC,
     SERVING,
     STANDBY,
 )
@@ -100,7 +101,7 @@ class GatewayMetrics:
                                 ["endpoint", "outcome"], registry=self.prom)
         self.retries = Counter("sluice_gateway_retries", "Requests re-sent to another backend.",
                                ["endpoint"], registry=self.prom)
-        self.standby = Counter("sluice_gateway_standby_requests", "Requests sent to a warm-pool backend.",
+        self.standby = Counter(GATEWAY_STANDBY_REQUESTS_METRIC, "Requests sent to a warm-pool backend.",
                                ["endpoint"], registry=self.prom)
         self.refused = Counter("sluice_gateway_refused_requests", "Requests answered before an endpoint was "
                                "known, by reason.", ["reason"], registry=self.prom)

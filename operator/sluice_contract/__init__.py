@@ -72,9 +72,41 @@ def model_names(namespace: str, served: str, scope: str, only_namespace: bool) -
 
 
 # -- metrics the operator's queries read ---------------------------------------------------------------------
+# Series names as Prometheus stores them: a counter's with its _total, a histogram's without the _bucket, _sum
+# or _count the queries add. Read by the autoscaler's query, the rules and the dashboards (sluice_operator:
+# autoscaling.py, monitoring.py, dashboards.py).
+#
+# The gateway's, which it exports under these names.
 GATEWAY_PENDING_METRIC = "sluice_gateway_pending_requests"  # gauge {endpoint}: held for a ready backend
 GATEWAY_INFLIGHT_METRIC = "sluice_gateway_inflight_requests"  # gauge {endpoint}: sent, not finished
 GATEWAY_BACKENDS_METRIC = "sluice_gateway_backends"  # gauge {endpoint, role, state}
+GATEWAY_STANDBY_REQUESTS_METRIC = "sluice_gateway_standby_requests_total"  # counter {endpoint}: sent to the warm pool
+# The engines', one series per replica (the ServiceMonitor adds namespace, sluice_dev_endpoint, sluice_dev_role,
+# pod). The engine names them in sluice_engine/metrics.py; tests/test_monitoring.py checks that it exports each.
+ENGINE_REQUESTS_WAITING_METRIC = "sluice_num_requests_waiting"  # gauge: the queue targetQueueDepth counts
+ENGINE_REQUESTS_RUNNING_METRIC = "sluice_num_requests_running"  # gauge: the running batch
+ENGINE_KV_CACHE_USAGE_METRIC = "sluice_kv_cache_usage_perc"  # gauge, 0-1
+ENGINE_SLO_TTFT_METRIC = "sluice_slo_ttft_seconds"  # gauge: the objective (0: none)
+ENGINE_SLO_TPOT_METRIC = "sluice_slo_tpot_seconds"  # gauge: the objective (0: none)
+ENGINE_GPU_HOUR_USD_METRIC = "sluice_gpu_hour_usd"  # gauge: price of a GPU-hour (0: not set)
+ENGINE_GPUS_METRIC = "sluice_num_gpus"  # gauge; present on every loaded replica, so it also lists endpoints
+ENGINE_PROMPT_TOKENS_METRIC = "sluice_prompt_tokens_total"
+ENGINE_GENERATION_TOKENS_METRIC = "sluice_generation_tokens_total"
+ENGINE_PREFIX_CACHE_QUERIES_METRIC = "sluice_prefix_cache_queries_total"  # prompt tokens looked up
+ENGINE_PREFIX_CACHE_HITS_METRIC = "sluice_prefix_cache_hits_total"  # prompt tokens found
+ENGINE_PREEMPTIONS_METRIC = "sluice_num_preemptions_total"
+ENGINE_FINISHED_REQUESTS_METRIC = "sluice_request_success_total"  # {finished_reason}
+ENGINE_SLO_CHECKED_METRIC = "sluice_request_slo_total"  # completed requests checked against the SLO
+ENGINE_GOODPUT_METRIC = "sluice_request_goodput_total"  # ... of which met every objective set
+ENGINE_SLO_MET_METRIC = "sluice_request_slo_met_total"  # {objective}: ... of which met that one
+ENGINE_BUSY_SECONDS_METRIC = "sluice_engine_busy_seconds_total"  # {phase}: prefill or decode
+ENGINE_TTFT_METRIC = "sluice_time_to_first_token_seconds"  # histogram
+ENGINE_TPOT_METRIC = "sluice_request_time_per_output_token_seconds"  # histogram
+ENGINE_ITL_METRIC = "sluice_inter_token_latency_seconds"  # histogram
+ENGINE_E2E_LATENCY_METRIC = "sluice_e2e_request_latency_seconds"  # histogram
+ENGINE_QUEUE_TIME_METRIC = "sluice_request_queue_time_seconds"  # histogram
+ENGINE_PREFILL_TIME_METRIC = "sluice_request_prefill_time_seconds"  # histogram
+ENGINE_ITERATION_TOKENS_METRIC = "sluice_iteration_tokens"  # histogram: tokens per engine step
 # The external scaler's metric (GetMetricSpec / GetMetrics): held + in-flight requests over every gateway
 # replica, per serving replica of the endpoint.
 SCALER_METRIC_NAME = "sluice-gateway-demand"

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice_contract import GATEWAY_BACKENDS_METRIC, GATEWAY_PENDING_METRIC, TRIGGER_ENDPOINT, TRIGGER_MODEL
+from sluice_contract import (
+    ENGINE_REQUESTS_WAITING_METRIC,
+    GATEWAY_BACKENDS_METRIC,
+    GATEWAY_PENDING_METRIC,
+    TRIGGER_ENDPOINT,
+    TRIGGER_MODEL,
+)
 from sluice_contract import endpoint_key as contract_endpoint_key
 
 from .config import OperatorConfig
@@ -34,7 +40,7 @@ KEDA_SUPPORTED = (f"KEDA >= {'.'.join(map(str, KEDA_MIN_VERSION))} (tested with 
 
 POLLING_INTERVAL_S = 15
 FAILURE_THRESHOLD = 3  # failed reads of a trigger before KEDA holds the fallback replicas
-QUEUE_METRIC = "sluice_num_requests_waiting"  # an engine metric: a contract (docs/engine-flags.md)
+QUEUE_METRIC = ENGINE_REQUESTS_WAITING_METRIC  # the engines' queue, the unit of targetQueueDepth
 # The ServiceMonitor copies the Service's sluice.dev/endpoint label onto every series under this name.
 ENDPOINT_METRIC_LABEL = "sluice_dev_endpoint"
 # The external scaler's metadata: which of the gateway's counts to report ("queue": the requests it holds,

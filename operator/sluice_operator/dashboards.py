@@ -19,6 +19,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sluice_contract import (
+    ENGINE_BUSY_SECONDS_METRIC,
+    ENGINE_E2E_LATENCY_METRIC,
+    ENGINE_FINISHED_REQUESTS_METRIC,
+    ENGINE_GPU_HOUR_USD_METRIC,
+    ENGINE_GPUS_METRIC,
+    ENGINE_ITERATION_TOKENS_METRIC,
+    ENGINE_ITL_METRIC,
+    ENGINE_KV_CACHE_USAGE_METRIC,
+    ENGINE_PREEMPTIONS_METRIC,
+    ENGINE_PREFILL_TIME_METRIC,
+    ENGINE_PREFIX_CACHE_HITS_METRIC,
+    ENGINE_PREFIX_CACHE_QUERIES_METRIC,
+    ENGINE_QUEUE_TIME_METRIC,
+    ENGINE_REQUESTS_RUNNING_METRIC,
+    ENGINE_REQUESTS_WAITING_METRIC,
+    ENGINE_SLO_TPOT_METRIC,
+    ENGINE_SLO_TTFT_METRIC,
+    ENGINE_TPOT_METRIC,
+    ENGINE_TTFT_METRIC,
+    GATEWAY_BACKENDS_METRIC,
+    GATEWAY_INFLIGHT_METRIC,
+    GATEWAY_PENDING_METRIC,
+    GATEWAY_STANDBY_REQUESTS_METRIC,
+)
+
 from . import monitoring as m
 from .monitoring import EP, ROLE, Scope
 
@@ -127,14 +153,20 @@ def _quantiles(s: Scope, histogram: str) -> list[dict[str, Any]]:
     return [target(m.quantile(s, histogram, q, W), f"p{round(float(q) * 100)}") for q in m.QUANTILES]
 
 
+def _mean_by_pod(s: Scope, histogram: str) -> str:
+    """A histogram's mean per replica over the window: the rate of its sum over the rate of its count."""
+    return (f"sum by (pod) (rate({s.sel(histogram + '_sum')}[{W}])) / "
+            f"sum by (pod) (rate({s.sel(histogram + '_count')}[{W}]))")
+
+
 def endpoint_dashboard() -> Dashboard:
     s = ENDPOINT
     objective = "max({}) > 0"  # an SLO gauge, drawn only where the objective is set
     d = Dashboard("sluice-endpoint", "Sluice / Endpoint", (
         "One InferenceEndpoint: goodput against its SLO, latency percentiles, throughput, queue and replicas, "
         "KV and prefix cache, cost per 1M tokens. Definitions: docs/metrics.md."),
-        [variable("namespace", "Namespace", "label_values(sluice_num_gpus, namespace)"),
-         variable("endpoint", "Endpoint", f'label_values(sluice_num_gpus{{namespace="$namespace"}}, {EP})')])
+        [variable("namespace", "Namespace", f"label_values({ENGINE_GPUS_METRIC}, namespace)"),
+         variable("endpoint", "Endpoint", f'label_values({ENGINE_GPUS_METRIC}{{namespace="$namespace"}}, {EP})')])
     d.panels = [
         row("Goodput and SLO"),
         stat("Goodput", "Completed requests per second that met every objective set.", m.goodput(s, W), "reqps"),
@@ -150,7 +182,7 @@ def endpoint_dashboard() -> Dashboard:
                    "request by reason (stop, length, abort, error).", [
                        target(m.goodput(s, W), "goodput"),
                        target(m.completed(s, W), "completed"),
-                       target(f"sum by (finished_reason) (rate({s.sel('sluice_request_success_total')}[{W}]))",
+                       target(f"sum by (finished_reason) (rate({s.sel(ENGINE_FINISHED_REQUESTS_METRIC)}[{W}]))",
                               "finished: {{finished_reason}}")], "reqps", width=12),
         timeseries("SLO attainment", "The fraction of completed requests that met the SLO, overall and per "
                    "objective (an objective that is not set is met trivially).", [
@@ -158,58 +190,57 @@ def endpoint_dashboard() -> Dashboard:
                        target(m.objective_attainment(s, W), "{{objective}}")], "percentunit", width=12, hi=1),
         row("Latency"),
         timeseries("Time to first token", "TTFT percentiles (arrival to first token) and the objective.", [
-            *_quantiles(s, "sluice_time_to_first_token_seconds"),
-            target(objective.format(s.sel("sluice_slo_ttft_seconds")), "objective")], "s"),
+            *_quantiles(s, ENGINE_TTFT_METRIC),
+            target(objective.format(s.sel(ENGINE_SLO_TTFT_METRIC)), "objective")], "s"),
         timeseries("Time per output token", "TPOT percentiles per completed request (vLLM's: first token "
                    "excluded) and the objective.", [
-                       *_quantiles(s, "sluice_request_time_per_output_token_seconds"),
-                       target(objective.format(s.sel("sluice_slo_tpot_seconds")), "objective")], "s"),
+                       *_quantiles(s, ENGINE_TPOT_METRIC),
+                       target(objective.format(s.sel(ENGINE_SLO_TPOT_METRIC)), "objective")], "s"),
         timeseries("Inter-token latency", "Time between a request's successive output steps.",
-                   _quantiles(s, "sluice_inter_token_latency_seconds"), "s"),
+                   _quantiles(s, ENGINE_ITL_METRIC), "s"),
         timeseries("End-to-end latency", "Arrival to last token, completed requests.",
-                   _quantiles(s, "sluice_e2e_request_latency_seconds"), "s"),
+                   _quantiles(s, ENGINE_E2E_LATENCY_METRIC), "s"),
         timeseries("Queue time", "Arrival to first scheduled, completed requests.",
-                   _quantiles(s, "sluice_request_queue_time_seconds"), "s"),
+                   _quantiles(s, ENGINE_QUEUE_TIME_METRIC), "s"),
         timeseries("Prefill time", "First scheduled to first token, completed requests.",
-                   _quantiles(s, "sluice_request_prefill_time_seconds"), "s"),
+                   _quantiles(s, ENGINE_PREFILL_TIME_METRIC), "s"),
         row("Throughput"),
         timeseries("Tokens per second", "Prompt tokens (prefix-cache hits included) and generated tokens.", [
             target(m.token_rate(s, "prompt", W), "prompt"),
             target(m.token_rate(s, "generation", W), "generation")], "short"),
         timeseries("Tokens per engine step", "Mean tokens computed per step, per replica: how full the batches "
-                   "are.", [target(f"sum by (pod) (rate({s.sel('sluice_iteration_tokens_sum')}[{W}])) / sum by "
-                                   f"(pod) (rate({s.sel('sluice_iteration_tokens_count')}[{W}]))", "{{pod}}")],
+                   "are.", [target(_mean_by_pod(s, ENGINE_ITERATION_TOKENS_METRIC), "{{pod}}")],
                    "short"),
         timeseries("Engine busy time", "Seconds per second each replica spends in engine steps, by phase (the "
                    "basis of the cost split).", [
-                       target(f"sum by (pod, phase) (rate({s.sel('sluice_engine_busy_seconds_total')}[{W}]))",
+                       target(f"sum by (pod, phase) (rate({s.sel(ENGINE_BUSY_SECONDS_METRIC)}[{W}]))",
                               "{{pod}} {{phase}}")], "percentunit"),
         row("Queue and replicas"),
         timeseries("Requests", "Running and waiting in the engines; held (no ready backend) and in flight at the "
                    "gateway.", [
-                       target(f"sum({s.sel('sluice_num_requests_running')})", "running"),
-                       target(f"sum({s.sel('sluice_num_requests_waiting')})", "waiting in engines"),
-                       target(f"sum({s.gw('sluice_gateway_pending_requests')})", "held by the gateway"),
-                       target(f"sum({s.gw('sluice_gateway_inflight_requests')})", "in flight at the gateway")],
+                       target(f"sum({s.sel(ENGINE_REQUESTS_RUNNING_METRIC)})", "running"),
+                       target(f"sum({s.sel(ENGINE_REQUESTS_WAITING_METRIC)})", "waiting in engines"),
+                       target(f"sum({s.gw(GATEWAY_PENDING_METRIC)})", "held by the gateway"),
+                       target(f"sum({s.gw(GATEWAY_INFLIGHT_METRIC)})", "in flight at the gateway")],
                    "short"),
         timeseries("Replicas", "Backends as the gateway sees them (by role and readiness), and engines "
                    "Prometheus scrapes (by role).", [
-                       target(f"sum by (role, state) ({s.gw('sluice_gateway_backends')})",
+                       target(f"sum by (role, state) ({s.gw(GATEWAY_BACKENDS_METRIC)})",
                               "{{role}} {{state}} (gateway)"),
-                       target(f"count by ({ROLE}) ({s.sel('sluice_num_gpus')})", f"{{{{{ROLE}}}}} (scraped)")],
+                       target(f"count by ({ROLE}) ({s.sel(ENGINE_GPUS_METRIC)})", f"{{{{{ROLE}}}}} (scraped)")],
                    "short"),
         timeseries("Preemptions and warm-pool requests", "Requests preempted by recompute, and requests the "
                    "gateway sent to the warm pool.", [
-                       target(f"sum(rate({s.sel('sluice_num_preemptions_total')}[{W}]))", "preemptions"),
-                       target(f"sum(rate({s.gw('sluice_gateway_standby_requests_total')}[{W}]))",
+                       target(f"sum(rate({s.sel(ENGINE_PREEMPTIONS_METRIC)}[{W}]))", "preemptions"),
+                       target(f"sum(rate({s.gw(GATEWAY_STANDBY_REQUESTS_METRIC)}[{W}]))",
                               "sent to standby")], "reqps"),
         row("KV cache and prefix cache"),
         timeseries("KV cache usage", "Fraction of KV blocks held by requests, per replica.", [
-            target(f"max by (pod) ({s.sel('sluice_kv_cache_usage_perc')})", "{{pod}}")], "percentunit", width=12,
+            target(f"max by (pod) ({s.sel(ENGINE_KV_CACHE_USAGE_METRIC)})", "{{pod}}")], "percentunit", width=12,
             hi=1),
         timeseries("Prefix cache hit rate", "Prompt tokens served from the prefix cache / prompt tokens looked "
-                   "up.", [target(f"sum(rate({s.sel('sluice_prefix_cache_hits_total')}[{W}])) / "
-                                  f"sum(rate({s.sel('sluice_prefix_cache_queries_total')}[{W}]))", "hit rate")],
+                   "up.", [target(f"sum(rate({s.sel(ENGINE_PREFIX_CACHE_HITS_METRIC)}[{W}])) / "
+                                  f"sum(rate({s.sel(ENGINE_PREFIX_CACHE_QUERIES_METRIC)}[{W}]))", "hit rate")],
                    "percentunit", width=12, hi=1),
         row("Cost"),
         timeseries("USD per 1M tokens", "GPU cost (serving and standby, idle included) split between prompt and "
@@ -218,10 +249,10 @@ def endpoint_dashboard() -> Dashboard:
                        target(m.cost_per_million(s, "generation", W), "generation"),
                        target(m.cost_per_million(s, "total", W), "all tokens")], "currencyUSD"),
         timeseries("USD per hour by role", "What the replicas cost, serving and standby.", [
-            target(f"sum by ({ROLE}) ({s.sel('sluice_num_gpus')} * {s.sel('sluice_gpu_hour_usd')})",
+            target(f"sum by ({ROLE}) ({s.sel(ENGINE_GPUS_METRIC)} * {s.sel(ENGINE_GPU_HOUR_USD_METRIC)})",
                    f"{{{{{ROLE}}}}}")], "currencyUSD"),
         timeseries("GPUs by role", "Accelerators the replicas hold.", [
-            target(f"sum by ({ROLE}) ({s.sel('sluice_num_gpus')})", f"{{{{{ROLE}}}}}")], "short"),
+            target(f"sum by ({ROLE}) ({s.sel(ENGINE_GPUS_METRIC)})", f"{{{{{ROLE}}}}}")], "short"),
     ]
     return d
 
@@ -230,14 +261,14 @@ def overview_dashboard() -> Dashboard:
     s = NAMESPACES
     d = Dashboard("sluice-overview", "Sluice / Overview", (
         "Every InferenceEndpoint of the chosen namespaces side by side. Definitions: docs/metrics.md."),
-        [variable("namespace", "Namespace", "label_values(sluice_num_gpus, namespace)", multi=True)])
+        [variable("namespace", "Namespace", f"label_values({ENGINE_GPUS_METRIC}, namespace)", multi=True)])
     d.panels = [
         timeseries("Goodput", "Completed requests per second that met their SLO.", [target(m.goodput(s, W), WHO)],
                    "reqps"),
         timeseries("SLO attainment", "Goodput / completed requests.", [target(m.attainment(s, W), WHO)],
                    "percentunit", hi=1),
         timeseries("TTFT p99", "Time to first token, 99th percentile.",
-                   [target(m.quantile(s, "sluice_time_to_first_token_seconds", "0.99", W), WHO)], "s"),
+                   [target(m.quantile(s, ENGINE_TTFT_METRIC, "0.99", W), WHO)], "s"),
         timeseries("Generation tokens per second", "Output tokens per second.",
                    [target(m.token_rate(s, "generation", W), WHO)], "short"),
         timeseries("Waiting requests", "Queued in the engines plus held by the gateway.",

@@ -20,14 +20,23 @@ from typing import Any
 
 import yaml
 
-from .autoscaling import (
-    ENDPOINT_METRIC_LABEL,
+from sluice_contract import (
+    ENGINE_BUSY_SECONDS_METRIC,
+    ENGINE_GENERATION_TOKENS_METRIC,
+    ENGINE_GOODPUT_METRIC,
+    ENGINE_GPU_HOUR_USD_METRIC,
+    ENGINE_GPUS_METRIC,
+    ENGINE_PROMPT_TOKENS_METRIC,
+    ENGINE_REQUESTS_RUNNING_METRIC,
+    ENGINE_SLO_CHECKED_METRIC,
+    ENGINE_SLO_MET_METRIC,
+    ENGINE_TPOT_METRIC,
+    ENGINE_TTFT_METRIC,
+    GATEWAY_BACKENDS_METRIC,
     GATEWAY_PENDING_METRIC,
-    QUEUE_METRIC,
-    endpoint_key,
-    engines_waiting,
-    queue_query,
 )
+
+from .autoscaling import ENDPOINT_METRIC_LABEL, QUEUE_METRIC, endpoint_key, engines_waiting, queue_query
 from .config import OperatorConfig
 from .meta import monitoring_meta
 from .spec import InferenceEndpoint
@@ -39,9 +48,10 @@ LEVEL = "sluice_endpoint"  # the recording rules' level (Prometheus naming: leve
 WINDOW = "5m"
 QUANTILES = ("0.5", "0.9", "0.99")
 LATENCIES = (  # recorded name -> engine histogram
-    ("time_to_first_token_seconds", "sluice_time_to_first_token_seconds"),
-    ("time_per_output_token_seconds", "sluice_request_time_per_output_token_seconds"),
+    ("time_to_first_token_seconds", ENGINE_TTFT_METRIC),
+    ("time_per_output_token_seconds", ENGINE_TPOT_METRIC),
 )
+TOKENS = {"prompt": ENGINE_PROMPT_TOKENS_METRIC, "generation": ENGINE_GENERATION_TOKENS_METRIC}
 DEFAULT_SLO_TARGET = 0.99
 # Multi-window, multi-burn-rate alerts (the Google SRE workbook's, for a 30-day budget): (name, burn rate,
 # long window, short window, for, severity). 14.4x spends 2% of the budget in 1h; 6x spends 5% in 6h.
@@ -92,12 +102,12 @@ def _rate(s: Scope, metric: str, w: str, *extra: str, by: str = BY) -> str:
 
 def goodput(s: Scope, w: str = WINDOW) -> str:
     """Completed requests per second that met every objective set."""
-    return _rate(s, "sluice_request_goodput_total", w)
+    return _rate(s, ENGINE_GOODPUT_METRIC, w)
 
 
 def completed(s: Scope, w: str = WINDOW) -> str:
     """Completed requests per second checked against the SLO (the attainment's denominator)."""
-    return _rate(s, "sluice_request_slo_total", w)
+    return _rate(s, ENGINE_SLO_CHECKED_METRIC, w)
 
 
 def attainment(s: Scope, w: str = WINDOW) -> str:
@@ -106,7 +116,7 @@ def attainment(s: Scope, w: str = WINDOW) -> str:
 
 def objective_attainment(s: Scope, w: str = WINDOW) -> str:
     """Attainment per objective (label `objective`: ttft, tpot): which one is missed."""
-    met = _rate(s, "sluice_request_slo_met_total", w, by=f"{BY}, objective")
+    met = _rate(s, ENGINE_SLO_MET_METRIC, w, by=f"{BY}, objective")
     return f"{met} / ignoring (objective) group_left {completed(s, w)}"
 
 
@@ -116,18 +126,17 @@ def quantile(s: Scope, histogram: str, q: str, w: str = WINDOW, by: str = BY) ->
 
 def token_rate(s: Scope, kind: str, w: str = WINDOW) -> str:
     """Tokens per second; kind: prompt or generation."""
-    return _rate(s, f"sluice_{kind}_tokens_total", w)
+    return _rate(s, TOKENS[kind], w)
 
 
 def cost_per_second(s: Scope, by: str = BY) -> str:
     """USD per second the endpoint's engines cost, serving and standby, busy or idle (docs/metrics.md)."""
-    return f"sum by ({by}) ({s.sel('sluice_num_gpus')} * {s.sel('sluice_gpu_hour_usd')}) / 3600"
+    return f"sum by ({by}) ({s.sel(ENGINE_GPUS_METRIC)} * {s.sel(ENGINE_GPU_HOUR_USD_METRIC)}) / 3600"
 
 
 def busy_share(s: Scope, phase: str, w: str = WINDOW) -> str:
     """The fraction of engine time spent on `phase` work (prefill or decode): the cost attribution."""
-    busy = "sluice_engine_busy_seconds_total"
-    only = f'phase="{phase}"'
+    busy, only = ENGINE_BUSY_SECONDS_METRIC, f'phase="{phase}"'
     return f"{_rate(s, busy, w, only)} / {_rate(s, busy, w)}"
 
 
@@ -159,13 +168,13 @@ def queued(s: Scope) -> str:
 def ready_replicas(s: Scope) -> str:
     """Ready backends as the gateway sees them (serving and standby); without the gateway's series, the
     engines Prometheus scrapes (an engine serves /metrics only once its model is loaded)."""
-    ready = _gateway_by_endpoint(s, "sluice_gateway_backends", 'state="ready"')
+    ready = _gateway_by_endpoint(s, GATEWAY_BACKENDS_METRIC, 'state="ready"')
     return (f"sum by ({BY}) ({ready}) "
-            f"or count by ({BY}) ({s.sel('sluice_num_requests_running')})")
+            f"or count by ({BY}) ({s.sel(ENGINE_REQUESTS_RUNNING_METRIC)})")
 
 
 def engines_by_role(s: Scope) -> str:
-    return f"count by ({BY}, {ROLE}) ({s.sel('sluice_num_gpus')})"
+    return f"count by ({BY}, {ROLE}) ({s.sel(ENGINE_GPUS_METRIC)})"
 
 
 def no_ready_replica(s: Scope) -> str:

@@ -1,5 +1,5 @@
-"""`sluice bench`: its flags (argparse only, imported when the parser is built) and the command itself
-(imports aiohttp, tqdm and the tokenizer only when it runs)."""
+"""`sluice bench`: its flags (argparse only, imported by the `sluice` dispatcher to parse them) and the command
+itself (imports aiohttp, tqdm and the tokenizer only when it runs)."""
 
 from __future__ import annotations
 
