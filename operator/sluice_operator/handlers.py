@@ -84,6 +84,10 @@ class Loop:
     # Per endpoint: what the last resync round saw of it (drift.py), to skip endpoints at rest.
     _seen: dict[tuple[str, str], drift.Seen] = field(default_factory=dict)
     background: set[asyncio.Task[None]] = field(default_factory=set)  # coalesced passes after child events
+    # Passes at once, over all endpoints: hundreds of endpoints created together (an Argo CD sync, an operator
+    # restart) queue here instead of flooding the API server until its requests time out.
+    max_concurrent_passes: int = 16
+    _passes: asyncio.Semaphore | None = None
 
     def api(self) -> KubeApi:
         if self.credentials is None:
@@ -97,6 +101,13 @@ class Loop:
         when a child could not be applied."""
         meta = _plain(body)["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
+        if self._passes is None:
+            self._passes = asyncio.Semaphore(self.max_concurrent_passes)
+        async with self._passes:
+            return await self._timed_converge(api, body, logger, apply, key)
+
+    async def _timed_converge(self, api: KubeApi, body: Any, logger: logging.Logger | logging.LoggerAdapter,
+                              apply: bool, key: tuple[str, str]) -> Object:
         started, result = time.monotonic(), "error"
         try:
             status = await self._converge(api, body, logger, apply)
