@@ -38,6 +38,34 @@ def test_render_several_documents(tmp_path, capsys):
     assert len(kinds) == sum(len(reconcile(parse_endpoint(load_yaml(p)))) for p in EXAMPLES[:2])
 
 
+def _serve_args(manifests: list[dict]) -> list[str]:
+    workload = next(m for m in manifests if m["kind"] in ("Deployment", "LeaderWorkerSet"))
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    engine = next(c for c in containers if c["name"] == "engine")
+    return engine["args"]
+
+
+def test_quantization_renders_the_engine_flag_only_when_set(tmp_path, capsys):
+    base = ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: q, namespace: ml}\n"
+            "spec: {model: {uri: 'hf://org/m'}%s}\n")
+    unset = reconcile(parse_endpoint(yaml.safe_load(base % "")))
+    assert "--quantization" not in _serve_args(unset)
+    for engine, accelerator, value in (("{quantization: awq}", "", "awq"),
+                                       ("{quantization: q8_0}", ", accelerator: {type: cpu}", "q8_0"),
+                                       ("{quantization: auto}", "", "auto")):
+        path = tmp_path / "q.yaml"
+        path.write_text(base % (f", engine: {engine}{accelerator}"))
+        assert main(["render", "-f", str(path)]) == 0
+        args = _serve_args(list(yaml.safe_load_all(capsys.readouterr().out)))
+        i = args.index("--quantization")
+        assert args[i + 1] == value
+        # Everything else is as without the field: setting it changes only this flag.
+        path.write_text(base % accelerator)
+        main(["render", "-f", str(path)])
+        without = _serve_args(list(yaml.safe_load_all(capsys.readouterr().out)))
+        assert args[:i] + args[i + 2:] == without
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
      "spec: {model: {uri: 'hf://a/b'}, scaling: {minReplicas: 3, maxReplicas: 2}}\n",
@@ -45,6 +73,9 @@ def test_render_several_documents(tmp_path, capsys):
     ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
      "spec: {model: {uri: 'hf://a/b'}, engine: {args: {device: cpu}}}\n",
      "spec.engine.args: 'device' is set by the operator from accelerator.type"),
+    ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
+     "spec: {model: {uri: 'hf://a/b'}, engine: {quantization: gptq}, accelerator: {type: cpu}}\n",
+     "spec: engine.quantization fp8, awq and gptq run on GPUs only (Triton kernels) and accelerator.type is cpu"),
     ("apiVersion: sluice.dev/v1\nkind: InferenceEndpoint\nmetadata: {name: x}\nspec: {model: {uri: 'hf://a/b'}}\n",
      "apiVersion: Input should be 'sluice.dev/v1alpha1'"),
     ("spec: [unclosed", "not valid YAML"),

@@ -111,6 +111,14 @@ INVALID = [
     pytest.param(with_spec(parallelism={"nodes": 0}),
                  "spec.parallelism.nodes: Input should be greater than or equal to 1",
                  "0 is less than the minimum of 1", id="nodes-zero"),
+    pytest.param(with_spec(accelerator={"type": "cpu"}, engine={"quantization": "awq"}),
+                 "spec: engine.quantization fp8, awq and gptq run on GPUs only",
+                 "engine.quantization fp8, awq and gptq run on GPUs only", id="awq-on-cpu"),
+    pytest.param(with_spec(engine={"quantization": "q4_1"}),
+                 "spec: engine.quantization q8_0, q4_0 and q4_1 (GGUF) run on CPUs only",
+                 "engine.quantization q8_0, q4_0 and q4_1 (GGUF) run on CPUs only", id="gguf-on-gpu"),
+    pytest.param(with_spec(engine={"quantization": "int8"}), "spec.engine.quantization: Input should be",
+                 "spec.engine.quantization: 'int8' is not one of", id="unknown-quantization"),
     pytest.param(with_spec(accelerator={"type": "cpu", "product": "NVIDIA-L4"}),
                  "spec.accelerator: accelerator.product and accelerator.gpusPerNode apply to GPUs only",
                  "accelerator.product and accelerator.gpusPerNode apply to GPUs only", id="cpu-product"),
@@ -250,3 +258,36 @@ def test_engine_args_values_and_rendering():
     assert render_args({"max-num-seqs": 8, "no-prefix-caching": "true", "kv-cache-memory": "1GiB"}) == [
         "--max-num-seqs", "8", "--no-prefix-caching", "--kv-cache-memory", "1GiB"]
     assert render_args({"no-prefix-caching": "false"}) == []
+
+
+QUANT_ACCEPTED = [(q, acc) for q in ("auto", "none", "q8_0", "q4_0", "q4_1", "fp8", "awq", "gptq")
+                  for acc in ("gpu", "cpu")
+                  if not (acc == "cpu" and q in ("fp8", "awq", "gptq")) and not (acc == "gpu" and q.startswith("q"))]
+
+
+@pytest.mark.parametrize(("quantization", "accelerator"), QUANT_ACCEPTED)
+def test_quantization_the_accelerator_runs_passes_both_validators(quantization, accelerator, schema):
+    doc = with_spec(engine={"quantization": quantization}, accelerator={"type": accelerator})
+    assert parse_endpoint(doc).spec.engine.quantization == quantization
+    assert api_server_errors(schema, doc) == []
+    assert parse_endpoint(BASE).spec.engine.quantization is None  # unset by default: no flag rendered
+
+
+def test_quantization_choices_match_the_engine():
+    """spec.engine.quantization's enum is the engine's --quantization choices; the engine refuses (for now)
+    every format but auto and none, with a message that names the flag."""
+    from sluice_engine.config import EngineConfig
+    from sluice_engine.serve_cli import add_engine_args
+    from sluice_operator.spec import QUANTIZATIONS
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    action = next(a for a in p._actions if "--quantization" in a.option_strings)
+    assert tuple(action.choices) == QUANTIZATIONS and action.default is None
+    for q in ("auto", "none", None):
+        EngineConfig(quantization=q)
+    for q in ("fp8", "awq", "gptq", "q4_1"):
+        with pytest.raises(ValueError, match=f"--quantization {q}: this engine build cannot serve"):
+            EngineConfig(quantization=q)
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        EngineConfig(quantization="int8")

@@ -49,12 +49,20 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-disable-batch-size must be >= 1, got {self.disable_batch_size}")
 
 
+# --quantization: the weight formats the flag names (the operator's engine.quantization has the same list).
+# NOTE: the Triton kernels for fp8/awq/gptq (sluice_engine/quant) are not wired into model loading yet, so
+# this build refuses every format but auto and none (a checkpoint that declares one is not loaded as dense).
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "fp8", "awq", "gptq")
+SERVED_QUANTIZATIONS = ("auto", "none")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    quantization: str | None = None  # None: auto; see QUANTIZATIONS
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: derived from the device
     gpu_memory_utilization: float = 0.9
@@ -101,6 +109,12 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization}")
+        if self.quantization is not None and self.quantization not in SERVED_QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization}: this engine build cannot serve quantized weights "
+                             f"yet (kernels exist but are not wired into model loading); use "
+                             f"{' or '.join(SERVED_QUANTIZATIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):

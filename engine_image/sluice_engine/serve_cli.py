@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import EngineConfig, parse_size
+from .config import QUANTIZATIONS, EngineConfig, parse_size
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="weight format: auto (what the checkpoint declares), none (dense); GPU: fp8, awq, gptq; "
+                        "CPU (GGUF): q8_0, q4_0, q4_1. This build serves dense weights only and refuses the others")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache budget, e.g. 512MiB or 4GiB (default: 1GiB on CPU; on CUDA what "

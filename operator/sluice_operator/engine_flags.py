@@ -12,6 +12,7 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "served-model-name": "model.servedName",
     "dtype": "engine.dtype",
     "max-model-len": "engine.maxModelLen",
+    "quantization": "engine.quantization",
     "device": "accelerator.type",
     "host": "(always 0.0.0.0 in a pod)",
     "port": "(always 8000 in a pod)",

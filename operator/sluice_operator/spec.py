@@ -206,6 +206,13 @@ _ARGS_SCHEMA = {
 }
 
 
+# engine.quantization: which accelerator runs which format (the GPU ones are Triton kernels, the GGUF ones the
+# CPU kernels). NOTE: the same names as the engine's --quantization choices (a test compares them).
+GPU_QUANTIZATIONS = ("fp8", "awq", "gptq")
+CPU_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")
+QUANTIZATIONS = ("auto", "none", *CPU_QUANTIZATIONS, *GPU_QUANTIZATIONS)
+
+
 class Engine(_Object):
     """The serving engine container."""
 
@@ -217,6 +224,11 @@ class Engine(_Object):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU).")
     max_model_len: int | None = Field(None, ge=1, description="Context window. Default: the model's.")
+    quantization: Literal[QUANTIZATIONS] | None = Field(None, description=(
+        "Weight format the engine serves (flag --quantization). auto: what the checkpoint declares "
+        "(config.json quantization_config, or the GGUF file's type); none: dense weights. GPU only: fp8 "
+        "(e4m3 weights, per-tensor or per-channel scales), awq, gptq (4-bit, group-wise). CPU only: the GGUF "
+        "formats q8_0, q4_0, q4_1. Default: unset (the engine's default)."))
 
     @field_validator("args")
     @classmethod
@@ -504,6 +516,12 @@ _P = "(has(self.parallelism) ? self.parallelism.pipeline : 1)"
 _HAS_G = "has(self.accelerator) && has(self.accelerator.gpusPerNode)"
 _G = "self.accelerator.gpusPerNode"
 _HAS_N = "has(self.parallelism) && has(self.parallelism.nodes)"
+_HAS_Q = "has(self.engine) && has(self.engine.quantization)"
+_CPU = "(has(self.accelerator) && self.accelerator.type == 'cpu')"
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 _N = "self.parallelism.nodes"
 
 
@@ -531,6 +549,16 @@ class EndpointSpec(_Object):
              lambda s: (lambda t, p, g, n: n is None or g is None or t * p // n <= g)(
                  *_tp(s), s.parallelism.nodes),
              field_path=".parallelism"),
+        Rule(f"!({_HAS_Q}) || !{_CPU} || !(self.engine.quantization in {_cel_list(GPU_QUANTIZATIONS)})",
+             "engine.quantization fp8, awq and gptq run on GPUs only (Triton kernels) and accelerator.type is cpu; "
+             "on a CPU use q8_0, q4_0, q4_1 (GGUF), none or auto",
+             lambda s: s.accelerator.type != "cpu" or s.engine.quantization not in GPU_QUANTIZATIONS,
+             field_path=".engine"),
+        Rule(f"!({_HAS_Q}) || {_CPU} || !(self.engine.quantization in {_cel_list(CPU_QUANTIZATIONS)})",
+             "engine.quantization q8_0, q4_0 and q4_1 (GGUF) run on CPUs only (accelerator.type cpu); on a GPU "
+             "use fp8, awq, gptq, none or auto",
+             lambda s: s.accelerator.type == "cpu" or s.engine.quantization not in CPU_QUANTIZATIONS,
+             field_path=".engine"),
     )
     model: ModelSource = Field(description="The model to serve.")
     engine: Engine = Field(default_factory=Engine, description="The engine container.")
