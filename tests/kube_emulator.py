@@ -11,6 +11,8 @@ kmock (by kopf's author) stores objects as plain JSON and merges every PATCH. `A
   (the operator's resync tells objects at rest by their versions);
 - optimistic concurrency: a write that names a resourceVersion other than the stored one gets 409 Conflict
   (leader election's Lease updates rely on it);
+- label selectors on lists (`k=v`, `k!=v`, `k`, `!k`), as the API server filters them (kmock returns every
+  object of the kind);
 - resource types left out, as a cluster without a CRD serves them (`absent`), and writes refused as an
   admission webhook or a validation rule would refuse them (`refuse`).
 """
@@ -63,6 +65,14 @@ class ApiServer(kmock.KubernetesEmulator):
         # One write at a time: ownership is computed from the stored object, which must not change meanwhile.
         async with self._writes:
             return await super()._handle(self._bookkeeping(request))
+
+    async def _serve_list(self, request: Any) -> Any:
+        payload = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            payload["items"] = [o for o in payload["items"]
+                                if _selects(selector, (o.get("metadata") or {}).get("labels") or {})]
+        return payload
 
     def _stored(self, request: Any) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
@@ -122,6 +132,23 @@ class ApiServer(kmock.KubernetesEmulator):
         if message is not None:
             kind = data.get("kind", plural)
             raise Invalid(message=f'{kind} "{name}" is invalid: {message}')
+
+
+def _selects(selector: str, labels: dict[str, str]) -> bool:
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            ok = labels.get(key) != value
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            ok = labels.get(key) == value
+        elif term.startswith("!"):
+            ok = term[1:] not in labels
+        else:
+            ok = term in labels
+        if not ok:
+            return False
+    return True
 
 
 def _rewrite(request: Any, **fields: Any) -> None:
