@@ -99,3 +99,77 @@ def test_shapes_refused(lib):
         QuantLinear(torch.zeros(4, 20, dtype=torch.uint8), "q4_1", 40, None, lib)
     with pytest.raises(ValueError, match=r"uint8 \[N, 40\]"):
         QuantLinear(torch.zeros(4, 36, dtype=torch.uint8), "q4_1", 64, None, lib)
+
+
+# -- the bundled model: its GGUF blocks loaded as they are, served end to end --------------------------
+@pytest.fixture(scope="module")
+def bundled_gguf(model_dir):
+    from sluice_engine.model_fetch import gguf_source
+
+    return gguf_source(None)  # the Q4_1 file the fp32 model was converted from (fetched once if need be)
+
+
+def test_gguf_blocks_are_the_converted_weights(model_dir, bundled_gguf):
+    """Blocks read from the GGUF, rows un-permuted, dequantize to exactly the fp32 weights transformers
+    converted from the same file: the loader's names, row order and layout are right."""
+    from safetensors import safe_open
+
+    from sluice_engine.models.quant_loader import GGUFBlocks
+
+    gguf = GGUFBlocks(bundled_gguf)
+    cases = [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),
+             ("blk.29.attn_k.weight", "model.layers.29.self_attn.k_proj.weight", 3),
+             ("blk.7.attn_v.weight", "model.layers.7.self_attn.v_proj.weight", None),
+             ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None),
+             ("blk.12.ffn_up.weight", "model.layers.12.mlp.up_proj.weight", None),
+             ("token_embd.weight", "model.embed_tokens.weight", None)]
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as st:
+        for name, hf_name, heads in cases:
+            fmt = gguf.format(name)
+            assert fmt == ("q8_0" if name == "token_embd.weight" else "q4_1")
+            w = dequantize_rows(torch.from_numpy(np.array(gguf.rows(name, heads))), fmt)
+            assert torch.equal(w, st.get_tensor(hf_name)), name
+
+
+def test_quantization_flag_refusals():
+    from sluice_engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="awq weights need CUDA kernels; on CPU"):
+        EngineConfig(device="cpu", quantization="awq")
+    with pytest.raises(ValueError, match="q4_1 kernels run on CPU only"):
+        EngineConfig(device="cuda", quantization="q4_1")
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        EngineConfig(quantization="int3")
+
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+           "Explain photosynthesis in one sentence.", "List three colors:"]
+
+
+def test_bundled_model_served_q4_1_matches_fp32(model_dir, bundled_gguf):
+    """LLM with --quantization q4_1 (the GGUF's Q4_1 layers and Q8_0 tied output layer, never
+    dequantized) against the default fp32 model (the same weights, dequantized at conversion): same
+    weights, different summation order, so greedy tokens should agree but for near-ties."""
+    from sluice_engine.cpu_kernels.quant import QuantEmbedding
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    fp32 = LLM(device="cpu", kv_cache_memory=64 << 20)
+    expected = fp32.generate(PROMPTS, params)
+    del fp32
+    q = LLM(device="cpu", kv_cache_memory=64 << 20, quantization="q4_1")
+    model = q.engine.runner.model
+    assert model.layers[0].mlp.down_proj.fmt == "q4_1" and model.lm_head.fmt == "q8_0"
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no fp32 matrix left
+    got = q.generate(PROMPTS, params)
+    same = [a.token_ids == b.token_ids for a, b in zip(expected, got, strict=True)]
+    print(f"greedy agreement q4_1 vs fp32: {sum(same)}/{len(same)} prompts")
+    assert sum(same) >= len(same) - 1
+    # Where the sequences agree, each token's log-probability agrees to float rounding.
+    for a, b, s in zip(expected, got, same, strict=True):
+        if s:
+            lp_a = torch.tensor([lp[0] for lp in a.logprobs])
+            lp_b = torch.tensor([lp[0] for lp in b.logprobs])
+            torch.testing.assert_close(lp_b, lp_a, atol=1e-3, rtol=0)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .quantization import CHOICES as QUANT_CHOICES
+from .quantization import check_device as check_quant_device
+
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -74,6 +77,9 @@ class EngineConfig:
     # A JSON file whose values replace the three above, re-read at every metrics scrape (objectives.py).
     objectives_file: str | None = None
     attention_backend: str = "auto"  # auto | cpu | torch | triton
+    # Weights of the linear layers (quantization.py): none = the dtype's; q8_0/q4_0/q4_1 = GGUF blocks on
+    # CPU; auto = none for now (docs/engine-flags.md).
+    quantization: str = "auto"
     seed: int = 0
     # Speculative decoding (None: off). See spec_decode/proposer.py.
     speculative_method: str | None = None
@@ -105,6 +111,10 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend}")
+        if self.quantization not in QUANT_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, got {self.quantization}")
+        if self.device != "auto":
+            check_quant_device(self.quantization, self.device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:

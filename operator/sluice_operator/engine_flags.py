@@ -44,6 +44,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "step-timeout": float,
     "shutdown-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
+    "quantization": ("auto", "none", "q8_0", "q4_0", "q4_1", "fp8", "awq", "gptq"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
     "speculative-method": ("ngram", "draft"),
