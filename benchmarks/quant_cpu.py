@@ -2,7 +2,12 @@
 dequantized from the GGUF at conversion; PackedLinear) vs q4_1 (the GGUF's own Q4_1 blocks, and its
 Q8_0 tied output layer; cpu_kernels/quant_gemm.cpp), in one sitting.
 
-    PYTHONPATH=engine_image .venv/bin/python benchmarks/quant_cpu.py      # ~2 min on 2 cores
+    PYTHONPATH=engine_image .venv/bin/python benchmarks/quant_cpu.py            # ~2 min on 2 cores
+    PYTHONPATH=engine_image .venv/bin/python benchmarks/quant_cpu.py --kernels  # the GEMMs alone, ~30 s
+
+--kernels: the 30 decoder layers' four matmuls (576->960, 576->576, 576->3072, 1536->576) at M rows,
+PackedLinear (fp32, gemm.cpp) vs QuantLinear (q4_1, quant_gemm.cpp), random weights of the model's
+shapes, best of 5 rounds (same process, interleaved per row count).
 
 Workload: B identical-length prompts of 32 tokens (fixed ids, seed 0), greedy, ignore_eos, 65 new tokens
 each, B in (1, 8), through `LLM.generate` (the engine's own loop: scheduler, runner, sampler).
@@ -66,13 +71,55 @@ def run_one(quantization: str, batches: list[int]) -> dict:
     return out
 
 
+def kernels(rows: list[int]) -> None:
+    import torch
+
+    from sluice_engine import cpu_kernels
+    from sluice_engine.cpu_kernels.linear import PackedLinear
+    from sluice_engine.cpu_kernels.quant import QuantLinear, quantize_weight
+
+    lib = cpu_kernels.load()
+    g = torch.Generator().manual_seed(0)
+    fp32, q4_1 = [], []
+    for k, n in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
+        w = torch.randn(n, k, generator=g) * 0.05
+        fp32.append(PackedLinear(w, None, lib))
+        q4_1.append(QuantLinear(quantize_weight(w, "q4_1"), "q4_1", k, None, lib))
+
+    def best_ms(layers, xs) -> float:
+        def once() -> float:
+            t = time.perf_counter()
+            for _ in range(30):
+                for layer in layers:
+                    layer(xs[layer.in_features])
+            return time.perf_counter() - t
+
+        once()
+        return min(once() for _ in range(5)) * 1e3
+
+    print(f"{'rows':>5}{'fp32 ms':>10}{'q4_1 ms':>10}{'fp32/q4_1':>11}")
+    for m in rows:
+        xs = {576: torch.randn(m, 576, generator=g), 1536: torch.randn(m, 1536, generator=g)}
+        a, b = best_ms(fp32, xs), best_ms(q4_1, xs)
+        print(f"{m:>5}{a:>10.1f}{b:>10.1f}{a / b:>10.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="none,q4_1")
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--kernels", action="store_true", help="time the GEMMs alone at several row counts")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one setting, print JSON
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
+    if a.kernels:
+        import torch
+
+        from sluice_engine.bench.machine import cpu_name
+
+        print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
+        kernels([1, 4, 8, 9, 16, 64, 512])
+        return
     if a.one:
         print(json.dumps(run_one(a.one, batches)))
         return

@@ -128,17 +128,6 @@ extern "C" {
 int sluice_gemm_available() { return 0; }
 int sluice_gemm_panel_width() { return 32; }
 void sluice_gemm_f32(const float*, int64_t, const float*, int, int, int, float*, int64_t, int) {}
-
-// Plain loops, for quant_gemm.cpp's prefill path, which must stay right on every CPU.
-void sluice_gemm_f32_panel(const float* x, int64_t ldx, const float* panel, int M, int K, float* y, int64_t ldy,
-                           int ncols) {
-    for (int m = 0; m < M; ++m)
-        for (int c = 0; c < ncols; ++c) {
-            float acc = 0.f;
-            for (int k = 0; k < K; ++k) acc += x[m * ldx + k] * panel[static_cast<int64_t>(k) * 32 + c];
-            y[m * ldy + c] = acc;
-        }
-}
 }
 
 #endif
@@ -148,16 +137,6 @@ extern "C" {
 
 int sluice_gemm_available() { return 1; }
 int sluice_gemm_panel_width() { return kPanel; }
-
-// One panel (ncols <= kPanel output columns, packed [K, kPanel]) against M rows of x, on the calling
-// thread: quant_gemm.cpp's prefill path dequantizes a panel of block-quantized weights and runs it here.
-void sluice_gemm_f32_panel(const float* x, int64_t ldx, const float* panel, int M, int K, float* y, int64_t ldy,
-                           int ncols) {
-    for (int m = 0; m < M; m += kMaxRows) {
-        const int mr = std::min(kMaxRows, M - m);
-        kTiles[mr](x + m * ldx, ldx, panel, K, y + m * ldy, ldy, ncols);
-    }
-}
 
 void sluice_gemm_f32(const float* x, int64_t ldx, const float* packed, int M, int K, int N, float* y, int64_t ldy,
                      int num_threads) {

@@ -10,10 +10,10 @@
 // - decode (M <= kDecodeRows): each thread takes a range of output rows n; a block is widened to 32
 //   floats in registers and multiplies every row of x (which stays in L1), so each weight byte is read
 //   from memory once per call and never written out as floats.
-// - prefill (more rows): a block's 32 floats would be recomputed for each row of x; instead each thread
-//   dequantizes a panel of output columns into the packed fp32 layout of gemm.cpp (K x 32 floats, in L2)
-//   and runs gemm.cpp's register tiles over the rows: dequantizing costs K x 32 per panel, shared by up to
-//   a chunk of rows.
+// - prefill (more rows): the same tiles, 8 rows of x at a time, over a range of 16 output rows whose
+//   blocks stay in L1 (below). Tried first and dropped: dequantizing a 32-column panel into gemm.cpp's
+//   packed fp32 layout and running its tiles; the strided stores cost more than the tiles saved (5-7x
+//   slower than this at 9-16 rows, 1.1x at 512; docs/BENCHMARKS.md).
 // AVX-512 intrinsics for the decode path where the compiler targets it; elsewhere plain loops (which
 // -O3 -march=native vectorizes for AVX2/NEON) that compute the same sums. Sums run in a different
 // order from F.linear's: results differ by float rounding.
@@ -21,15 +21,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-extern "C" void sluice_gemm_f32_panel(const float* x, int64_t ldx, const float* panel, int M, int K, float* y,
-                                      int64_t ldy, int ncols);
-extern "C" int sluice_gemm_panel_width();
 
 namespace {
 
@@ -198,32 +193,26 @@ void decode(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, 
         kDecode<F>[M](x, ldx, w, row_bytes, nb, y, ldy, r * kRange, std::min(N, (r + 1) * kRange));
 }
 
+// Many rows: the decode tiles over each 8-row tile of x in turn, for one range of 16 output rows at a
+// time. The range's blocks (16 x K/32 blocks: 6 KB at K = 576 in Q4_1) stay in L1 across the row tiles
+// and the chunk of x in L2, so weights come from memory once per chunk; each block is widened once per
+// 8 rows of x instead of once per row.
 template <int F>
-void prefill(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy, int threads) {
+void prefill(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy,
+                   int threads) {
     const int nb = K / kBlock;
     const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(F);
-    const int P = sluice_gemm_panel_width();
-    const int panels = (N + P - 1) / P;
+    constexpr int kRange = 16;
+    const int ranges = (N + kRange - 1) / kRange;
     const int chunk = std::max(kDecodeRows, static_cast<int>(kChunkBytes / (static_cast<int64_t>(K) * sizeof(float))));
     for (int m0 = 0; m0 < M; m0 += chunk) {
         const int rows = std::min(chunk, M - m0);
-#pragma omp parallel num_threads(threads)
-        {
-            std::vector<float> panel(static_cast<size_t>(K) * P, 0.f);  // this thread's [K, P] fp32 panel
-            float wb[kBlock];
-#pragma omp for schedule(static)
-            for (int p = 0; p < panels; ++p) {
-                const int n0 = p * P, ncols = std::min(P, N - n0);
-                for (int c = 0; c < ncols; ++c) {
-                    const uint8_t* r = w + (n0 + c) * row_bytes;
-                    for (int b = 0; b < nb; ++b) {
-                        dequant_block<F>(r + b * block_bytes(F), wb);
-                        float* dst = panel.data() + static_cast<int64_t>(b) * kBlock * P + c;
-                        for (int i = 0; i < kBlock; ++i) dst[i * P] = wb[i];
-                    }
-                }
-                sluice_gemm_f32_panel(x + static_cast<int64_t>(m0) * ldx, ldx, panel.data(), rows, K,
-                                      y + static_cast<int64_t>(m0) * ldy + n0, ldy, ncols);
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int r = 0; r < ranges; ++r) {
+            const int n0 = r * kRange, n1 = std::min(N, n0 + kRange);
+            for (int m = m0; m < m0 + rows; m += kDecodeRows) {
+                const int mr = std::min(kDecodeRows, m0 + rows - m);
+                kDecode<F>[mr](x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, n0, n1);
             }
         }
     }
