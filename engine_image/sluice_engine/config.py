@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .quantization import CHOICES as QUANT_CHOICES
+from .quantization import check_device as check_quant_device
+
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -49,20 +52,12 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-disable-batch-size must be >= 1, got {self.disable_batch_size}")
 
 
-# --quantization: the weight formats the flag names (the operator's engine.quantization has the same list).
-# NOTE: the Triton kernels for fp8/awq/gptq (sluice_engine/quant) are not wired into model loading yet, so
-# this build refuses every format but auto and none (a checkpoint that declares one is not loaded as dense).
-QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "fp8", "awq", "gptq")
-SERVED_QUANTIZATIONS = ("auto", "none")
-
-
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    quantization: str | None = None  # None: auto; see QUANTIZATIONS
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: derived from the device
     gpu_memory_utilization: float = 0.9
@@ -82,6 +77,9 @@ class EngineConfig:
     # A JSON file whose values replace the three above, re-read at every metrics scrape (objectives.py).
     objectives_file: str | None = None
     attention_backend: str = "auto"  # auto | cpu | torch | triton
+    # Weights of the linear layers (quantization.py): none = the dtype's; q8_0/q4_0/q4_1 = GGUF blocks on
+    # CPU; auto = none for now (docs/engine-flags.md).
+    quantization: str = "auto"
     seed: int = 0
     # Speculative decoding (None: off). See spec_decode/proposer.py.
     speculative_method: str | None = None
@@ -109,16 +107,13 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization}")
-        if self.quantization is not None and self.quantization not in SERVED_QUANTIZATIONS:
-            raise ValueError(f"--quantization {self.quantization}: this engine build cannot serve quantized weights "
-                             f"yet (kernels exist but are not wired into model loading); use "
-                             f"{' or '.join(SERVED_QUANTIZATIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend}")
+        if self.quantization not in QUANT_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, got {self.quantization}")
+        check_quant_device(self.quantization, self.device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:

