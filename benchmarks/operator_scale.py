@@ -4,10 +4,10 @@ side by side, the old resync by clock (a whole pass over every endpoint every ro
 
     .venv/bin/python benchmarks/operator_scale.py --endpoints 300          # ~4 min on 2 cores
 
-Steps, per mode: create N endpoints at once; "converged" is when every one has its Deployment and a status
-for its generation (the operator applied ~8 children and wrote the status of each). Then wait for rest (two
-rounds without a pass) and count the operator's own requests to the API (its client's metric; kopf's watch
-streams excluded) over several resync rounds. Requests per endpoint per minute are given for the default
+Steps, per mode: create N endpoints at once; "converged" is when every one has a status for its generation
+(the operator applied its ~8 children and wrote the status of each), the periodic resync off meanwhile. Then
+run resync rounds directly (Loop.resync_round): two to reach rest, then --rounds counted: the operator's own
+requests to the API (its client's metric; kopf's watch streams excluded) and its passes. Requests per endpoint per minute are given for the default
 `--resync-seconds 60`: a round's requests / N (a round runs once a minute). The emulator is a Python
 process on the same cores, so times are the operator's and the emulator's together: ratios, not absolutes.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import logging
 import sys
 import time
 from pathlib import Path
@@ -43,19 +44,11 @@ def endpoint(i: int) -> dict[str, Any]:
     return doc
 
 
-def rounds_done(loop: Loop) -> float:
-    return next(s.value for m in loop.metrics.resync_rounds.collect() for s in m.samples if s.name.endswith("_count"))
-
-
-def round_seconds(loop: Loop) -> float:
-    return next(s.value for m in loop.metrics.resync_rounds.collect() for s in m.samples if s.name.endswith("_sum"))
-
-
 def passes(loop: Loop) -> float:
     return sum(s.value for m in loop.metrics.reconciles.collect() for s in m.samples if s.name.endswith("_total"))
 
 
-async def run(mode: str, n: int, resync: float, rounds: int) -> dict[str, float]:
+async def run(mode: str, n: int, rounds: int) -> dict[str, float]:
     real_needed = drift.needed
     if mode == "clock":  # what the resync did before drift.py: a full pass over every endpoint, every round
         drift.needed = lambda previous, now: "apply"
@@ -64,8 +57,9 @@ async def run(mode: str, n: int, resync: float, rounds: int) -> dict[str, float]
             serve_kinds(k8s)
             url = str(k8s.url).rstrip("/")
             loop = Loop()
+            # No periodic resync while the endpoints converge (events drive that); rounds are run below.
             registry = build_registry(loop, namespaces=[NS], login=lambda **_: kopf.ConnectionInfo(server=url),
-                                      resync_seconds=resync)
+                                      resync_seconds=1e6)
             stop = asyncio.Event()
             task = asyncio.create_task(serve(loop, registry, [NS], stop=stop))
             started = time.monotonic()
@@ -92,27 +86,22 @@ async def run(mode: str, n: int, resync: float, rounds: int) -> dict[str, float]
             converge_s = time.monotonic() - started
             print(f"[{mode}] {n} endpoints created in {created:.1f} s, converged {converge_s:.1f} s after the first",
                   flush=True)
-            # Rest: two whole rounds without a pass (the clock mode never rests: skip the wait).
-            if mode == "change":
-                while True:
-                    p, r = passes(loop), rounds_done(loop)
-                    while rounds_done(loop) < r + 2:
-                        await asyncio.sleep(0.2)
-                    if passes(loop) == p:
-                        break
-            r0 = rounds_done(loop)
-            while rounds_done(loop) < r0 + 1:  # start counting at a round's end
-                await asyncio.sleep(0.05)
-            calls0, r0, busy0 = loop.metrics.api_requests_total(), rounds_done(loop), round_seconds(loop)
-            while rounds_done(loop) < r0 + rounds:
-                await asyncio.sleep(0.05)
-            calls, busy = loop.metrics.api_requests_total() - calls0, round_seconds(loop) - busy0
+            while loop.background:  # coalesced passes after the last child events
+                await asyncio.sleep(0.2)
+            log = logging.getLogger("operator_scale")
+            async with loop.api() as api:
+                for _ in range(2):  # the first round sees every child for the first time: one more pass each
+                    await loop.resync_round(api, log)
+                calls0, passes0, t0 = loop.metrics.api_requests_total(), passes(loop), time.monotonic()
+                for _ in range(rounds):
+                    await loop.resync_round(api, log)
+                calls, busy = loop.metrics.api_requests_total() - calls0, time.monotonic() - t0
+                round_passes = (passes(loop) - passes0) / rounds
             stop.set()
-            await asyncio.wait_for(task, 30)
+            await asyncio.wait_for(task, 60)
             per_round = calls / rounds
-            return {"converge_s": converge_s, "calls_per_round": per_round,
-                    "calls_per_endpoint_per_min_at_60s": per_round / n,
-                    "round_s": busy / rounds}
+            return {"converge_s": converge_s, "calls_per_round": per_round, "passes_per_round": round_passes,
+                    "calls_per_endpoint_per_min_at_60s": per_round / n, "round_s": busy / rounds}
     finally:
         drift.needed = real_needed
 
@@ -120,7 +109,6 @@ async def run(mode: str, n: int, resync: float, rounds: int) -> dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--endpoints", type=int, default=300)
-    ap.add_argument("--resync", type=float, default=2.0, help="resync period while measuring (s)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds counted at rest")
     ap.add_argument("--modes", default="change,clock")
     ap.add_argument("--clock-endpoints", type=int, default=None,
@@ -131,9 +119,10 @@ def main() -> None:
     results = {}
     for mode in args.modes.split(","):
         n = args.clock_endpoints if mode == "clock" and args.clock_endpoints else args.endpoints
-        results[mode] = asyncio.run(run(mode, n, args.resync, args.rounds))
+        results[mode] = asyncio.run(run(mode, n, args.rounds))
         r = results[mode]
-        print(f"[{mode}] converge {r['converge_s']:.1f} s; at rest {r['calls_per_round']:.0f} requests per round "
+        print(f"[{mode}] converge {r['converge_s']:.1f} s; at rest {r['calls_per_round']:.0f} requests and "
+              f"{r['passes_per_round']:.0f} passes per round "
               f"({r['calls_per_endpoint_per_min_at_60s']:.3f} per endpoint per minute at --resync-seconds 60); "
               f"a round takes {r['round_s']:.2f} s", flush=True)
     if {"change", "clock"} <= results.keys():

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -84,6 +84,7 @@ class Loop:
     # Per endpoint: what the last resync round saw of it (drift.py), to skip endpoints at rest.
     _seen: dict[tuple[str, str], drift.Seen] = field(default_factory=dict)
     background: set[asyncio.Task[None]] = field(default_factory=set)  # coalesced passes after child events
+    resync_round: Callable[[KubeApi, Any], Awaitable[None]] | None = None  # set by build_registry
     # Passes at once, over all endpoints: hundreds of endpoints created together (an Argo CD sync, an operator
     # restart) queue here instead of flooding the API server until its requests time out.
     max_concurrent_passes: int = 16
@@ -333,6 +334,8 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
             except Exception:  # one endpoint's trouble must not stop the others' resync
                 loop._seen.pop(key, None)  # look again next round
                 logger.exception("resync of %s failed", body["metadata"]["name"])
+
+    loop.resync_round = resync_round  # one round on demand (tests, benchmarks/operator_scale.py)
 
     async def resync_forever(logger: Any) -> None:
         while True:
