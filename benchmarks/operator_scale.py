@@ -44,10 +44,6 @@ def endpoint(i: int) -> dict[str, Any]:
     return doc
 
 
-def passes(loop: Loop) -> float:
-    return sum(s.value for m in loop.metrics.reconciles.collect() for s in m.samples if s.name.endswith("_total"))
-
-
 async def run(mode: str, n: int, rounds: int) -> dict[str, float]:
     real_needed = drift.needed
     if mode == "clock":  # what the resync did before drift.py: a full pass over every endpoint, every round
@@ -92,11 +88,11 @@ async def run(mode: str, n: int, rounds: int) -> dict[str, float]:
             async with loop.api() as api:
                 for _ in range(2):  # the first round sees every child for the first time: one more pass each
                     await loop.resync_round(api, log)
-                calls0, passes0, t0 = loop.metrics.api_requests_total(), passes(loop), time.monotonic()
+                calls0, passes0, t0 = loop.metrics.api_requests_total(), loop.metrics.reconciles_total(), time.monotonic()
                 for _ in range(rounds):
                     await loop.resync_round(api, log)
                 calls, busy = loop.metrics.api_requests_total() - calls0, time.monotonic() - t0
-                round_passes = (passes(loop) - passes0) / rounds
+                round_passes = (loop.metrics.reconciles_total() - passes0) / rounds
             stop.set()
             await asyncio.wait_for(task, 60)
             per_round = calls / rounds

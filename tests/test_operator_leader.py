@@ -54,8 +54,7 @@ class Replica:
                                               login=lambda **_: info(k8s), stop=self.stop))
 
     def reconciles(self) -> float:
-        return sum(s.value for m in self.loop.metrics.reconciles.collect() for s in m.samples
-                   if s.name.endswith("_total"))
+        return self.loop.metrics.reconciles_total()
 
     def leading(self) -> float:
         return self.loop.metrics.leader._value.get()

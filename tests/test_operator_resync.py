@@ -95,12 +95,10 @@ class Operator:
         return self.loop.metrics.api_requests_total()
 
     def rounds(self) -> float:
-        return next(s.value for m in self.loop.metrics.resync_rounds.collect() for s in m.samples
-                    if s.name.endswith("_count"))
+        return self.loop.metrics.resync_rounds_total()
 
     def reconciles(self) -> float:
-        return sum(s.value for m in self.loop.metrics.reconciles.collect() for s in m.samples
-                   if s.name.endswith("_total"))
+        return self.loop.metrics.reconciles_total()
 
     async def close(self) -> None:
         self.stop.set()

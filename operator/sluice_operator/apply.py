@@ -62,10 +62,6 @@ def kind_of(manifest: dict[str, Any]) -> Kind:
         raise ValueError(f"no API path known for {manifest['apiVersion']} {manifest['kind']}") from None
 
 
-def label_selector(labels: dict[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in labels.items())
-
-
 class ApiError(Exception):
     def __init__(self, status: int, method: str, path: str, message: str):
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
@@ -139,20 +135,7 @@ class KubeApi:
 
     async def list(self, kind: Kind, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]] | None:
         """Objects carrying every label of `selector`; None when the cluster does not serve the kind (no CRD)."""
-        try:
-            out = await self._request("GET", collection_path(kind.api_version, kind.plural, namespace),
-                                      params={"labelSelector": label_selector(selector)})
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
-        # Filter again: a selector is a request, and a wrong delete costs more than a second look.
-        items = [i for i in out.get("items", [])
-                 if all((i.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
-        for item in items:  # list items carry no apiVersion/kind
-            item.setdefault("apiVersion", kind.api_version)
-            item.setdefault("kind", kind.kind)
-        return items
+        return await self.list_labelled(kind, [namespace], dict(selector))
 
     async def list_labelled(self, kind: Kind, namespaces: list[str],
                             selector: dict[str, str | None]) -> list[dict[str, Any]] | None:
@@ -170,6 +153,7 @@ class KubeApi:
                     return None
                 raise
             items += out.get("items", [])
+        # Filter again: a selector is a request, and a wrong delete costs more than a second look.
         items = [i for i in items if all(
             k in labels and (v is None or labels[k] == v)
             for labels in [(i.get("metadata") or {}).get("labels") or {}] for k, v in selector.items())]

@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 import kopf
 from aiohttp import web
 
-from .apply import KubeApi
 from .config import OperatorConfig
 from .handlers import LoginFn, Loop, build_registry, default_login, operator_settings
 from .leader import LeaseElector
@@ -39,14 +38,8 @@ def run(namespaces: list[str], resync_seconds: float = 60.0, liveness: str | Non
         # The pod's namespace (the chart sets POD_NAMESPACE), and the pod's name as its identity.
         namespace = lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
         identity = os.environ.get("POD_NAME") or socket.gethostname()
-        elector = LeaseElector(lambda: _session(loop), namespace, LEASE_NAME, identity)
+        elector = LeaseElector(loop.api, namespace, LEASE_NAME, identity)
     return asyncio.run(serve(loop, registry, namespaces, liveness=liveness, elector=elector))
-
-
-def _session(loop: Loop) -> KubeApi:
-    if loop.credentials is None:
-        raise RuntimeError("not logged in")
-    return KubeApi(loop.credentials, on_request=loop.metrics.count_request)
 
 
 async def serve(loop: Loop, registry: kopf.OperatorRegistry, namespaces: list[str], *, liveness: str | None = None,

@@ -64,7 +64,18 @@ class OperatorMetrics:
             self.endpoints.labels(phase).set(n)
 
     def api_requests_total(self) -> float:
-        return sum(s.value for m in self.api_requests.collect() for s in m.samples if s.name.endswith("_total"))
+        return _total(self.api_requests)
+
+    def reconciles_total(self) -> float:
+        return _total(self.reconciles)
+
+    def resync_rounds_total(self) -> float:
+        return next(s.value for m in self.resync_rounds.collect() for s in m.samples if s.name.endswith("_count"))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr, registry=self.registry)
+
+
+def _total(counter: Counter) -> float:
+    """A counter's value summed over its labels (tests and benchmarks read it)."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
