@@ -7,14 +7,18 @@ kmock (by kopf's author) stores objects as plain JSON and merges every PATCH. `A
 - server-side apply (`application/apply-patch+yaml`) with field ownership in `metadata.managedFields`
   (kube_ssa.py): an apply creates a missing object, removes the fields its manager dropped, and conflicts
   with other managers unless forced; other writes take over the fields they change;
-- a write that changes nothing keeps the object's resourceVersion, as the API server's no-op writes do
-  (the operator's resync tells objects at rest by their versions);
+- a write that changes nothing keeps the object's resourceVersion and sends no watch event, as the API
+  server's no-op writes do (the operator's resync tells objects at rest by their versions);
 - optimistic concurrency: a write that names a resourceVersion other than the stored one gets 409 Conflict
   (leader election's Lease updates rely on it);
 - label selectors on lists (`k=v`, `k!=v`, `k`, `!k`), as the API server filters them (kmock returns every
   object of the kind);
 - resource types left out, as a cluster without a CRD serves them (`absent`), and writes refused as an
   admission webhook or a validation rule would refuse them (`refuse`).
+
+kmock keeps every request it served, for tests' assertions, and routes each new one by scanning that history
+once per reaction: cost grows with the requests served so far. `record_requests = False` forgets a request
+once it is answered (watches stay while they stream), so a long run (benchmarks/operator_scale.py) stays linear.
 """
 
 from __future__ import annotations
@@ -53,9 +57,22 @@ class ApiServer(kmock.KubernetesEmulator):
     absent: frozenset[str] = frozenset()  # plurals served as unknown resource types (no CRD installed)
     refuse: dict[tuple[str, str], str] = {}  # noqa: RUF012 - set per test: (plural, name) -> the refusal message
 
+    record_requests: bool = True  # False: forget answered requests (no assertions on them; long runs stay fast)
     _writes: asyncio.Lock | None = None
 
     async def _handle(self, request: Any) -> Any:
+        if self.record_requests:
+            return await self._answer(request)
+        try:
+            return await self._answer(request)
+        finally:
+            # By identity: kmock's routing finds a request in its history by `is`, never by equality.
+            for i in range(len(self._requests) - 1, -1, -1):
+                if self._requests[i] is request:
+                    del self._requests[i]
+                    break
+
+    async def _answer(self, request: Any) -> Any:
         if request.resource is not None and request.resource.plural in self.absent:
             raise kmock.KubernetesResourceNotFoundError()
         if request.resource is None or request.action not in (kmock.action.CREATE, kmock.action.UPDATE):
@@ -112,10 +129,13 @@ class ApiServer(kmock.KubernetesEmulator):
                 data = kube_ssa.merge_patch(old, kube_ssa.update(old, merged, manager))
                 _rewrite(request, data=data)
         version = str(next(_versions))
-        if request.action == kmock.action.UPDATE and isinstance(data, dict) and request.subresource is None:
+        if request.action == kmock.action.UPDATE and isinstance(data, dict) and request.subresource in (None, "status"):
             old = self._stored(request)
             if old is not None and _without_version(_merged(old, data)) == _without_version(old):
-                version = (old.get("metadata") or {}).get("resourceVersion") or version  # a no-op write
+                # A no-op write: the API server answers the object as stored, keeps its resourceVersion and
+                # tells no watcher (kmock would store it again and send MODIFIED to every watch).
+                _rewrite(request, action=kmock.action.FETCH, method=kmock.method.GET)
+                return request
         if isinstance(data, dict):
             meta = data.setdefault("metadata", {})
             meta["resourceVersion"] = version
