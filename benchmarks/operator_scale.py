@@ -2,7 +2,7 @@
 and API requests per endpoint per minute at rest, with the resync by change (drift.py, the default) and,
 side by side, the old resync by clock (a whole pass over every endpoint every round).
 
-    .venv/bin/python benchmarks/operator_scale.py --endpoints 300          # ~4 min on 2 cores
+    .venv/bin/python benchmarks/operator_scale.py --endpoints 300          # ~5 min on 2 cores (both modes)
 
 Steps, per mode: create N endpoints at once; "converged" is when every one has a status for its generation
 (the operator applied its ~8 children and wrote the status of each), the periodic resync off meanwhile. Then
