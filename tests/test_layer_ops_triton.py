@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 
 import pytest
