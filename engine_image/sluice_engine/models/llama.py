@@ -10,6 +10,11 @@ input (row-parallel, one all-reduce each), the embedding and the output layer it
 vocabulary; with pipeline parallelism the module holds only its stage's layers, the embedding on the
 first stage and the final norm and output layer on the last. Unsharded, every collective is a no-op.
 Weights are loaded by models/loader.py, which reads only this rank's slices.
+
+The norms, residual adds, rotary embedding and SiLU-and-multiply go through one `LayerOps` chosen per model
+(layer_ops/): single Triton kernels beside the Triton attention backend, the torch reference otherwise. The
+residual stream travels beside each layer's output and is added inside the next norm (`add_norm`); a
+stage adds it once at its end, so stages still pass one hidden tensor.
 """
 
 from __future__ import annotations
@@ -22,36 +27,39 @@ from ..attention.backend import AttentionBackend
 from ..distributed.layout import RankShard, single_shard
 from ..distributed.parallel_state import tp_all_reduce, tp_gather_last_dim
 from ..forward_context import get_forward_context
+from ..layer_ops import LayerOps, select_layer_ops
 from .model_config import ModelConfig
-from .rotary import RotaryEmbedding, rotate
+from .rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: LayerOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # one fused op; the same arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add done in the norm's kernel."""
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_idx: int, backend: AttentionBackend, shard: RankShard):
+    def __init__(self, cfg: ModelConfig, cache_idx: int, backend: AttentionBackend, shard: RankShard,
+                 ops: LayerOps):
         super().__init__()
+        self.ops = ops
         self.cache_idx = cache_idx  # this layer's KV cache among the stage's
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
@@ -60,13 +68,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
-            # Q and K heads sit side by side in the fused output: rotate them in one pass.
-            qk = rotate(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
+            # Q and K heads sit side by side in the fused output: rotate them in one pass (in place with
+            # the Triton ops; qkv is this layer's own).
+            qk = self.ops.rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = rotate(q, cos_sin), rotate(k, cos_sin)
+            q, k = self.ops.rotary(q, cos_sin), self.ops.rotary(k, cos_sin)
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.cache_idx]
         self.backend.write_kv(cache, k, v, ctx.attn)
@@ -75,42 +84,53 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: RankShard):
+    def __init__(self, cfg: ModelConfig, shard: RankShard, ops: LayerOps):
         super().__init__()
+        self.ops = ops
         self.intermediate = shard.intermediate
+        # This rank's gate columns, then its up columns (models/loader.py): silu_and_mul splits in halves.
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return tp_all_reduce(self.down_proj(F.silu(gate) * up))
+        return tp_all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_idx: int, backend: AttentionBackend, shard: RankShard):
+    def __init__(self, cfg: ModelConfig, cache_idx: int, backend: AttentionBackend, shard: RankShard,
+                 ops: LayerOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, cache_idx, backend, shard)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, cache_idx, backend, shard, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, shard, ops)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, not yet added to `residual`; for a stage's first layer, the
+        stream itself (residual None). Returns (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(cos_sin, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 shard: RankShard | None = None):
+                 shard: RankShard | None = None, ops: LayerOps | None = None):
+        """ops: the layers' norm/rotary/activation ops; None picks them from the attention backend."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard = shard or single_shard(cfg)
+        self.ops = ops = ops or select_layer_ops(backend.name)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         local_vocab = shard.vocab_end - shard.vocab_start
         # The stage's slice of the vocabulary; rows past the real vocabulary (padding) stay zero.
         self.embed_tokens = nn.Embedding(local_vocab, cfg.hidden_size) if shard.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard) for i in range(shard.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if shard.is_last_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard, ops) for i in range(shard.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if shard.is_last_stage else None
         # Tied embeddings on one stage: the embedding is the output layer. Across stages the last one
         # holds its own copy of the table as the output layer.
         tied_here = cfg.tie_word_embeddings and shard.is_first_stage
@@ -128,9 +148,12 @@ class LlamaForCausalLM(nn.Module):
         to pass on elsewhere."""
         x = self._embed(input_ids) if self.embed_tokens is not None else hidden
         cos_sin = self.rotary(positions)
-        for layer in self.layers:
-            x = layer(cos_sin, x)
-        return self.norm(x) if self.norm is not None else x
+        residual = None
+        for layer in self.layers:  # every stage holds at least one layer (distributed/layout.py)
+            x, residual = layer(cos_sin, x, residual)
+        if self.norm is not None:
+            return self.norm.add_norm(x, residual)[0]
+        return x + residual  # the stream, whole, for the next stage
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         sh = self.shard
