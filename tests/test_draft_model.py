@@ -48,8 +48,13 @@ def test_greedy_output_is_identical_with_a_draft_model(model_dir, layer_draft, r
         assert rate > 0.9, f"a draft identical to the target should almost always be accepted, got {rate:.2f}"
     else:
         assert rate < 0.5, f"an 8-layer draft should be rejected mostly (exercising rollback), got {rate:.2f}"
-    # Every finished request gave its draft blocks back.
+    # Both caches came out of the one --kv-cache-memory budget, the draft's as many tokens as the target's.
     proposer = llm.engine.proposer
+    runner = llm.engine.runner
+    assert proposer.kv.num_blocks == runner.num_blocks
+    draft_bytes = sum(c.numel() * c.element_size() for c in proposer.kv_caches)
+    assert runner.kv_cache_bytes + draft_bytes <= 64 << 20
+    # Every finished request gave its draft blocks back.
     assert proposer.kv.num_free_blocks() == proposer.kv.num_blocks
     assert not proposer._shadows
 

@@ -25,7 +25,7 @@ from .sampler import Sampler, TokenLogprobs
 from .sampling_params import InvalidParam, SamplingParams
 from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
-from .spec_decode import DraftQuery, build_proposer
+from .spec_decode import DraftQuery, build_proposer, resolve_draft
 from .step_sampler import StepResult, sample_step
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -114,14 +114,16 @@ class LLMEngine:
         if cfg.draft_model is not None and cfg.world_size > 1:
             raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 yet; use --speculative-method ngram")
-        # Every rank of the layout (this process is rank 0): model shards, KV cache shards.
-        self.executor = Executor(cfg, self.model_dir)
+        self.spec_config = cfg.speculative_config()
+        # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
+        # draft model beside rank 0's shard, its KV cache out of the same memory budget.
+        self.executor = Executor(cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
         self.runner = self.executor.runner  # rank 0's shard (model config, device, dtype, backend)
         capacity = self.executor.num_blocks * cfg.block_size
         if cfg.max_model_len is not None and cfg.max_model_len > capacity:
             raise ValueError(
                 f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({capacity} tokens); "
-                "raise --kv-cache-memory or lower --max-model-len"
+                "raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len"
             )
         self.max_model_len = min(self.runner.max_model_len, capacity)
         self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -137,8 +139,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
         self.sampler = Sampler(self.runner.device, cfg.seed)
-        self.spec_config = cfg.speculative_config()
-        self.proposer = build_proposer(self.spec_config, self.runner, self.tokenizer, capacity)
+        self.proposer = build_proposer(self.spec_config, self.executor.draft)
         self._out: dict[str, _OutputState] = {}
         self._prompt_leaders: dict[tuple[int, ...], Request] = {}
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,

@@ -6,6 +6,8 @@ same plain data; pipeline stages pass hidden states on, and the logits reach ran
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,8 +24,6 @@ from .models.model_config import ModelConfig
 from .sched_output import SchedulerOutput
 
 log = logging.getLogger("sluice.engine")
-
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -55,40 +55,40 @@ class ModelRunner:
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in this rank's layers and KV heads. How many blocks the budget holds
+        is memory_profile.plan_kv_cache's to say (with the draft's cache, out of the same budget)."""
         sh = self.shard
-        return (2 * sh.num_layers * sh.num_kv_heads * self.model_config.head_dim * self.dtype.itemsize
-                * self.cfg.block_size)
+        return 2 * sh.num_layers * sh.num_kv_heads * self.model_config.head_dim * self.dtype.itemsize
 
-    def kv_block_capacity(self) -> int:
-        """Blocks this rank's budget holds (the KV budget is per rank: --kv-cache-memory, or on CUDA
-        what --gpu-memory-utilization leaves after the weights)."""
-        per_block = self.kv_bytes_per_block
-        budget = self.cfg.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # memory the allocator holds but does not use is free for the KV cache
-                free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                # Leave headroom for activations of a full token budget (generous for small models).
-                budget = int(total * self.cfg.gpu_memory_utilization) - used - (1 << 30)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes is less than one block ({per_block} bytes)")
-        return int(blocks)
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.cfg.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every rank allocates the same number of blocks (the smallest rank's capacity): block ids
         mean the same slots on every rank."""
         sh = self.shard
-        shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(sh.num_layers)]
+        self.kv_caches = self._new_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s)", num_blocks, self.cfg.block_size,
                  num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20,
                  "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}")
+
+    @contextmanager
+    def scratch_kv_cache(self, num_blocks: int) -> Iterator[None]:
+        """A throwaway cache for the memory profile's dummy step, before the real one is sized."""
+        assert not self.kv_caches, "the memory profile runs before the KV cache is allocated"
+        self.kv_caches = self._new_kv_cache(num_blocks)
+        try:
+            yield
+        finally:
+            self.kv_caches = []
+
+    def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        sh = self.shard
+        shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(sh.num_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:

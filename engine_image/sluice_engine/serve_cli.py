@@ -27,9 +27,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "fp8/awq/gptq (GPU) are refused by this build: their kernels are not wired into loading")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="KV cache budget, e.g. 512MiB or 4GiB (default: 1GiB on CPU; on CUDA what "
-                        "--gpu-memory-utilization leaves after the weights)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+                   help="KV cache budget (target and draft caches together), e.g. 512MiB or 4GiB (default: "
+                        "1GiB on CPU; on CUDA what --gpu-memory-utilization leaves after the weights and the "
+                        "profiled activation peak)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may fill: weights, activations, KV cache (CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step; longer prompts are prefilled in chunks")

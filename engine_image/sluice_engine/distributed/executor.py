@@ -21,15 +21,20 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import EngineConfig
+from ..memory_profile import plan_kv_cache
 from ..model_runner import ModelRunner
 from ..models.model_config import ModelConfig
 from ..sched_output import SchedulerOutput
 from . import parallel_state as ps
 from .layout import check_layout
+
+if TYPE_CHECKING:
+    from ..spec_decode.draft_model import DraftModelProposer
 
 log = logging.getLogger("sluice.engine")
 
@@ -38,7 +43,7 @@ PING_INTERVAL_S = 1.0
 
 
 class Executor:
-    def __init__(self, cfg: EngineConfig, model_dir: Path):
+    def __init__(self, cfg: EngineConfig, model_dir: Path, draft_dir: Path | None = None):
         self.cfg = cfg
         self.world_size = cfg.world_size
         self.workers = None
@@ -58,10 +63,19 @@ class Executor:
             ps.init_distributed(0, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.master_addr,
                                 cfg.master_port, _device_hint(cfg), cfg.distributed_timeout)
         self.runner = ModelRunner(cfg, model_dir, rank=0, local_rank=0)
-        blocks = self.runner.kv_block_capacity()
+        # The draft model (one rank only: the engine refuses it with more) loads before the KV cache
+        # is sized: its weights, activations and cache come out of the same memory as the target's.
+        self.draft: DraftModelProposer | None = None
+        if draft_dir is not None:
+            from ..spec_decode.proposer import load_draft_model
+
+            self.draft = load_draft_model(draft_dir, self.runner)
+        blocks = plan_kv_cache(self.runner, self.draft).num_blocks
         if self.world_size > 1:
             blocks = ps.all_ranks_min(blocks)
         self.runner.allocate_kv_cache(blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(blocks)  # as many tokens as the target's: the plan's split
 
     # -- what the engine reads -----------------------------------------------------------------
     @property

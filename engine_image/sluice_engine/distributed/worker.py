@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
+from ..memory_profile import plan_kv_cache
 from ..model_runner import ModelRunner
 from . import parallel_state as ps
 from .executor import PING, _device_hint
@@ -27,7 +28,8 @@ def run_worker(cfg: EngineConfig, model_dir: Path, rank: int) -> None:
     ps.init_distributed(rank, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.master_addr,
                         cfg.master_port, _device_hint(cfg), cfg.distributed_timeout, local_rank)
     runner = ModelRunner(cfg, model_dir, rank=rank, local_rank=local_rank)
-    runner.allocate_kv_cache(ps.all_ranks_min(runner.kv_block_capacity()))
+    # Sized like rank 0's (executor.py): the profile's collectives pair up with the other ranks'.
+    runner.allocate_kv_cache(ps.all_ranks_min(plan_kv_cache(runner).num_blocks))
     torch.set_grad_enabled(False)
     steps = 0
     while True:

@@ -4,6 +4,6 @@ the model runner and the sampler, so the output distribution is the target model
 
 from ..config import SpeculativeConfig
 from .interface import DraftProposer, DraftQuery
-from .proposer import build_proposer
+from .proposer import build_proposer, load_draft_model, resolve_draft
 
-__all__ = ["DraftProposer", "DraftQuery", "SpeculativeConfig", "build_proposer"]
+__all__ = ["DraftProposer", "DraftQuery", "SpeculativeConfig", "build_proposer", "load_draft_model", "resolve_draft"]

@@ -21,6 +21,7 @@ import torch
 
 from ..forward_context import ForwardContext, forward_context
 from ..kv_cache import KVCacheManager
+from ..memory_profile import PeakMeter, dummy_step
 from ..model_input import build_model_input
 from ..models.loader import load_model
 from ..models.model_config import ModelConfig
@@ -36,25 +37,59 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model_dir: Path, k: int, *, backend, device: torch.device, dtype: torch.dtype,
-                 block_size: int, num_tokens: int, max_positions: int, target_vocab_size: int):
+                 block_size: int, max_positions: int, target_vocab_size: int, max_forward_tokens: int):
         self.k = k
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
-        mc = ModelConfig.from_dir(model_dir)
+        self.max_positions = max_positions
+        # A catch-up longer than this is fed in several forwards: the draft's activations were
+        # profiled at this many tokens (memory_profile.py), --max-num-batched-tokens, as the target's.
+        self.max_forward_tokens = max_forward_tokens
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
         if mc.vocab_size > target_vocab_size:
             raise ValueError(f"--draft-model {model_dir}: its vocabulary ({mc.vocab_size}) is larger than the "
                              f"target's ({target_vocab_size}); draft and target must share a tokenizer")
         self.model = load_model(model_dir, mc, backend, device, dtype, max_positions)
-        # As many tokens as the target's cache holds, so the draft never runs out first; a draft's KV
-        # per token is a fraction of the target's.
-        num_blocks = -(-num_tokens // block_size)
-        shape = (2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(mc.num_layers)]
-        # No prefix caching: shadows hold drafts that were never verified, which must not be shared.
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        # The cache comes once the memory is sized (allocate_kv_cache), out of the target's budget.
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv: KVCacheManager | None = None
         self._shadows: dict[str, Request] = {}
-        log.info("draft model: %d layers, KV cache %d blocks (%.1f MiB)", mc.num_layers, num_blocks,
-                 sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
+
+    # -- memory --------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """As many blocks as the target's cache (memory_profile.plan_kv_cache sizes both from one
+        budget), so the draft never runs out of room before the target does."""
+        self.kv_caches = self._new_kv_cache(num_blocks)
+        # No prefix caching: shadows hold drafts that were never verified, which must not be shared.
+        self.kv = KVCacheManager(num_blocks, self.block_size, enable_prefix_caching=False)
+        log.info("draft model: %d layers, KV cache %d blocks (%.1f MiB)", self.model_config.num_layers, num_blocks,
+                 num_blocks * self.block_size * self.kv_bytes_per_token / 2**20)
+
+    @torch.inference_mode()
+    def profile_step_peak(self, num_seqs: int) -> int:
+        """The activation peak of the draft's largest forward (memory_profile.py): a catch-up of
+        max_forward_tokens tokens over `num_seqs` speculating requests, over a scratch cache."""
+        step = dummy_step(max(self.max_forward_tokens, num_seqs), num_seqs, self.block_size, self.max_positions,
+                          every_row=False)
+        assert not self.kv_caches, "the memory profile runs before the KV cache is allocated"
+        self.kv_caches = self._new_kv_cache(step.num_blocks)
+        try:
+            with PeakMeter(self.device) as meter:
+                self._run(step.sched.scheduled)
+        finally:
+            self.kv_caches = []
+        return meter.peak
+
+    def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        mc = self.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
 
     # -- the proposer interface ----------------------------------------------------------------
     @torch.inference_mode()
@@ -72,6 +107,7 @@ class DraftModelProposer:
                 self.release(q.request_id)  # the draft cache is full: this request goes without
                 continue
             feeds.append((i, shadow, fed))
+        feeds = self._catch_up(feeds)
         while feeds:
             next_ids = self._forward(feeds)
             still: list[tuple[int, Request, int]] = []
@@ -111,16 +147,44 @@ class DraftModelProposer:
         shadow.num_computed_tokens = min(valid, len(q.token_ids) - 1)
         return shadow
 
-    def _forward(self, feeds: list[tuple[int, Request, int]]) -> list[int]:
-        """One draft forward over `fed` new tokens of each shadow; the greedy next token of each."""
+    def _catch_up(self, feeds: list[tuple[int, Request, int]]) -> list[tuple[int, Request, int]]:
+        """Feed long catch-ups (a whole prompt, the first time) in forwards of at most
+        max_forward_tokens tokens, without logits, until the rest fits one forward; the feeds left
+        (each still ending on its last token, whose logits give the first draft)."""
+        while sum(fed for _, _, fed in feeds) > self.max_forward_tokens:
+            room = self.max_forward_tokens
+            chunk: list[tuple[int, Request, int]] = []
+            rest: list[tuple[int, Request, int]] = []
+            for i, shadow, fed in feeds:
+                n = min(fed - 1, room)
+                if n > 0:
+                    chunk.append((i, shadow, n))
+                    room -= n
+                rest.append((i, shadow, fed - n))
+            if not chunk:
+                break  # every feed is down to its last token: more speculating requests than tokens
+            self._forward(chunk, sample=False)
+            for _, shadow, n in chunk:
+                shadow.num_computed_tokens += n
+            feeds = rest
+        return feeds
+
+    def _forward(self, feeds: list[tuple[int, Request, int]], sample: bool = True) -> list[int]:
+        """One draft forward over `fed` new tokens of each shadow; the greedy next token of each
+        (none when not `sample`)."""
         scheduled = []
         for _, shadow, fed in feeds:
             start = shadow.num_computed_tokens
             scheduled.append(ScheduledRequest(shadow.request_id, shadow.all_token_ids[start : start + fed], start,
-                                              self.kv.block_ids(shadow.request_id)))
-        rows, _ = SchedulerOutput(scheduled).logits_layout()  # each shadow's last row: its next token
+                                              self.kv.block_ids(shadow.request_id), samples=sample))
+        return self._run(scheduled)
+
+    def _run(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        rows, _ = SchedulerOutput(scheduled).logits_layout()  # each sampling shadow's last row: its next token
         inp = build_model_input(scheduled, rows, self.block_size, self.device)
         with forward_context(ForwardContext(inp.attn, self.kv_caches)):
             hidden = self.model(inp.input_ids, inp.positions)
+        if not rows:
+            return []
         logits = self.model.compute_logits(hidden[inp.logits_rows])
         return logits.argmax(dim=-1).tolist()

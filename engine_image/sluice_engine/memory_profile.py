@@ -1,0 +1,239 @@
+"""Measuring what the KV cache must leave room for, then sizing it (memory_budget.py does the sums).
+
+After the weights load (target and draft), one dummy step runs at the largest shape the scheduler can
+send: its whole token budget (--max-num-batched-tokens) spread over as many sequences as it may run
+(--max-num-seqs), with logits for every row (a step of prompt-logprobs requests projects them all),
+sampled as rank 0 samples at its most expensive. The draft model runs its largest forward likewise.
+Both run over a scratch KV cache of a few blocks, freed afterwards. The peak of memory allocated
+during the step, above what was allocated before it, is the step's activation peak.
+
+On CUDA the allocator's own counters give that peak, and the KV budget is what the device leaves.
+On CPU there are no device counters and the budget stays a set number (--kv-cache-memory, else
+1 GiB); the profile runs only when asked (tests), since a CPU forward of a full token budget takes
+from seconds to a minute: too slow for every start-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .config import EngineConfig
+from .distributed import parallel_state as ps
+from .memory_budget import DeviceMemory, KVPlan, KVShape, fixed_kv_budget, plan_from_budget, plan_from_device
+from .request import Request
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .sched_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
+    from .spec_decode.draft_model import DraftModelProposer
+
+log = logging.getLogger("sluice.engine")
+
+# Every filter the sampler has, each of which holds a [rows, vocab] tensor while it runs: logprobs, the
+# copy a logit bias writes into, top-k's and top-p's sorts, min-p, the exponential noise.
+_COSTLIEST_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, logprobs=20,
+                                     logit_bias={0: 0.0})
+
+
+# -- the meter -----------------------------------------------------------------------------------
+class PeakMeter:
+    """The peak of bytes allocated inside the `with` block above the level at its start.
+
+    CUDA: the caching allocator's counters (exact, kernels' scratch included). CPU has no such
+    counters: the peak of live tensors that torch ops returned inside the block (every activation,
+    logits and sampler tensor; a fused kernel's internal scratch is not seen)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self._base = 0
+        self._cpu: _LiveTensorBytes | None = None
+
+    def __enter__(self) -> PeakMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._cpu = _LiveTensorBytes()
+            self._cpu.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cpu is None:
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._cpu.__exit__(*exc)
+            self.peak = self._cpu.peak
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Counts the storages that ops allocate while the mode is on, until each is freed.
+
+    An output sharing a storage with an input (a view, an in-place op) allocates nothing. A storage's
+    Python object lives exactly as long as the storage (torch keeps it while C++ holds it), so a
+    weak reference to it says when the memory is freed, whichever view held it last."""
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, int] = {}  # storage address -> bytes
+        self.now = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in inputs or key in self._live:
+                continue
+            self._live[key] = size
+            self.now += size
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._freed, key)
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.now -= self._live.pop(key, 0)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (tied tensors once)."""
+    storages = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+# -- the dummy step ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DummyStep:
+    sched: SchedulerOutput
+    num_blocks: int  # of the scratch cache its block tables point into
+
+
+def dummy_step(num_tokens: int, num_seqs: int, block_size: int, max_seq_len: int, *, every_row: bool) -> DummyStep:
+    """`num_tokens` new tokens from position 0, spread evenly over `num_seqs` sequences of at most
+    `max_seq_len` tokens (the scheduler fills no more). Every block table is the same few blocks: the
+    scratch cache holds garbage, only the shapes matter.
+    every_row: logits for every row (prompt logprobs); else for the last row of each sequence."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    num_tokens = min(num_tokens, num_seqs * max_seq_len)
+    base, extra = divmod(num_tokens, num_seqs)
+    blocks = list(range(-(-(base + (extra > 0)) // block_size)))
+    scheduled = [ScheduledRequest(f"memory-profile-{i}", [0] * (base + (i < extra)), 0, blocks,
+                                  prompt_logprobs=every_row) for i in range(num_seqs)]
+    return DummyStep(SchedulerOutput(scheduled), len(blocks))
+
+
+def max_sampled_rows(cfg: EngineConfig) -> int:
+    """The most logits rows one step samples: one per running sequence, or with speculation the
+    drafts' rows plus one for each speculating sequence (at most --speculative-disable-batch-size)."""
+    seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    spec = cfg.speculative_config()
+    if spec.method is None:
+        return seqs
+    speculating = min(seqs, spec.disable_batch_size)
+    return min(cfg.max_num_batched_tokens, max(seqs, speculating * (spec.num_speculative_tokens + 1)))
+
+
+def max_speculating_seqs(cfg: EngineConfig) -> int:
+    """The most sequences a draft forward runs: above --speculative-disable-batch-size running
+    requests, no step speculates."""
+    return min(cfg.max_num_seqs, cfg.speculative_disable_batch_size)
+
+
+# -- profiling -----------------------------------------------------------------------------------
+@torch.inference_mode()
+def profile_target_step(runner: ModelRunner) -> int:
+    """The activation peak of the target's largest step on this rank, rank 0's sampling included.
+    Every rank runs it at the same point of start-up, so the step's collectives pair up."""
+    cfg = runner.cfg
+    step = dummy_step(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size, runner.max_model_len,
+                      every_row=True)
+    with runner.scratch_kv_cache(step.num_blocks), PeakMeter(runner.device) as meter:
+        logits = runner.execute_model(step.sched)
+        if logits is None and runner.shard.rank == 0:  # pipeline stages: the last one sends rank 0 the logits
+            logits = ps.recv_logits((step.sched.num_tokens, runner.model_config.vocab_size), runner.device)
+        if logits is not None:
+            _sample_costliest(logits, max_sampled_rows(cfg))
+        del logits
+    return meter.peak
+
+
+def _sample_costliest(logits: torch.Tensor, rows: int) -> None:
+    """What rank 0 does with a step's logits, at its most memory: samples `rows` of them with every
+    filter on, then log-softmaxes all of them (prompt logprobs: step_sampler._prompt_logprobs)."""
+    req = Request("memory-profile", [0], _COSTLIEST_SAMPLING)
+    Sampler(logits.device)(logits[torch.arange(rows, device=logits.device)], [req] * rows)
+    torch.log_softmax(logits, dim=-1)
+
+
+def cuda_graph_pool_bytes(runner: ModelRunner) -> int:
+    """Device memory CUDA graphs keep apart from what the profile sees. Steps run eagerly: 0.
+
+    NOTE: the hook for CUDA graphs. Graphs captured before the KV cache is sized: the growth of
+    torch.cuda.memory_reserved over their capture. Captured after (they need the cache's addresses):
+    an estimate, e.g. the activations of the largest captured batch, since graphs of smaller batches
+    share one pool."""
+    return 0
+
+
+def measure_device_memory(runner: ModelRunner, draft: DraftModelProposer | None, activation_peak: int,
+                          draft_activation_peak: int) -> DeviceMemory:
+    """What the CUDA device holds now, split as the sizing needs it. Measured after the profile: the
+    first step loads kernels and cuBLAS/NCCL buffers that stay."""
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()  # memory the allocator caches but does not use is free for the KV cache
+    free, total = torch.cuda.mem_get_info(dev)
+    allocated = torch.cuda.memory_allocated(dev)
+    draft_weights = 0 if draft is None else model_bytes(draft.model)
+    return DeviceMemory(
+        total=total, utilization=runner.cfg.gpu_memory_utilization,
+        # Other processes, this one's CUDA context and non-torch buffers, and the allocator's slack.
+        used_by_others=total - free - allocated,
+        # Every tensor held now is the target's or the draft's: weights, rotary tables, buffers.
+        weights=allocated - draft_weights, draft_weights=draft_weights,
+        activation_peak=activation_peak, draft_activation_peak=draft_activation_peak,
+        cuda_graph_pool=cuda_graph_pool_bytes(runner),
+    )
+
+
+def plan_kv_cache(runner: ModelRunner, draft: DraftModelProposer | None = None, *,
+                  profile_anyway: bool = False) -> KVPlan:
+    """This rank's KV caches, the target's and the draft's out of one budget: profiled and measured
+    on CUDA without --kv-cache-memory; a set budget otherwise (profiled only with profile_anyway,
+    for the log). Logs the sums."""
+    cfg = runner.cfg
+    kv = KVShape(runner.kv_bytes_per_token, 0 if draft is None else draft.kv_bytes_per_token, cfg.block_size)
+    fixed = fixed_kv_budget(runner.device.type, cfg.kv_cache_memory)
+    act = draft_act = None
+    if fixed is None or profile_anyway:
+        act = profile_target_step(runner)
+        draft_act = 0 if draft is None else draft.profile_step_peak(max_speculating_seqs(cfg))
+    if fixed is None:
+        plan = plan_from_device(measure_device_memory(runner, draft, act, draft_act), kv)
+    else:
+        plan = plan_from_budget(fixed[0], fixed[1], kv, weights=model_bytes(runner.model),
+                                draft_weights=0 if draft is None else model_bytes(draft.model),
+                                activation_peak=act, draft_activation_peak=draft_act or 0)
+    sh = runner.shard
+    log.info("%s%s", plan.summary, "" if sh.tp * sh.pp == 1 else f" (rank {sh.rank})")
+    return plan
