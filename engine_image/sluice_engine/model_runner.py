@@ -15,8 +15,9 @@ from .config import EngineConfig
 from .distributed import parallel_state as ps
 from .distributed.layout import RankShard, rank_shard
 from .forward_context import ForwardContext, forward_context
+from .input_buffers import InputBuffers
 from .model_fetch import gguf_source
-from .model_input import ModelInput, build_model_input
+from .model_input import ModelInput
 from .models.loader import load_model, resolve_device, resolve_dtype, resolve_quantization
 from .models.model_config import ModelConfig
 from .sched_output import SchedulerOutput
@@ -52,6 +53,7 @@ class ModelRunner:
                                 gguf_path=None if self.quantization == "none" else gguf_source(cfg.model))
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -89,15 +91,27 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s)", num_blocks, self.cfg.block_size,
                  num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20,
                  "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}")
+        self._setup_step_inputs()
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block
 
+    # -- persistent inputs ----------------------------------------------------------------------
+    def _setup_step_inputs(self) -> None:
+        cfg = self.cfg
+        # Requests that may hold a block-table row at once: every virtual engine's running batch.
+        pp = cfg.pipeline_parallel_size
+        self.inputs = InputBuffers(max_tokens=cfg.max_num_batched_tokens, max_rows=-(-cfg.max_num_seqs // pp) * pp,
+                                   max_model_len=self.max_model_len, block_size=cfg.block_size, device=self.device,
+                                   scratch_block=None)
+
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> ModelInput:
+        """The step's inputs, written into the persistent buffers (views of them are returned)."""
+        assert self.inputs is not None, "allocate_kv_cache() first"
         rows, _ = sched.logits_layout()
-        return build_model_input(sched.scheduled, rows, self.cfg.block_size, self.device)
+        return self.inputs.prepare(sched.scheduled, rows, sched.freed_req_ids, pad_to)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..forward_context import ForwardContext, forward_context
+from ..input_buffers import InputBuffers
 from ..kv_cache import KVCacheManager
-from ..model_input import build_model_input
 from ..models.loader import load_model
 from ..models.model_config import ModelConfig
 from ..request import Request
@@ -36,7 +36,8 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model_dir: Path, k: int, *, backend, device: torch.device, dtype: torch.dtype,
-                 block_size: int, num_tokens: int, max_positions: int, target_vocab_size: int):
+                 block_size: int, num_tokens: int, max_positions: int, target_vocab_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int):
         self.k = k
         self.device = device
         self.block_size = block_size
@@ -53,6 +54,12 @@ class DraftModelProposer:
         # No prefix caching: shadows hold drafts that were never verified, which must not be shared.
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self._shadows: dict[str, Request] = {}
+        # Persistent inputs as the target's (input_buffers.py), one block-table row per shadow. A catch-up
+        # forward may feed whole prompts, beyond the target's token budget: the buffers grow on demand
+        # (the draft is never captured in a graph).
+        self.inputs = InputBuffers(max_tokens=max_num_batched_tokens, max_rows=max_num_seqs,
+                                   max_model_len=max_positions, block_size=block_size, device=device)
+        self._released: list[str] = []  # shadows freed since the last forward: their rows go back first
         log.info("draft model: %d layers, KV cache %d blocks (%.1f MiB)", mc.num_layers, num_blocks,
                  sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20)
 
@@ -88,6 +95,7 @@ class DraftModelProposer:
         shadow = self._shadows.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
+            self._released.append(request_id)
 
     # -- internals -----------------------------------------------------------------------------
     def _sync(self, q: DraftQuery) -> Request:
@@ -119,7 +127,10 @@ class DraftModelProposer:
             scheduled.append(ScheduledRequest(shadow.request_id, shadow.all_token_ids[start : start + fed], start,
                                               self.kv.block_ids(shadow.request_id)))
         rows, _ = SchedulerOutput(scheduled).logits_layout()  # each shadow's last row: its next token
-        inp = build_model_input(scheduled, rows, self.block_size, self.device)
+        # NOTE: shadows outlive their requests' preemption (a preempted request keeps its draft KV), so
+        # there may be more of them than block-table rows: idle shadows give theirs up (evict_idle).
+        inp = self.inputs.prepare(scheduled, rows, self._released, evict_idle=True)
+        self._released.clear()
         with forward_context(ForwardContext(inp.attn, self.kv_caches)):
             hidden = self.model(inp.input_ids, inp.positions)
         logits = self.model.compute_logits(hidden[inp.logits_rows])

@@ -37,4 +37,6 @@ def build_proposer(cfg: SpeculativeConfig, runner: ModelRunner, tokenizer: Token
                          "a draft must share the target's vocabulary")
     return DraftModelProposer(draft_dir, cfg.num_speculative_tokens, backend=runner.backend, device=runner.device,
                               dtype=runner.dtype, block_size=runner.cfg.block_size, num_tokens=num_kv_tokens,
-                              max_positions=runner.max_model_len, target_vocab_size=runner.model_config.vocab_size)
+                              max_positions=runner.max_model_len, target_vocab_size=runner.model_config.vocab_size,
+                              max_num_seqs=runner.cfg.max_num_seqs,
+                              max_num_batched_tokens=runner.cfg.max_num_batched_tokens)
