@@ -12,6 +12,7 @@ import torch
 
 from .attention.backend import select_backend
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs, TorchCudaGraphs, capture_sizes, decode_workspaces, graphs_off_reason
 from .distributed import parallel_state as ps
 from .distributed.layout import RankShard, rank_shard
 from .forward_context import ForwardContext, forward_context
@@ -54,6 +55,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
+        self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA only)
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -85,7 +87,9 @@ class ModelRunner:
         """Every rank allocates the same number of blocks (the smallest rank's capacity): block ids
         mean the same slots on every rank."""
         sh = self.shard
-        shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
+        # One block more than the KV manager hands out: the scratch block (id num_blocks), where the padding
+        # rows of a CUDA graph's batch write and read (cuda_graphs.py).
+        shape = (2, num_blocks + 1, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(sh.num_layers)]
         self.num_blocks = num_blocks
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s)", num_blocks, self.cfg.block_size,
@@ -97,14 +101,32 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block
 
-    # -- persistent inputs ----------------------------------------------------------------------
+    # -- persistent inputs and CUDA graphs ------------------------------------------------------
     def _setup_step_inputs(self) -> None:
         cfg = self.cfg
         # Requests that may hold a block-table row at once: every virtual engine's running batch.
         pp = cfg.pipeline_parallel_size
         self.inputs = InputBuffers(max_tokens=cfg.max_num_batched_tokens, max_rows=-(-cfg.max_num_seqs // pp) * pp,
                                    max_model_len=self.max_model_len, block_size=cfg.block_size, device=self.device,
-                                   scratch_block=None)
+                                   scratch_block=self.num_blocks)
+        reason = graphs_off_reason(cfg.enforce_eager, self.device, self.backend.name, cfg.world_size)
+        if reason is not None:
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: %s", reason)
+            return
+        sizes = capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+        workspaces = decode_workspaces(sizes, self._decode_splits, self.shard.num_heads, self.model_config.head_dim,
+                                       self.dtype, self.device)
+        self.graphs = DecodeGraphs(sizes, self.inputs, self.forward, workspaces, TorchCudaGraphs(self.device))
+        self.graphs.capture()
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        """Split-KV programs per (sequence, KV head) of a captured decode batch: fixed at capture, so chosen
+        for the longest context the batch may have."""
+        from .attention.triton_paged import choose_num_splits
+
+        return self.backend.num_splits or choose_num_splits(num_seqs, self.shard.num_kv_heads, self.max_model_len,
+                                                            self.backend.num_sms)
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> ModelInput:
@@ -118,14 +140,15 @@ class ModelRunner:
         """Run this rank's part of the step. Returns the logits ([rows of logits_layout(), vocab],
         float32) when this rank is rank 0 and holds the last stage; None otherwise (a stage hands its
         hidden states on; the last stage sends its logits to rank 0, which collects them: executor.py)."""
-        inp = self.prepare(sched)
+        graph_size = self.graphs.batch_size(sched) if self.graphs is not None else None
+        inp = self.prepare(sched, graph_size)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         sh = self.shard
         hidden_in = None
         if not sh.is_first_stage:
             hidden_in = ps.recv_hidden((inp.num_tokens, self.model_config.hidden_size), self.dtype, self.device)
-        hidden = self.forward(inp, hidden_in)
+        hidden = self.graphs.replay(graph_size) if graph_size is not None else self.forward(inp, hidden_in)
         if not sh.is_last_stage:
             ps.send_hidden(hidden)
             return None
