@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import pytest
@@ -133,18 +134,20 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB, INTER, BLOCK = 4, 2, 16, 2, 96, 128, 1
 HIDDEN = HEADS * HEAD_DIM
 
 
-def _triton_ready() -> bool:
-    if importlib.util.find_spec("triton") is None:
+def _interpreter_ready() -> bool:
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
         return False
-    if not torch.cuda.is_available():
-        # As tests/test_triton_attention.py: the interpreter only if set before triton's first import.
-        os.environ["TRITON_INTERPRET"] = "1"
+    # As tests/test_triton_attention.py: the interpreter only if set before triton's first import.
+    os.environ["TRITON_INTERPRET"] = "1"
     from sluice_engine.attention import triton_kernels as tk
 
-    return torch.cuda.is_available() or tk.INTERPRETER_READY
+    return tk.INTERPRETER_READY
 
 
-needs_triton = pytest.mark.skipif(not _triton_ready(), reason="triton (or its interpreter) is not available")
+needs_interpreter = pytest.mark.skipif(not _interpreter_ready(),
+                                       reason="needs Triton's interpreter (no GPU); a GPU runs test_real_graphs")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                               reason="needs a CUDA GPU and triton")
 
 
 @pytest.fixture(scope="module")
@@ -219,17 +222,32 @@ def steps() -> list[SchedulerOutput]:
     return out
 
 
-def _runner(model_dir):
+def _runner(model_dir, device: str = "cpu", **kw):
     from sluice_engine.model_runner import ModelRunner
 
-    cfg = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="triton",
-                       block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(model=str(model_dir), device=device, dtype="float32", attention_backend="triton",
+                       block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64, **kw)
     runner = ModelRunner(cfg, model_dir)
     runner.allocate_kv_cache(16)
     return runner
 
 
-@needs_triton
+def _assert_same_steps(graphed, eager, replays: Callable[[], int], sizes: list[int]) -> None:
+    for i, sched in enumerate(steps()):
+        before = replays()
+        got, want = graphed.execute_model(sched), eager.execute_model(sched)
+        assert (replays() > before) == (cg.graph_batch_size(sched, sizes) is not None), i
+        assert got.shape == want.shape
+        # Split-KV (the graph's fixed count against the eager path's choice) sums in another order.
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"step {i}")
+    assert replays() == 13
+    # The requests' KV is the same on both runners: padding rows wrote only to the scratch block.
+    for c_graphed, c_eager in zip(graphed.kv_caches, eager.kv_caches, strict=True):
+        for block in (2, 3, 4, 7, 9, 11, 12, 13):
+            torch.testing.assert_close(c_graphed[:, block], c_eager[:, block], atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
 def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama):
     torch.set_num_threads(1)  # the interpreter runs numpy on tiny tiles: threads only add overhead
     graphed, eager = _runner(tiny_llama), _runner(tiny_llama)
@@ -251,20 +269,28 @@ def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama):
     assert all(torch.equal(c[:, :16], r) for c, r in zip(graphed.kv_caches, real_kv, strict=True))
     assert any(c[:, 16].abs().sum() > 0 for c in graphed.kv_caches)
 
-    for i, sched in enumerate(steps()):
-        replays = api.replays
-        got, want = graphed.execute_model(sched), eager.execute_model(sched)
-        replayed = api.replays > replays
-        assert replayed == (cg.graph_batch_size(sched, sizes) is not None), i
-        assert got.shape == want.shape
-        # Split-KV (3 splits against the eager path's 1) sums in another order: float rounding only.
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"step {i}")
-    assert api.replays == 13
+    _assert_same_steps(graphed, eager, lambda: api.replays, sizes)
     # Attention wrote its outputs and split partials where the graphs were captured to (no allocation).
     for n in (4, 2):
         ws = workspaces[n]
         assert not any(t.isnan().any() for t in (ws.out, ws.mid_o, ws.mid_lse)), n
-    # The requests' KV is the same on both runners: padding rows wrote only to the scratch block.
-    for c_graphed, c_eager in zip(graphed.kv_caches, eager.kv_caches, strict=True):
-        for block in (2, 3, 4, 7, 9, 11, 12, 13):
-            torch.testing.assert_close(c_graphed[:, block], c_eager[:, block], atol=1e-5, rtol=1e-5)
+
+
+@needs_gpu
+def test_real_graphs(tiny_llama):
+    """On a GPU: the runner captures real CUDA graphs itself; the same steps as above against
+    --enforce-eager on the per-step builder."""
+    graphed = _runner(tiny_llama, "cuda")
+    eager = _runner(tiny_llama, "cuda", enforce_eager=True)
+    assert graphed.graphs is not None and graphed.graphs.captured == [1, 2, 4] and eager.graphs is None
+    eager.inputs = ReferenceInputs(BLOCK, torch.device("cuda"))
+    count = 0
+    replay = graphed.graphs.replay
+
+    def counted(n):
+        nonlocal count
+        count += 1
+        return replay(n)
+
+    graphed.graphs.replay = counted
+    _assert_same_steps(graphed, eager, lambda: count, graphed.graphs.sizes)
