@@ -77,6 +77,10 @@ class EngineConfig:
     # A JSON file whose values replace the three above, re-read at every metrics scrape (objectives.py).
     objectives_file: str | None = None
     attention_backend: str = "auto"  # auto | cpu | torch | triton
+    # CUDA graphs of decode steps (cuda_graphs.py): off with enforce_eager; captured for batch sizes up to
+    # min(cuda_graph_max_batch, max_num_seqs).
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
     # Weights of the linear layers (quantization.py): none = the dtype's; q8_0/q4_0/q4_1 = GGUF blocks on
     # CPU; auto = none for now (docs/engine-flags.md).
     quantization: str = "auto"
@@ -111,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.quantization not in QUANT_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, got {self.quantization}")
         check_quant_device(self.quantization, self.device)

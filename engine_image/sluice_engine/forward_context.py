@@ -11,6 +11,17 @@ import torch
 
 
 @dataclass(slots=True)
+class AttentionWorkspace:
+    """Preallocated outputs of short-query attention, so a captured CUDA graph allocates nothing in the
+    attention wrapper, and the split count that graph was captured with (cuda_graphs.py)."""
+
+    num_splits: int
+    out: torch.Tensor  # [T, Hq, D], the model's dtype; shared by every layer (each consumes it at once)
+    mid_o: torch.Tensor  # [T, Hq, num_splits, D] float32: partial outputs of split-KV decoding
+    mid_lse: torch.Tensor  # [T, Hq, num_splits] float32: their log-sum-exps
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     # Ragged batch: sequence i owns query rows query_start_loc[i]:query_start_loc[i+1].
     query_start_loc: torch.Tensor  # [B+1] int32, on device
@@ -25,6 +36,8 @@ class AttentionMetadata:
     block_size: int
     # What a backend derives once per step from the fields above and reuses in every layer.
     per_step: dict = field(default_factory=dict)
+    # Set only for a batch a CUDA graph captures: where attention writes, and its fixed split count.
+    workspace: AttentionWorkspace | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int],

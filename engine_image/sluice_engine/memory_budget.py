@@ -7,7 +7,7 @@ On a device (CUDA without --kv-cache-memory) one sum must stay within `total x -
     used by others      other processes, this process's CUDA context, non-torch buffers, allocator slack
   + weights             target + draft: every tensor the engine holds before the KV cache exists
   + activation peak     the larger of one target step and one draft step (they never run at once)
-  + CUDA-graph pool     memory captured graphs keep for themselves (0 while the engine runs eagerly)
+  + CUDA-graph pool     memory captured graphs keep for themselves and the scratch KV block (an estimate: memory_profile.py)
   + KV cache            target + draft
 
 The draft model needs a cache slot for every token the target's cache holds (it shadows the same
@@ -66,7 +66,7 @@ class DeviceMemory:
     activation_peak: int  # of one target step at the largest token budget
     draft_weights: int = 0
     draft_activation_peak: int = 0  # of one draft forward at the largest token budget
-    # NOTE: the hook for CUDA graphs (memory_profile.cuda_graph_pool_bytes): 0 while steps run eagerly.
+    # The decode CUDA graphs' pool and the scratch KV block (memory_profile.cuda_graph_pool_bytes): an estimate.
     cuda_graph_pool: int = 0
 
     @property

@@ -185,14 +185,24 @@ def _sample_costliest(logits: torch.Tensor, rows: int) -> None:
     torch.log_softmax(logits, dim=-1)
 
 
-def cuda_graph_pool_bytes(runner: ModelRunner) -> int:
-    """Device memory CUDA graphs keep apart from what the profile sees. Steps run eagerly: 0.
+def cuda_graph_pool_bytes(runner: ModelRunner, activation_peak: int) -> int:
+    """Device memory the decode CUDA graphs keep apart from what the profile sees (0 when steps run
+    eagerly), plus the scratch KV block their padding rows write to.
 
-    NOTE: the hook for CUDA graphs. Graphs captured before the KV cache is sized: the growth of
-    torch.cuda.memory_reserved over their capture. Captured after (they need the cache's addresses):
-    an estimate, e.g. the activations of the largest captured batch, since graphs of smaller batches
-    share one pool."""
-    return 0
+    Graphs are captured after the KV cache is allocated (they bake in its addresses), so their pool is
+    estimated, not measured: every size shares one pool, captured largest first, so the pool is about
+    the activations of the largest captured batch, one token per sequence. The profiled peak of a step of
+    --max-num-batched-tokens tokens, scaled to that many tokens (activations grow with tokens; the
+    logits and sampler share of it is an overestimate here), plus 4 MiB per graph for its own state."""
+    from .cuda_graphs import capture_sizes, graphs_off_reason
+
+    cfg = runner.cfg
+    scratch = runner.kv_bytes_per_block
+    if graphs_off_reason(cfg.enforce_eager, runner.device, runner.backend.name, cfg.world_size) is not None:
+        return scratch
+    sizes = capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+    share = min(1.0, sizes[-1] / max(1, cfg.max_num_batched_tokens))
+    return scratch + int(activation_peak * share) + len(sizes) * (4 << 20)
 
 
 def measure_device_memory(runner: ModelRunner, draft: DraftModelProposer | None, activation_peak: int,
@@ -212,7 +222,7 @@ def measure_device_memory(runner: ModelRunner, draft: DraftModelProposer | None,
         # Every tensor held now is the target's or the draft's: weights, rotary tables, buffers.
         weights=allocated - draft_weights, draft_weights=draft_weights,
         activation_peak=activation_peak, draft_activation_peak=draft_activation_peak,
-        cuda_graph_pool=cuda_graph_pool_bytes(runner),
+        cuda_graph_pool=cuda_graph_pool_bytes(runner, activation_peak),
     )
 
 

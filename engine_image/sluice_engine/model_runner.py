@@ -14,11 +14,13 @@ import torch
 
 from .attention.backend import select_backend
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs, TorchCudaGraphs, capture_sizes, decode_workspaces, graphs_off_reason
 from .distributed import parallel_state as ps
 from .distributed.layout import RankShard, rank_shard
 from .forward_context import ForwardContext, forward_context
+from .input_buffers import InputBuffers
 from .model_fetch import gguf_source
-from .model_input import ModelInput, build_model_input
+from .model_input import ModelInput
 from .models.loader import load_model, resolve_device, resolve_dtype, resolve_quantization
 from .models.model_config import ModelConfig
 from .sched_output import SchedulerOutput
@@ -52,6 +54,8 @@ class ModelRunner:
                                 gguf_path=None if self.quantization == "none" else gguf_source(cfg.model))
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
+        self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA only)
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -69,21 +73,26 @@ class ModelRunner:
         """Every rank allocates the same number of blocks (the smallest rank's capacity): block ids
         mean the same slots on every rank."""
         sh = self.shard
-        self.kv_caches = self._new_kv_cache(num_blocks)
+        # One block more than the KV manager hands out: the scratch block (id num_blocks), where the padding
+        # rows of a CUDA graph's batch write and read (cuda_graphs.py).
+        self.kv_caches = self._new_kv_cache(num_blocks + 1)
         self.num_blocks = num_blocks
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s)", num_blocks, self.cfg.block_size,
                  num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20,
                  "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}")
+        self._setup_step_inputs()
 
     @contextmanager
     def scratch_kv_cache(self, num_blocks: int) -> Iterator[None]:
         """A throwaway cache for the memory profile's dummy step, before the real one is sized."""
         assert not self.kv_caches, "the memory profile runs before the KV cache is allocated"
         self.kv_caches = self._new_kv_cache(num_blocks)
+        self.inputs = self._new_inputs(scratch_block=None)  # the dummy step's rows go with it
         try:
             yield
         finally:
             self.kv_caches = []
+            self.inputs = None
 
     def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         sh = self.shard
@@ -94,24 +103,58 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block
 
+    # -- persistent inputs and CUDA graphs ------------------------------------------------------
+    def _setup_step_inputs(self) -> None:
+        cfg = self.cfg
+        self.inputs = self._new_inputs(scratch_block=self.num_blocks)
+        reason = graphs_off_reason(cfg.enforce_eager, self.device, self.backend.name, cfg.world_size)
+        if reason is not None:
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: %s", reason)
+            return
+        sizes = capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+        workspaces = decode_workspaces(sizes, self._decode_splits, self.shard.num_heads, self.model_config.head_dim,
+                                       self.dtype, self.device)
+        self.graphs = DecodeGraphs(sizes, self.inputs, self.forward, workspaces, TorchCudaGraphs(self.device))
+        self.graphs.capture()
+
+    def _new_inputs(self, scratch_block: int | None) -> InputBuffers:
+        cfg = self.cfg
+        # Requests that may hold a block-table row at once: every virtual engine's running batch.
+        pp = cfg.pipeline_parallel_size
+        return InputBuffers(max_tokens=cfg.max_num_batched_tokens, max_rows=-(-cfg.max_num_seqs // pp) * pp,
+                            max_model_len=self.max_model_len, block_size=cfg.block_size, device=self.device,
+                            scratch_block=scratch_block)
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        """Split-KV programs per (sequence, KV head) of a captured decode batch: fixed at capture, so chosen
+        for the longest context the batch may have."""
+        from .attention.triton_paged import choose_num_splits
+
+        return self.backend.num_splits or choose_num_splits(num_seqs, self.shard.num_kv_heads, self.max_model_len,
+                                                            self.backend.num_sms)
+
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> ModelInput:
+        """The step's inputs, written into the persistent buffers (views of them are returned)."""
+        assert self.inputs is not None, "allocate_kv_cache() first"
         rows, _ = sched.logits_layout()
-        return build_model_input(sched.scheduled, rows, self.cfg.block_size, self.device)
+        return self.inputs.prepare(sched.scheduled, rows, sched.freed_req_ids, pad_to)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Run this rank's part of the step. Returns the logits ([rows of logits_layout(), vocab],
         float32) when this rank is rank 0 and holds the last stage; None otherwise (a stage hands its
         hidden states on; the last stage sends its logits to rank 0, which collects them: executor.py)."""
-        inp = self.prepare(sched)
+        graph_size = self.graphs.batch_size(sched) if self.graphs is not None else None
+        inp = self.prepare(sched, graph_size)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         sh = self.shard
         hidden_in = None
         if not sh.is_first_stage:
             hidden_in = ps.recv_hidden((inp.num_tokens, self.model_config.hidden_size), self.dtype, self.device)
-        hidden = self.forward(inp, hidden_in)
+        hidden = self.graphs.replay(graph_size) if graph_size is not None else self.forward(inp, hidden_in)
         if not sh.is_last_stage:
             ps.send_hidden(hidden)
             return None

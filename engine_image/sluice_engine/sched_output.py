@@ -44,6 +44,9 @@ class SchedulerOutput:
     # KV blocks to copy (src block id, dst block id) before the forward: a forked request's own copy
     # of its source's partial last prompt block (copy-on-write at fork time).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Requests whose blocks were freed (finished, aborted, preempted) since the last step that ran: a
+    # runner drops what it keeps for them (their block-table rows, input_buffers.py) before this step.
+    freed_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

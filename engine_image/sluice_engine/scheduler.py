@@ -33,6 +33,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Requests whose blocks were freed since the last step that ran (SchedulerOutput.freed_req_ids).
+        self._freed: list[str] = []
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -66,6 +68,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free(request)
+        self._freed.append(request.request_id)
         self.requests.pop(request.request_id, None)
         self._load[request.virtual_engine] -= 1
 
@@ -142,6 +145,10 @@ class Scheduler:
             self._admit(req, num_new, now, out)
             running += 1
             budget -= num_new
+        if out.scheduled:
+            # NOTE: only a step that runs reaches the runners (an empty one is dropped), so the list waits
+            # for one; the runner releases these before taking rows for this step's requests.
+            out.freed_req_ids, self._freed = self._freed, []
         return out
 
     def _pop_victim(self, ve: int) -> Request:
@@ -183,6 +190,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._freed.append(req.request_id)
         req.spec_token_ids.clear()
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING

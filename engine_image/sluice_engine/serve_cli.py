@@ -42,6 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="watchdog: a step running longer than this turns /health to 503 (a hung engine)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay CUDA graphs: every step launches its kernels one by one")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=256, metavar="N",
+                   help="capture decode CUDA graphs for batches of up to N requests (capped to --max-num-seqs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     par = p.add_argument_group("parallelism (docs/engine-flags.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

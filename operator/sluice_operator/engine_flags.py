@@ -45,6 +45,8 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "step-timeout": float,
     "shutdown-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
+    "enforce-eager": bool,
+    "cuda-graph-max-batch": int,
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
     "speculative-method": ("ngram", "draft"),

@@ -206,12 +206,15 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     max_query_len: int, scale: float, num_splits: int = 1,
     block_m: int | None = None, block_n: int | None = None,
+    out: torch.Tensor | None = None, mid: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of query rows over each sequence's paged context.
 
     q: [T, Hq, D], sequence i's rows at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts its
     cached tokens plus its new ones, whose K/V must already be in the cache. k_cache, v_cache:
     [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
+    out, mid: preallocated output [T, Hq, D] and split partials ([T, Hq, S, D], [T, Hq, S] float32), so
+    that nothing is allocated here (inside a CUDA graph); by default they are allocated.
     """
     t, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -231,10 +234,17 @@ def paged_attention(
     tokens_per_tile = block_m // group
     block_d = max(MIN_DOT, triton.next_power_of_2(d))
 
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, (out.shape, out.dtype, q.shape)
     if t == 0:
         return out
-    if num_splits > 1:
+    if num_splits > 1 and mid is not None:
+        mid_o, mid_lse = mid
+        assert mid_o.shape == (t, hq, num_splits, d) and mid_lse.shape == (t, hq, num_splits), (
+            mid_o.shape, mid_lse.shape, (t, hq, num_splits, d))
+        assert mid_o.dtype == mid_lse.dtype == torch.float32 and mid_o.stride(3) == 1 and mid_lse.stride(2) == 1
+    elif num_splits > 1:
         mid_o = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
     else:  # unused: the kernel writes the output directly

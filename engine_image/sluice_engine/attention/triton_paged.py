@@ -47,6 +47,14 @@ class TritonPagedAttention:
         tk.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        ws = meta.workspace
+        if ws is not None:  # a captured graph's batch: its split count and buffers, fixed at capture
+            t = q.shape[0]
+            return tk.paged_attention(
+                q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                meta.max_query_len, scale, num_splits=ws.num_splits, out=ws.out[:t],
+                mid=(ws.mid_o[:t], ws.mid_lse[:t]),
+            )
         splits = 1
         if meta.max_query_len <= SPLIT_MAX_QUERY_LEN:
             splits = self.num_splits or choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_seq_len,

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ..forward_context import ForwardContext, forward_context
+from ..input_buffers import InputBuffers
 from ..kv_cache import KVCacheManager
 from ..memory_profile import PeakMeter, dummy_step
-from ..model_input import build_model_input
 from ..models.loader import load_model
 from ..models.model_config import ModelConfig
 from ..request import Request
@@ -37,7 +37,8 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model_dir: Path, k: int, *, backend, device: torch.device, dtype: torch.dtype,
-                 block_size: int, max_positions: int, target_vocab_size: int, max_forward_tokens: int):
+                 block_size: int, max_positions: int, target_vocab_size: int, max_forward_tokens: int,
+                 max_num_seqs: int):
         self.k = k
         self.device = device
         self.dtype = dtype
@@ -55,6 +56,15 @@ class DraftModelProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
         self._shadows: dict[str, Request] = {}
+        # Persistent inputs as the target's (input_buffers.py), one block-table row per shadow. The buffers
+        # grow on demand if a forward is larger (the draft is never captured in a graph).
+        self.max_num_seqs = max_num_seqs
+        self.inputs = self._new_inputs()
+        self._released: list[str] = []  # shadows freed since the last forward: their rows go back first
+
+    def _new_inputs(self) -> InputBuffers:
+        return InputBuffers(max_tokens=self.max_forward_tokens, max_rows=self.max_num_seqs,
+                            max_model_len=self.max_positions, block_size=self.block_size, device=self.device)
 
     # -- memory --------------------------------------------------------------------------------
     @property
@@ -84,6 +94,7 @@ class DraftModelProposer:
                 self._run(step.sched.scheduled)
         finally:
             self.kv_caches = []
+            self.inputs = self._new_inputs()  # the dummy sequences' block-table rows go with them
         return meter.peak
 
     def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
@@ -124,6 +135,7 @@ class DraftModelProposer:
         shadow = self._shadows.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
+            self._released.append(request_id)
 
     # -- internals -----------------------------------------------------------------------------
     def _sync(self, q: DraftQuery) -> Request:
@@ -181,7 +193,10 @@ class DraftModelProposer:
 
     def _run(self, scheduled: list[ScheduledRequest]) -> list[int]:
         rows, _ = SchedulerOutput(scheduled).logits_layout()  # each sampling shadow's last row: its next token
-        inp = build_model_input(scheduled, rows, self.block_size, self.device)
+        # NOTE: shadows outlive their requests' preemption (a preempted request keeps its draft KV), so
+        # there may be more of them than block-table rows: idle shadows give theirs up (evict_idle).
+        inp = self.inputs.prepare(scheduled, rows, self._released, evict_idle=True)
+        self._released.clear()
         with forward_context(ForwardContext(inp.attn, self.kv_caches)):
             hidden = self.model(inp.input_ids, inp.positions)
         if not rows:

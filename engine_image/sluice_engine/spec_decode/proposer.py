@@ -59,4 +59,4 @@ def load_draft_model(draft_dir: Path, runner: ModelRunner) -> DraftModelProposer
     return DraftModelProposer(draft_dir, cfg.num_speculative_tokens, backend=runner.backend, device=runner.device,
                               dtype=runner.dtype, block_size=cfg.block_size, max_positions=runner.max_model_len,
                               target_vocab_size=runner.model_config.vocab_size,
-                              max_forward_tokens=cfg.max_num_batched_tokens)
+                              max_forward_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)

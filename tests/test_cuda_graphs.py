@@ -1,0 +1,296 @@
+"""CUDA graphs of decode steps (cuda_graphs.py), as far as a machine without a GPU can take them.
+
+- The pure parts: capture sizes, the size a step replays, when graphs are off, the attention workspaces.
+- TorchCudaGraphs against a stand-in torch.cuda: one pool and one side stream for every capture, warm-up
+  on that stream before capturing.
+- DecodeGraphs end to end on a tiny random Llama with the Triton backend (in Triton's interpreter): a
+  stand-in graph API whose "replay" reruns the captured forward over the same persistent buffers, which is
+  what a graph does. Decode steps replay padded batches with the fixed split count and preallocated
+  attention outputs, prefill steps run eagerly, and the logits match an eager runner on the per-step
+  builder; padding rows never touch a real request's KV.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import pytest
+import torch
+from reference_inputs import ReferenceInputs
+from safetensors.torch import save_file
+
+from sluice_engine import cuda_graphs as cg
+from sluice_engine.config import EngineConfig
+from sluice_engine.sched_output import ScheduledRequest, SchedulerOutput
+
+CPU = torch.device("cpu")
+
+
+# -- pure parts ------------------------------------------------------------------------------------
+def test_capture_sizes():
+    assert cg.capture_sizes(1) == [1]
+    assert cg.capture_sizes(6) == [1, 2, 4, 6]
+    assert cg.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = cg.capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))  # at most 7 padding rows
+    with pytest.raises(ValueError, match=">= 1"):
+        cg.capture_sizes(0)
+
+
+def _decode(n: int, start: int = 5) -> SchedulerOutput:
+    return SchedulerOutput([ScheduledRequest(f"r{i}", [i], start, [i]) for i in range(n)])
+
+
+def test_which_steps_replay_which_size():
+    sizes = cg.capture_sizes(20)
+    assert [cg.bucket_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 20, 21)] == [1, 2, 4, 8, 8, 16, 20, 20, None]
+    assert cg.graph_batch_size(_decode(3), sizes) == 4
+    assert cg.graph_batch_size(_decode(21), sizes) is None  # more rows than the largest graph: eager
+    mixed = _decode(2)
+    mixed.scheduled.append(ScheduledRequest("p", [1, 2, 3], 0, [9]))  # a prompt chunk: eager
+    assert cg.graph_batch_size(mixed, sizes) is None
+    drafts = SchedulerOutput([ScheduledRequest("s", [4, 7, 8], 9, [1], num_drafts=2)])
+    assert cg.graph_batch_size(drafts, sizes) is None  # verification is not captured
+    one_token_chunk = SchedulerOutput([ScheduledRequest("c", [4], 3, [1], samples=False)])
+    assert cg.graph_batch_size(one_token_chunk, sizes) == 1  # the same shapes as a decode
+
+
+def test_when_graphs_are_off():
+    cuda = torch.device("cuda")
+    assert cg.graphs_off_reason(False, cuda, "triton", 1) is None
+    assert cg.graphs_off_reason(True, cuda, "triton", 1) == "--enforce-eager"
+    assert "CUDA" in cg.graphs_off_reason(False, CPU, "triton", 1)
+    assert "torch" in cg.graphs_off_reason(False, cuda, "torch", 1)
+    assert "parallel" in cg.graphs_off_reason(False, cuda, "triton", 2)
+    assert EngineConfig().cuda_graph_max_batch == 256 and not EngineConfig().enforce_eager
+    with pytest.raises(ValueError, match="--cuda-graph-max-batch"):
+        EngineConfig(cuda_graph_max_batch=0)
+
+
+def test_workspaces_are_views_of_one_allocation_per_kind():
+    sizes = [1, 2, 4, 8]
+    ws = cg.decode_workspaces(sizes, lambda n: 8 // n, num_heads=3, head_dim=16, dtype=torch.float16, device=CPU)
+    for n in sizes:
+        w = ws[n]
+        assert w.num_splits == 8 // n
+        assert w.out.shape == (n, 3, 16) and w.out.dtype == torch.float16
+        assert w.mid_o.shape == (n, 3, 8 // n, 16) and w.mid_o.is_contiguous() and w.mid_o.dtype == torch.float32
+        assert w.mid_lse.shape == (n, 3, 8 // n) and w.mid_lse.is_contiguous()
+    assert len({ws[n].out.data_ptr() for n in sizes}) == 1
+    assert len({ws[n].mid_o.data_ptr() for n in sizes}) == 1
+
+
+def test_torch_cuda_graphs_share_one_pool_and_stream(monkeypatch):
+    """The real capture code against a stand-in torch.cuda (recording what it is called with)."""
+    calls: list = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append(("wait", self, other))
+
+    class Graph:
+        def replay(self):
+            calls.append(("replay", self))
+
+    @contextmanager
+    def graph(g, pool=None, stream=None):
+        calls.append(("capture", g, pool, stream))
+        yield
+
+    @contextmanager
+    def on_stream(s):
+        calls.append(("on", s))
+        yield
+
+    current = Stream()
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    api = cg.TorchCudaGraphs(torch.device("cuda"))
+    out = torch.ones(2)
+    api.warm_up(lambda: calls.append("forward"))
+    assert calls == [("wait", api.stream, current), ("on", api.stream), "forward", ("wait", current, api.stream)]
+    calls.clear()
+    replays = [api.capture(lambda: out) for _ in range(2)]
+    captures = [c for c in calls if c[0] == "capture"]
+    assert [c[2:] for c in captures] == [("pool", api.stream)] * 2  # one pool, one stream
+    assert captures[0][1] is not captures[1][1]
+    replay, got = replays[1]
+    assert got is out
+    replay()
+    assert calls[-1] == ("replay", captures[1][1])
+
+
+# -- end to end on a tiny model, Triton interpreted ---------------------------------------------------
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB, INTER, BLOCK = 4, 2, 16, 2, 96, 128, 16
+HIDDEN = HEADS * HEAD_DIM
+
+
+def _interpreter_ready() -> bool:
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
+        return False
+    # As tests/test_triton_attention.py: the interpreter only if set before triton's first import.
+    os.environ["TRITON_INTERPRET"] = "1"
+    from sluice_engine.attention import triton_kernels as tk
+
+    return tk.INTERPRETER_READY
+
+
+needs_interpreter = pytest.mark.skipif(not _interpreter_ready(),
+                                       reason="needs Triton's interpreter (no GPU); a GPU runs test_real_graphs")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                               reason="needs a CUDA GPU and triton")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama-graphs")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "tie_word_embeddings": False,
+    }))
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape, scale=0.1):
+        return torch.randn(*shape, generator=g) * scale
+
+    t = {"model.embed_tokens.weight": w(VOCAB, HIDDEN, scale=1.0), "lm_head.weight": w(VOCAB, HIDDEN),
+         "model.norm.weight": 1 + w(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": 1 + w(HIDDEN), p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
+              p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+              p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * HEAD_DIM),
+              p + "mlp.gate_proj.weight": w(INTER, HIDDEN), p + "mlp.up_proj.weight": w(INTER, HIDDEN),
+              p + "mlp.down_proj.weight": w(HIDDEN, INTER)}
+    save_file(t, str(d / "model.safetensors"))
+    return d
+
+
+class ReplayByRerun:
+    """Stands in for torch.cuda's graphs on CPU: "capturing" keeps the forward, "replaying" reruns it over
+    the captured ModelInput, i.e. over whatever the persistent buffers hold now, into the same output."""
+
+    def __init__(self):
+        self.captured: list[int] = []
+        self.replays = 0
+
+    def warm_up(self, fn):
+        fn()
+
+    def capture(self, fn):
+        out = fn()
+        self.captured.append(out.shape[0])
+
+        def replay():
+            self.replays += 1
+            out.copy_(fn())
+
+        return replay, out
+
+    def synchronize(self):
+        pass
+
+
+def steps() -> list[SchedulerOutput]:
+    """Prompts (eager), then decodes of 3 requests (replayed at size 4: one padding row), a request
+    finishing (2 rows, replayed at size 2), and a new prompt beside a decode (eager again). Blocks of 16."""
+    a, b, c = list(range(3, 23)), list(range(30, 47)), [5, 6, 7, 8, 9]
+    out = [SchedulerOutput([ScheduledRequest("a", a, 0, [4, 9]), ScheduledRequest("b", b, 0, [2, 7]),
+                            ScheduledRequest("c", c, 0, [11, 12])])]
+    for k in range(12):  # a crosses into its third block: a new block id mid-decode
+        blocks_a = [4, 9] if 20 + k < 32 else [4, 9, 13]
+        out.append(SchedulerOutput([ScheduledRequest("a", [40 + k], 20 + k, blocks_a),
+                                    ScheduledRequest("b", [50 + k], 17 + k, [2, 7]),
+                                    ScheduledRequest("c", [60 + k], 5 + k, [11, 12])]))
+    out.append(SchedulerOutput([ScheduledRequest("a", [70], 32, [4, 9, 13]),
+                                ScheduledRequest("b", [71], 29, [2, 7])], freed_req_ids=["c"]))
+    out.append(SchedulerOutput([ScheduledRequest("d", list(range(60, 80)), 0, [11, 3]),
+                                ScheduledRequest("a", [72], 33, [4, 9, 13])]))
+    return out
+
+
+def _runner(model_dir, device: str = "cpu", **kw):
+    from sluice_engine.model_runner import ModelRunner
+
+    cfg = EngineConfig(model=str(model_dir), device=device, dtype="float32", attention_backend="triton",
+                       block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64, **kw)
+    runner = ModelRunner(cfg, model_dir)
+    runner.allocate_kv_cache(16)
+    return runner
+
+
+def _assert_same_steps(graphed, eager, replays: Callable[[], int], sizes: list[int]) -> None:
+    for i, sched in enumerate(steps()):
+        before = replays()
+        got, want = graphed.execute_model(sched), eager.execute_model(sched)
+        assert (replays() > before) == (cg.graph_batch_size(sched, sizes) is not None), i
+        assert got.shape == want.shape
+        # Split-KV (the graph's fixed count against the eager path's choice) sums in another order.
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"step {i}")
+    assert replays() == 13
+    # The requests' KV is the same on both runners: padding rows wrote only to the scratch block.
+    for c_graphed, c_eager in zip(graphed.kv_caches, eager.kv_caches, strict=True):
+        for block in (2, 3, 4, 7, 9, 11, 12, 13):
+            torch.testing.assert_close(c_graphed[:, block], c_eager[:, block], atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama):
+    torch.set_num_threads(1)  # the interpreter runs numpy on tiny tiles: threads only add overhead
+    graphed, eager = _runner(tiny_llama), _runner(tiny_llama)
+    assert graphed.graphs is None  # on CPU the runner does not capture; this test does, with a stand-in
+    eager.inputs = ReferenceInputs(BLOCK, CPU)
+    api = ReplayByRerun()
+    sizes = cg.capture_sizes(4)
+    # Split-KV decoding with preallocated partials: 3 splits, where the eager path picks 1 on CPU.
+    workspaces = cg.decode_workspaces(sizes, lambda n: 3, HEADS, HEAD_DIM, torch.float32, CPU)
+    for ws in workspaces.values():  # garbage until a replay writes it
+        for t in (ws.out, ws.mid_o, ws.mid_lse):
+            t.fill_(float("nan"))
+    graphed.graphs = cg.DecodeGraphs(sizes, graphed.inputs, graphed.forward, workspaces, api)
+    real_kv = [c[:, :16].clone() for c in graphed.kv_caches]
+    graphed.graphs.capture()
+    assert api.captured == [4, 2, 1]  # largest first
+    assert graphed.inputs.frozen
+    # Capturing ran every layer over padding rows: only the scratch block (id 16) was written.
+    assert all(torch.equal(c[:, :16], r) for c, r in zip(graphed.kv_caches, real_kv, strict=True))
+    assert any(c[:, 16].abs().sum() > 0 for c in graphed.kv_caches)
+
+    _assert_same_steps(graphed, eager, lambda: api.replays, sizes)
+    # Attention wrote its outputs and split partials where the graphs were captured to (no allocation).
+    for n in (4, 2):
+        ws = workspaces[n]
+        assert not any(t.isnan().any() for t in (ws.out, ws.mid_o, ws.mid_lse)), n
+
+
+@needs_gpu
+def test_real_graphs(tiny_llama):
+    """On a GPU: the runner captures real CUDA graphs itself; the same steps as above against
+    --enforce-eager on the per-step builder."""
+    graphed = _runner(tiny_llama, "cuda")
+    eager = _runner(tiny_llama, "cuda", enforce_eager=True)
+    assert graphed.graphs is not None and graphed.graphs.captured == [1, 2, 4] and eager.graphs is None
+    eager.inputs = ReferenceInputs(BLOCK, torch.device("cuda"))
+    count = 0
+    replay = graphed.graphs.replay
+
+    def counted(n):
+        nonlocal count
+        count += 1
+        return replay(n)
+
+    graphed.graphs.replay = counted
+    _assert_same_steps(graphed, eager, lambda: count, graphed.graphs.sizes)
