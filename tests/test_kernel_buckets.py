@@ -94,11 +94,12 @@ def test_full_warmup_runs_every_launch_and_respects_the_limits(group, hkv, sms, 
         assert {len(b) for b in batches if b[0][1] == k + 1} == set(decode_batch_buckets(8))
 
 
-def test_minimal_warmup_is_one_prefill_and_one_decode():
+def test_minimal_warmup_is_one_step_with_a_prompt_chunk_and_a_decode_row():
     lim = limits(3, 3)
-    assert warmup_batches("minimal", lim) == [((0, 16),), ((16, 1),)]
+    assert warmup_batches("minimal", lim) == [((0, 16), (16, 1))]
     tiny = WarmupLimits(4, 8, 12, 3, 3, 1)  # a budget and window below the usual chunk
-    assert warmup_batches("minimal", tiny) == [((0, 8),), ((8, 1),)]
+    assert warmup_batches("minimal", tiny) == [((0, 7), (7, 1))]
+    assert warmup_batches("minimal", WarmupLimits(1, 8, 12, 3, 3, 1)) == [((0, 8),)]  # one sequence a step
     with pytest.raises(ValueError, match="warm-up mode"):
         warmup_batches("sometimes", lim)
 

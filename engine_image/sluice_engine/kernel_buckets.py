@@ -156,15 +156,16 @@ class WarmupLimits:
 
 
 def warmup_batches(mode: str, lim: WarmupLimits) -> list[WarmupBatch]:
-    """The dummy batches warm-up runs. `minimal`: one prompt chunk and one decode step (every layer and
-    kernel once). `full`: each prefill chunk bucket, each decode batch bucket, each speculative verification
-    bucket, and a decode and a short-query batch at every reachable split count, so every member of
-    attention_launches(...) runs (tests check the two agree). Every batch respects the token budget, the
-    batch size and the context window."""
+    """The dummy batches warm-up runs. `minimal`: one step holding a prompt chunk and a decode row (every
+    layer once, both kinds of rows; the Triton attention only unsplit). `full`: each prefill chunk bucket,
+    each decode batch bucket, each speculative verification bucket, and a decode and a short-query batch at
+    every reachable split count above 1, so every member of attention_launches(...) runs (tests check the
+    two agree). Every batch respects the token budget, the batch size and the context window."""
     budget, window = lim.max_num_batched_tokens, lim.max_model_len
     small = min(SPLIT_MAX_QUERY_LEN, budget, window - 1)
     if mode == "minimal":
-        return [((0, small),), ((small, 1),)]
+        prompt = min(small, budget - 1)
+        return [((0, prompt), (prompt, 1))] if prompt >= 1 and lim.max_num_seqs >= 2 else [((0, small),)]
     if mode != "full":
         raise ValueError(f"unknown warm-up mode {mode!r}")
     batches: list[WarmupBatch] = [((0, c),) for c in prefill_chunk_buckets(min(budget, window))]
@@ -178,7 +179,7 @@ def warmup_batches(mode: str, lim: WarmupLimits) -> list[WarmupBatch]:
         if spec_max >= 1 and ctx >= 0:
             batches += [((ctx, verify),) * b for b in decode_batch_buckets(spec_max)]
     cap = split_cap(lim.num_kv_heads, lim.num_sms, window)
-    for s in SPLIT_CHOICES:
+    for s in SPLIT_CHOICES[1:]:  # unsplit launches ran above (decode buckets, prompt chunks)
         if s > cap:
             break
         for new in (1, 2):  # decode, and a short query (verification, an extend after a prefix hit)

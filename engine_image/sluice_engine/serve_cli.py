@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import EngineConfig, parse_size
+from .config import WARMUP_MODES, EngineConfig, parse_size
 from .quantization import CHOICES as QUANT_CHOICES
 
 
@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="watchdog: a step running longer than this turns /health to 503 (a hung engine)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    p.add_argument("--warmup", default="auto", choices=list(WARMUP_MODES),
+                   help="dummy steps before /ready turns 200, so no kernel compiles on the serving path: full "
+                        "(every prefill chunk, decode batch and attention launch bucket), minimal (one prefill "
+                        "and one decode step), off; auto: full on CUDA, minimal on CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     par = p.add_argument_group("parallelism (docs/engine-flags.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

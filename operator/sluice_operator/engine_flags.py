@@ -45,6 +45,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "step-timeout": float,
     "shutdown-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
+    "warmup": ("auto", "full", "minimal", "off"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
     "speculative-method": ("ngram", "draft"),
