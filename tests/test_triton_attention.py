@@ -316,3 +316,39 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama):
             assert c.token_ids == w.token_ids
             for wl, cl in zip(w.logprobs, c.logprobs, strict=True):
                 assert abs(wl[0] - cl[0]) < 1e-4  # the sampled token's logprob
+
+
+@pytest.mark.slow
+def test_full_warmup_runs_exactly_the_launch_set(tiny_llama, tmp_path):
+    """The engine's full warm-up over the Triton backend: the launches the backend actually chose in the
+    dummy steps are the enumerated set (split counts 1, 2 and 4 for a 1024-token window), and the report
+    says so. In the interpreter the backend counts one SM, which never splits: it is given 16 here."""
+    import shutil
+
+    from sluice_engine.kernel_buckets import attention_launches
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    model = tmp_path / "tiny-llama-1k"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    llm = LLM(str(model), device=DEVICE.type, dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=4,
+              max_num_batched_tokens=64, attention_backend="triton", warmup="full")
+    backend = llm.engine.runner.backend
+    if not CUDA:
+        backend.num_sms = 16
+    seen = set()
+    choose = backend.launch
+
+    def recording(meta, group, num_kv_heads):
+        launch = choose(meta, group, num_kv_heads)
+        seen.add(launch)
+        return launch
+
+    backend.launch = recording
+    report = llm.engine.warm_up()
+    assert seen == report.launches == attention_launches(3, 2, backend.num_sms, llm.engine.max_model_len)
+    assert {x.num_splits for x in seen} == {1, 2, 4}
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3 and seen == report.launches  # serving stays inside the set

@@ -3,9 +3,9 @@ before the server reports ready, so no kernel compiles on the serving path and a
 (out of memory at the full token budget, a missing compiler) fails the start, not the first request.
 
 What runs is kernel_buckets.warmup_batches: `full` covers every prefill chunk bucket, decode batch bucket,
-verification bucket and attention launch of the fixed set; `minimal` one prompt chunk and one decode step
-(on CPU that is all there is to warm: the C++ kernels are built when the backend is chosen, and a step
-touches every layer once). The dummy sequences' block tables point at one free KV block that caches nothing,
+verification bucket and attention launch of the fixed set; `minimal` one step holding a prompt chunk and a
+decode row (on CPU that is all there is to warm: the C++ kernels are built when the backend is chosen, and
+the step runs every layer and both kinds of rows once). The dummy sequences' block tables point at one free KV block that caches nothing,
 borrowed from the pool and given back, so nothing a request owns or the prefix cache holds is read or
 written.
 """
