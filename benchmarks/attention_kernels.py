@@ -14,7 +14,7 @@ also kept dense ([B, Hkv, L, D]) for SDPA.
 - Decode: batch B x context L, one query token per sequence. Bytes = K and V of every context token
   (B x L x Hkv x D x 2 x itemsize) + Q read + O written; achieved bandwidth = bytes / kernel time, and
   the share of the GPU's peak HBM bandwidth (--peak-tbps; known for H200/H100/A100). The Triton row
-  uses the split count the engine would choose (`choose_num_splits`). SDPA reads dense, unpaged K/V with
+  uses the launch the engine would choose (`kernel_buckets.choose_attention_launch`). SDPA reads dense, unpaged K/V with
   enable_gqa: the bar for a kernel that also walks block tables.
 - Prefill: B sequences of `new` tokens over `cached` tokens already in the cache (cached 0: a plain
   prompt). FLOPs = 4 x Hq x D x (query, key) pairs under the causal mask. SDPA gets the same dense
@@ -52,7 +52,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
-    p.add_argument("--block-n", type=int, default=None, help="keys per kernel iteration (default: the wrapper's)")
     p.add_argument("--peak-tbps", type=float, default=None, help="peak HBM TB/s (default: from the GPU's name)")
     p.add_argument("--decode-only", action="store_true")
     p.add_argument("--prefill-only", action="store_true")
@@ -91,9 +90,10 @@ class PagedBatch:
         self.scale = d**-0.5
         self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None  # K/V repeated per query head
 
-    def triton(self, tk, num_splits: int, block_n: int | None = None) -> torch.Tensor:
+    def triton(self, tk, launch=None) -> torch.Tensor:
+        """launch: a kernel_buckets.AttentionLaunch (None: the wrapper's unsplit default)."""
         out = tk.paged_attention(self.q_flat, self.cache[0], self.cache[1], self.query_start_loc, self.seq_lens,
-                                 self.block_tables, self.new, self.scale, num_splits=num_splits, block_n=block_n)
+                                 self.block_tables, self.new, self.scale, launch=launch)
         return out.view(self.b, self.new, *out.shape[1:]).transpose(1, 2)  # [B, Hq, new, D]
 
     def sdpa(self) -> torch.Tensor:
@@ -134,7 +134,9 @@ def peak_tbps(args: argparse.Namespace) -> float | None:
 
 
 # -- the two sections ----------------------------------------------------------------------------
-def run_decode(args, tk, choose_num_splits, device) -> list[dict]:
+def run_decode(args, tk, device) -> list[dict]:
+    from sluice_engine.kernel_buckets import choose_attention_launch
+
     dtype = DTYPES[args.dtype]
     hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -143,9 +145,10 @@ def run_decode(args, tk, choose_num_splits, device) -> list[dict]:
     for ctx in DECODE_CONTEXTS:
         for b in DECODE_BATCHES:
             batch = PagedBatch(b, 1, ctx - 1, hq, hkv, d, args.block_size, dtype, device)
-            splits = choose_num_splits(b, hkv, ctx, sms)
-            err = (batch.triton(tk, splits, args.block_n).float() - batch.sdpa().float()).abs().max().item()
-            t_triton = bench_ms(lambda batch=batch, splits=splits: batch.triton(tk, splits, args.block_n))
+            launch = choose_attention_launch(1, [ctx] * b, hq // hkv, hkv, sms)
+            splits = launch.num_splits
+            err = (batch.triton(tk, launch).float() - batch.sdpa().float()).abs().max().item()
+            t_triton = bench_ms(lambda batch=batch, launch=launch: batch.triton(tk, launch))
             t_sdpa = bench_ms(lambda batch=batch: batch.sdpa())
             nbytes = (2 * b * ctx * hkv * d + 2 * b * hq * d) * dtype.itemsize
             row = dict(batch=b, context=ctx, splits=splits, triton_us=t_triton * 1e3, sdpa_us=t_sdpa * 1e3,
@@ -166,8 +169,8 @@ def run_prefill(args, tk, device) -> list[dict]:
     rows = []
     for b, new, cached in PREFILL_SHAPES:
         batch = PagedBatch(b, new, cached, hq, hkv, d, args.block_size, dtype, device)
-        err = (batch.triton(tk, 1, args.block_n).float() - batch.sdpa().float()).abs().max().item()
-        t_triton = bench_ms(lambda batch=batch: batch.triton(tk, 1, args.block_n))
+        err = (batch.triton(tk).float() - batch.sdpa().float()).abs().max().item()
+        t_triton = bench_ms(lambda batch=batch: batch.triton(tk))
         t_sdpa = bench_ms(lambda batch=batch: batch.sdpa())
         flops = 4 * hq * d * batch.causal_pairs()
         rows.append(dict(batch=b, new=new, cached=cached, triton_ms=t_triton, sdpa_ms=t_sdpa,
@@ -203,12 +206,13 @@ def cpu_smoke() -> None:
     from sluice_engine.attention import triton_kernels as tk
     from sluice_engine.attention.torch_paged import TorchPagedAttention
     from sluice_engine.forward_context import AttentionMetadata
+    from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for
 
     t0 = time.perf_counter()
     cpu = torch.device("cpu")
     for b, new, cached, splits in [(3, 1, 40, 2), (2, 9, 20, 1)]:
         batch = PagedBatch(b, new, cached, 6, 2, 64, 16, torch.float32, cpu)
-        got = batch.triton(tk, splits)
+        got = batch.triton(tk, AttentionLaunch(splits, block_m_for(new, 6 // 2)))
         tables = batch.block_tables
         meta = AttentionMetadata(batch.query_start_loc, batch.seq_lens, tables, torch.empty(0, dtype=torch.long),
                                  new, batch.seq_len, [new] * b, [batch.seq_len] * b, 16)
@@ -231,7 +235,6 @@ def main() -> None:
         sys.exit("benchmarks/attention_kernels.py measures GPU kernels and needs a CUDA device; none is "
                  "available here. Run it with --cpu-smoke for a tiny correctness check in Triton's interpreter.")
     from sluice_engine.attention import triton_kernels as tk
-    from sluice_engine.attention.triton_paged import choose_num_splits
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -239,7 +242,7 @@ def main() -> None:
           f"{args.dtype}, Hq={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
           f"block={args.block_size}", flush=True)
     t0 = time.perf_counter()
-    decode = [] if args.prefill_only else run_decode(args, tk, choose_num_splits, device)
+    decode = [] if args.prefill_only else run_decode(args, tk, device)
     prefill = [] if args.decode_only else run_prefill(args, tk, device)
     print_tables(decode, prefill, peak_tbps(args))
     print(f"\n({time.perf_counter() - t0:.0f}s)")

@@ -21,7 +21,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory=32 << 20, max_model_len=512, device="cpu")
+    # No warm-up steps in the servers these tests start: a patched forward then fails or hangs on the
+    # request's step, not on a dummy one (test_warmup.py covers those).
+    return LLM(kv_cache_memory=32 << 20, max_model_len=512, device="cpu", warmup="off")
 
 
 def run(engine, requests: dict) -> dict:
@@ -133,7 +135,7 @@ def test_hung_step_fails_health_within_the_watchdog_bound(llm, monkeypatch):
 
 def test_dead_engine_is_503():
     """A failure that is no single request's (the forward itself) stops the engine: 503 on both probes."""
-    llm = LLM(kv_cache_memory=16 << 20, max_model_len=256, device="cpu")
+    llm = LLM(kv_cache_memory=16 << 20, max_model_len=256, device="cpu", warmup="off")
 
     def boom(_):
         raise torch.cuda.OutOfMemoryError("out of memory (simulated)")

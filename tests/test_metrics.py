@@ -296,6 +296,7 @@ def test_engines_in_one_process_keep_their_own_metrics_and_count_errors():
         raise RuntimeError("boom")
 
     b.engine.executor.submit = boom  # the forward raises
+    b.engine.cfg.warmup = "off"  # mid-request, not at start-up (test_warmup.py covers a failing warm-up)
     with TestClient(build_app(b.engine)) as http:
         r = http.post("/v1/completions", json={"model": b.engine.served_model_name, "prompt": "hi",
                                                "max_tokens": 2})

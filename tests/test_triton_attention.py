@@ -21,6 +21,7 @@ import torch
 from sluice_engine.attention.backend import select_backend
 from sluice_engine.attention.torch_paged import TorchPagedAttention
 from sluice_engine.forward_context import AttentionMetadata
+from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for, choose_attention_launch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -45,10 +46,7 @@ def _import_kernels():
 
 
 tk = _import_kernels()
-from sluice_engine.attention.triton_paged import (  # noqa: E402
-    TritonPagedAttention,
-    choose_num_splits,
-)
+from sluice_engine.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,10 +112,13 @@ class Batch:
                                  m.seq_lens_cpu, m.block_size)
         return self.q.to(device), self.cache.to(device), meta
 
-    def triton(self, num_splits: int = 1, **kw) -> torch.Tensor:
+    def triton(self, num_splits: int = 1, block_m: int | None = None,
+               launch: AttentionLaunch | None = None) -> torch.Tensor:
         q, cache, meta = self.on(DEVICE)
+        group = q.shape[1] // cache.shape[3]
+        launch = launch or AttentionLaunch(num_splits, block_m or block_m_for(meta.max_query_len, group))
         out = tk.paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                 meta.max_query_len, self.scale, num_splits=num_splits, **kw)
+                                 meta.max_query_len, self.scale, launch=launch)
         assert out.dtype == q.dtype and out.shape == q.shape
         return out.float().cpu()
 
@@ -156,11 +157,11 @@ DECODE_LENGTHS = [1, 15, 16, 17, 300]
 
 @pytest.mark.parametrize("hq, hkv, block_size, d, splits, dtype", [
     (4, 4, 16, 64, 1, torch.float32),    # GQA ratio 1
-    (6, 2, 16, 64, 3, torch.float32),    # ratio 3
+    (6, 2, 16, 64, 4, torch.float32),    # ratio 3
     (8, 1, 16, 128, 4, torch.float16),   # ratio 8
     (6, 2, 8, 128, 2, torch.float16),
-    (8, 1, 32, 80, 7, torch.float32),    # head_dim not a power of two; more splits than some sequences need
-    (6, 2, 16, 64, 3, torch.bfloat16),
+    (8, 1, 32, 80, 8, torch.float32),    # head_dim not a power of two; more splits than some sequences need
+    (6, 2, 16, 64, 2, torch.bfloat16),
 ], ids=lambda x: str(x).removeprefix("torch."))
 def test_decode_matches_reference(hq, hkv, block_size, d, splits, dtype):
     batch = Batch([(n - 1, 1) for n in DECODE_LENGTHS], hq, hkv, d, block_size, dtype, seed=splits)
@@ -184,9 +185,31 @@ def test_prefill_and_extend_match_reference(hq, hkv, block_size, d, dtype, block
 
 
 def test_splits_also_merge_multi_token_queries():
-    """Speculative verification splits too: rows of one tile see different key ranges per split."""
-    batch = Batch([(20, 5), (0, 3), (40, 1)], 6, 2, 64, 16, torch.float32)
-    assert max_err(batch.triton(num_splits=3, block_n=16), batch.reference()) <= 1e-5
+    """Speculative verification splits too: rows of one tile see different key ranges per split (the
+    first sequence's 205 keys make four 64-key chunks, the last one partly beyond some rows' limit)."""
+    batch = Batch([(200, 5), (0, 3), (140, 1)], 6, 2, 64, 16, torch.float32)
+    assert max_err(batch.triton(num_splits=4), batch.reference()) <= 1e-5
+
+
+def test_launches_outside_the_fixed_set_are_refused():
+    """A split count or tile outside kernel_buckets' set would compile on the serving path."""
+    for bad in (dict(num_splits=3, block_m=16), dict(num_splits=1, block_m=48), dict(num_splits=1, block_m=16,
+                                                                                     block_n=16)):
+        with pytest.raises(ValueError, match="fixed launch set"):
+            AttentionLaunch(**bad)
+
+
+def test_one_long_sequence_among_short_ones_splits_and_matches_the_reference():
+    """The uneven decode batch of the split heuristic: one long context among 15 short ones. The chooser
+    splits it (on a 16-SM device; in the interpreter the backend counts one SM) and the split, partly
+    empty for the short sequences, merges to the reference."""
+    seqs = [(700, 1)] + [(n, 1) for n in (0, 1, 3, 7, 15, 16, 20, 31, 2, 5, 9, 12, 40, 63, 64)]
+    batch = Batch(seqs, 4, 2, 32, 16, torch.float32, seed=5)
+    launch = choose_attention_launch(1, batch.meta.seq_lens_cpu, group=2, num_kv_heads=2, num_sms=16)
+    assert launch.num_splits == 2  # 701 keys: at most 2 chunks of >= 256 (the cap), though 16 SMs want more
+    assert max_err(batch.triton(launch=launch), batch.reference()) <= 1e-5
+    launch = AttentionLaunch(8, launch.block_m)  # most splits of most sequences are empty
+    assert max_err(batch.triton(launch=launch), batch.reference()) <= 1e-5
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -202,14 +225,6 @@ def test_backend_writes_then_attends_like_the_torch_backend():
     assert torch.equal(stale, cache)
     out = backend.attend(q, k, v, stale, meta, batch.scale)
     assert max_err(out.cpu(), batch.reference()) <= 1e-5
-
-
-def test_num_splits_fill_the_gpu_and_stay_long():
-    assert choose_num_splits(1, 8, 4096, num_sms=132) == 16  # 4096 / 256: chunks no shorter than 256
-    assert choose_num_splits(1, 8, 100_000, num_sms=132) == 32  # capped
-    assert choose_num_splits(4, 8, 4096, num_sms=132) == 9  # ~2 waves of 132
-    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1  # the batch fills the GPU already
-    assert choose_num_splits(1, 8, 200, num_sms=132) == 1  # too short to split
 
 
 def test_auto_is_never_triton_on_cpu():
@@ -301,3 +316,39 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama):
             assert c.token_ids == w.token_ids
             for wl, cl in zip(w.logprobs, c.logprobs, strict=True):
                 assert abs(wl[0] - cl[0]) < 1e-4  # the sampled token's logprob
+
+
+@pytest.mark.slow
+def test_full_warmup_runs_exactly_the_launch_set(tiny_llama, tmp_path):
+    """The engine's full warm-up over the Triton backend: the launches the backend actually chose in the
+    dummy steps are the enumerated set (split counts 1, 2 and 4 for a 1024-token window), and the report
+    says so. In the interpreter the backend counts one SM, which never splits: it is given 16 here."""
+    import shutil
+
+    from sluice_engine.kernel_buckets import attention_launches
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    model = tmp_path / "tiny-llama-1k"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    llm = LLM(str(model), device=DEVICE.type, dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=4,
+              max_num_batched_tokens=64, attention_backend="triton", warmup="full")
+    backend = llm.engine.runner.backend
+    if not CUDA:
+        backend.num_sms = 16
+    seen = set()
+    choose = backend.launch
+
+    def recording(meta, group, num_kv_heads):
+        launch = choose(meta, group, num_kv_heads)
+        seen.add(launch)
+        return launch
+
+    backend.launch = recording
+    report = llm.engine.warm_up()
+    assert seen == report.launches == attention_launches(3, 2, backend.num_sms, llm.engine.max_model_len)
+    assert {x.num_splits for x in seen} == {1, 2, 4}
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3 and seen == report.launches  # serving stays inside the set

@@ -74,6 +74,10 @@ class AsyncEngine:
         self._fail_lock = threading.Lock()
         self.step_started: float | None = None  # monotonic start of the step now running (the watchdog's)
         self.draining = False  # SIGTERM received: /ready is 503 and new requests are refused
+        # Until the engine thread has run the warm-up steps (LLMEngine.warm_up), /ready is 503 "warming up";
+        # requests submitted meanwhile wait in the command queue.
+        self.warming_up = True
+        self.warmup_report = None
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -83,7 +87,7 @@ class AsyncEngine:
 
         def run() -> None:
             self._started.wait()
-            self._run()
+            self._warm_up_then_run()
 
         self.engine, self._thread = start_owner_thread(factory, run, "sluice-engine")
         return self
@@ -99,7 +103,7 @@ class AsyncEngine:
         self._watch_ranks()
         self.engine.before_schedule = self._take_commands
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+            self._thread = threading.Thread(target=self._warm_up_then_run, name="sluice-engine", daemon=True)
             self._thread.start()
         self._started.set()
 
@@ -213,6 +217,26 @@ class AsyncEngine:
 
     def _dec_pending(self) -> None:
         self.pending_adds -= 1
+
+    def _warm_up_then_run(self) -> None:
+        self._warm_up()
+        self._run()
+
+    def _warm_up(self) -> None:
+        """Engine thread, once the server has started (on_dead is set, open requests can be failed), before
+        the loop. A warm-up that fails is the engine's failure: the server never reports ready and exits
+        non-zero, instead of dying on its first request."""
+        try:
+            self.warmup_report = self.engine.warm_up(on_step=self._on_warmup_step)
+        except BaseException as e:  # noqa: BLE001 - reported through fail(), like a failed step
+            log.exception("warm-up failed")
+            self.fail(e)
+        finally:
+            self.step_started = None
+            self.warming_up = False
+
+    def _on_warmup_step(self, started: float | None) -> None:
+        self.step_started = started  # a dummy step is a step: the watchdog covers it
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)

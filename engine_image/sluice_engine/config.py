@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from .quantization import CHOICES as QUANT_CHOICES
 from .quantization import check_device as check_quant_device
 
+# --warmup: what runs before /ready turns 200 (warmup.py): auto = full on CUDA, minimal elsewhere.
+WARMUP_MODES = ("auto", "full", "minimal", "off")
+
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
@@ -101,6 +104,8 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     distributed_timeout: float = 60.0  # seconds a collective may wait before the group is declared dead
+    # Dummy steps the server runs before it reports ready (warmup.py; the offline LLM does not warm up).
+    warmup: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -145,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"--master-port must be a TCP port (1..65535), got {self.master_port}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"--distributed-timeout must be > 0, got {self.distributed_timeout}")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"--warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         self.speculative_config()  # validates the speculative flags
 
     @property

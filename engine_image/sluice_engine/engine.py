@@ -28,6 +28,8 @@ from .scheduler import Scheduler
 from .spec_decode import DraftQuery, build_proposer, resolve_draft
 from .step_sampler import StepResult, sample_step
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .warmup import WarmupReport, warm_up
+from .warmup import resolve_mode as resolve_warmup_mode
 
 log = logging.getLogger("sluice.engine")
 
@@ -146,6 +148,11 @@ class LLMEngine:
                                     self.runner.model_config.vocab_size, self.eos_token_ids)
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
                  self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
+
+    def warm_up(self, on_step: Callable[[float | None], None] | None = None) -> WarmupReport:
+        """Run --warmup's dummy steps (warmup.py) before any request; the server calls it and reports
+        ready only after. on_step: told when each dummy step starts and ends (the watchdog)."""
+        return warm_up(self, resolve_warmup_mode(self.cfg.warmup, self.runner.device), on_step)
 
     # -- requests ------------------------------------------------------------------------------
     def default_max_tokens(self, num_prompt_tokens: int) -> int:

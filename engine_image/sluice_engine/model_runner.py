@@ -128,11 +128,12 @@ class ModelRunner:
 
     def _decode_splits(self, num_seqs: int) -> int:
         """Split-KV programs per (sequence, KV head) of a captured decode batch: fixed at capture, so chosen
-        for the longest context the batch may have."""
-        from .attention.triton_paged import choose_num_splits
+        for the batch that needs the most: one context of max_model_len among short ones (a split that gets
+        no keys only writes its log-sum-exp, so the short sequences pay little for it)."""
+        from .kernel_buckets import choose_num_splits
 
-        return self.backend.num_splits or choose_num_splits(num_seqs, self.shard.num_kv_heads, self.max_model_len,
-                                                            self.backend.num_sms)
+        return self.backend.num_splits or choose_num_splits([self.max_model_len] + [1] * (num_seqs - 1),
+                                                            self.shard.num_kv_heads, self.backend.num_sms)
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> ModelInput:

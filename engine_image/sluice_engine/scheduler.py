@@ -36,6 +36,16 @@ class Scheduler:
         # Requests whose blocks were freed since the last step that ran (SchedulerOutput.freed_req_ids).
         self._freed: list[str] = []
 
+    def note_freed(self, request_ids: list[str]) -> None:
+        """Sequences that ran outside the scheduler (warm-up's dummy steps): the next step tells the model
+        runners to release their block-table rows, as for requests it freed itself."""
+        self._freed.extend(request_ids)
+
+    def take_freed(self) -> list[str]:
+        """The requests freed since the last step that ran; the step that takes them releases their rows."""
+        freed, self._freed = self._freed, []
+        return freed
+
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.virtual_engine = min(range(self.num_virtual), key=self._load.__getitem__)
@@ -148,7 +158,7 @@ class Scheduler:
         if out.scheduled:
             # NOTE: only a step that runs reaches the runners (an empty one is dropped), so the list waits
             # for one; the runner releases these before taking rows for this step's requests.
-            out.freed_req_ids, self._freed = self._freed, []
+            out.freed_req_ids = self.take_freed()
         return out
 
     def _pop_victim(self, ve: int) -> Request:

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from .config import EngineConfig, parse_size
+from .config import WARMUP_MODES, EngineConfig, parse_size
 from .quantization import CHOICES as QUANT_CHOICES
 
 
@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="never replay CUDA graphs: every step launches its kernels one by one")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256, metavar="N",
                    help="capture decode CUDA graphs for batches of up to N requests (capped to --max-num-seqs)")
+    p.add_argument("--warmup", default="auto", choices=list(WARMUP_MODES),
+                   help="dummy steps before /ready turns 200, so no kernel compiles on the serving path: full "
+                        "(every prefill chunk, decode batch and attention launch bucket), minimal (one prefill "
+                        "and one decode step), off; auto: full on CUDA, minimal on CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     par = p.add_argument_group("parallelism (docs/engine-flags.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -47,6 +47,7 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "attention-backend": ("auto", "cpu", "torch", "triton"),
     "enforce-eager": bool,
     "cuda-graph-max-batch": int,
+    "warmup": ("auto", "full", "minimal", "off"),
     "seed": int,
     "log-level": ("debug", "info", "warning", "error"),
     "speculative-method": ("ngram", "draft"),

@@ -27,6 +27,8 @@ SHM_GIB_PER_RANK = 2  # /dev/shm per rank of a pod: NCCL's shared-memory transpo
 LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 RUN_AS = 10001  # the engine image's non-root user (engine_image/Dockerfile)
+# TRITON_CACHE_DIR is SLUICE_CACHE_DIR/<this>, as the engine image sets it (/models-cache/triton).
+TRITON_CACHE_SUBDIR = "triton"
 STARTUP_PERIOD_S = 10
 # Graceful shutdown: the preStop pause lets the Service and the gateway stop sending before SIGTERM; then the
 # engine drains for --shutdown-timeout (in-flight requests finish, new ones get 503) and exits 0. The pod's
@@ -128,6 +130,9 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     env = [
         {"name": "SLUICE_CACHE_DIR", "value": mount.engine_cache_dir},
         {"name": "HF_HOME", "value": f"{mount.engine_cache_dir}/huggingface"},
+        # Triton's compiled kernels (and its launcher) beside the rest of the engine's cache: on a pvc or hostPath
+        # cache a restarted or scaled-from-zero pod loads them instead of compiling them during warm-up.
+        {"name": "TRITON_CACHE_DIR", "value": f"{mount.engine_cache_dir}/{TRITON_CACHE_SUBDIR}"},
         {"name": "HOME", "value": "/tmp"},
         *copy.deepcopy(pod.env),
     ]

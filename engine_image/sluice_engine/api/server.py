@@ -120,13 +120,15 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        # The model is loaded before the app exists; ready means the engine loop is alive too.
+        # The model is loaded before the app exists; ready means warmed up and the engine loop alive too.
         if async_engine.dead is not None:
             return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
         if async_engine.hung_for() is not None:
             return JSONResponse({"status": "not ready", "error": "a step is hung"}, status_code=503)
         if async_engine.draining:
             return JSONResponse({"status": "not ready", "error": "shutting down"}, status_code=503)
+        if async_engine.warming_up:  # compiling and running the kernels' shapes once (--warmup)
+            return JSONResponse({"status": "not ready", "error": "warming up"}, status_code=503)
         return {"status": "ready", "model": info.served_model_name}
 
     @app.get("/metrics")

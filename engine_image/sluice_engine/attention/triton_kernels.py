@@ -9,9 +9,15 @@
   its log-sum-exp, and `_merge_splits_kernel` combines them.
 
 fp16/bf16 Q, K and V go to the dots as they are (tensor cores) and accumulate in fp32; the softmax and the
-running output are fp32. fp32 inputs use IEEE fp32 dots (no TF32). The module imports only torch and
-triton, so it also runs in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors -- where bf16
-arithmetic is wrong, so there bf16 inputs are upcast to fp32 right after loading.
+running output are fp32. fp32 inputs use IEEE fp32 dots (no TF32). The module imports only torch, triton
+and the pure-Python launch set (kernel_buckets.py), so it also runs in Triton's interpreter
+(TRITON_INTERPRET=1) on CPU tensors -- where bf16 arithmetic is wrong, so there bf16 inputs are upcast to
+fp32 right after loading.
+
+Compiled variants: `paged_attention` launches only members of kernel_buckets' fixed set (AttentionLaunch:
+split count and tile sizes), and the one integer argument that changes from batch to batch (the block
+table's row stride: the widest table of the batch) is not specialized, so the variants of a model are
+known in advance and warm-up compiles them all (warmup.py).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from ..kernel_buckets import AttentionLaunch, block_m_for
 
 LOG2E = 1.4426950408889634
 # Dots need every dimension >= 16 on tensor cores.
@@ -52,7 +60,9 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# NOTE: stride_bt is the width of the batch's widest block table: specializing on it (== 1, % 16 == 0)
+# would add variants as contexts grow, compiled on the serving path. Reading a row offset gains nothing from it.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     query_start_ptr, seq_lens_ptr, block_table_ptr,
@@ -103,6 +113,13 @@ def _paged_attention_kernel(
     chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+    if NUM_SPLITS > 1:
+        if kv_lo >= kv_end:
+            # No key in this split (a short sequence in a batch split for a long one): only lse = -inf,
+            # which gives it zero weight in the merge; its partial output is never read.
+            lse_off = row * stride_lt + head * stride_lh + split
+            tl.store(mid_lse_ptr + lse_off, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=row_ok)
+            return
 
     # A finite floor for the running max keeps fully masked rows free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -165,7 +182,8 @@ def _merge_splits_kernel(
     m = tl.where(h_ok, tl.max(lse, 1), 0.0)
     w = tl.exp2(lse - m[:, None])  # [H, S]
     o_off = h[:, None, None] * stride_mh + s[None, :, None] * stride_ms + d[None, None, :]
-    o_mask = hs_ok[:, :, None] & (d[None, None, :] < HEAD_DIM)
+    # A split without keys wrote no partial output (its lse is -inf): read nothing of it.
+    o_mask = (hs_ok & (lse > float("-inf")))[:, :, None] & (d[None, None, :] < HEAD_DIM)
     o = tl.load(mid_o_ptr + t * stride_mt + o_off, mask=o_mask, other=0.0)  # [H, S, D]
     w_sum = tl.where(h_ok, tl.sum(w, 1), 1.0)
     out = tl.sum(w[:, :, None] * o, 1) / w_sum[:, None]
@@ -204,15 +222,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    max_query_len: int, scale: float, num_splits: int = 1,
-    block_m: int | None = None, block_n: int | None = None,
+    max_query_len: int, scale: float, launch: AttentionLaunch | None = None,
     out: torch.Tensor | None = None, mid: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of query rows over each sequence's paged context.
 
     q: [T, Hq, D], sequence i's rows at query_start_loc[i]:query_start_loc[i+1]; seq_lens[i] counts its
     cached tokens plus its new ones, whose K/V must already be in the cache. k_cache, v_cache:
-    [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
+    [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]. launch: split count and tiles, from the
+    fixed set (kernel_buckets.choose_attention_launch); None: unsplit. Returns [T, Hq, D] in q's dtype.
     out, mid: preallocated output [T, Hq, D] and split partials ([T, Hq, S, D], [T, Hq, S] float32), so
     that nothing is allocated here (inside a CUDA graph); by default they are allocated.
     """
@@ -225,11 +243,10 @@ def paged_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     assert query_start_loc.shape == (b + 1,) and block_tables.shape[0] == b
     assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
-    assert num_splits >= 1
     group = hq // hkv
-    # Decode (one token per sequence) fills the rows with the group's heads; prefill wants longer tiles.
-    block_m = block_m or max(MIN_DOT, triton.next_power_of_2(group), 16 if max_query_len == 1 else 64)
-    block_n = block_n or 64
+    launch = launch or AttentionLaunch(1, block_m_for(max_query_len, group))
+    assert isinstance(launch, AttentionLaunch), launch  # its constructor refuses anything outside the set
+    num_splits, block_m, block_n = launch.num_splits, launch.block_m, launch.block_n
     assert block_m >= group and block_m >= MIN_DOT and block_n >= MIN_DOT
     tokens_per_tile = block_m // group
     block_d = max(MIN_DOT, triton.next_power_of_2(d))

@@ -1,38 +1,25 @@
 """Attention over the paged KV cache with the Triton kernels in `triton_kernels.py` (the CUDA path).
 
 On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before this module is
-imported): slow, and there for tests.
+imported): slow, and there for tests. Each step's launch (split count, tiles) comes from the fixed set in
+kernel_buckets.py, so warm-up can compile every variant before the server is ready.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..forward_context import AttentionMetadata
+from ..kernel_buckets import SPLIT_MAX_QUERY_LEN, AttentionLaunch, block_m_for, choose_attention_launch
 from . import triton_kernels as tk
-
-# Flash-decoding: split a sequence's keys across programs only when the batch alone leaves SMs idle,
-# and never into chunks shorter than this (each split costs a partial output and a merge).
-MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 32
-# Only batches of short queries split (decode, speculative verification): a prefill tile already has
-# work enough, and partial outputs cost T x Hq x splits x D floats.
-SPLIT_MAX_QUERY_LEN = 16
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """How many programs share one (sequence, KV head)'s key range: about two waves over the SMs."""
-    want = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
-    most = triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, most, MAX_SPLITS))
 
 
 class TritonPagedAttention:
     name = "triton"
 
     def __init__(self, device: torch.device, num_splits: int | None = None):
-        """num_splits: a fixed split count for short-query batches (tests); None chooses from the shapes."""
+        """num_splits: a fixed split count (one of kernel_buckets.SPLIT_CHOICES) for short-query batches
+        (tests); None chooses from the batch (kernel_buckets.choose_attention_launch)."""
         if device.type != "cuda" and not tk.INTERPRETER_READY:
             raise ValueError(
                 f"--attention-backend triton on {device.type} runs only in Triton's interpreter: set "
@@ -46,20 +33,31 @@ class TritonPagedAttention:
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         tk.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
 
+    def launch(self, meta: AttentionMetadata, group: int, num_kv_heads: int) -> AttentionLaunch:
+        """The step's launch, chosen once per step (every layer has the same batch and heads)."""
+        launch = meta.per_step.get("triton_launch")
+        if launch is None:
+            if self.num_splits is not None and meta.max_query_len <= SPLIT_MAX_QUERY_LEN:
+                launch = AttentionLaunch(self.num_splits, block_m_for(meta.max_query_len, group))
+            else:
+                launch = choose_attention_launch(meta.max_query_len, meta.seq_lens_cpu, group, num_kv_heads,
+                                                 self.num_sms)
+            meta.per_step["triton_launch"] = launch
+        return launch
+
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        hkv = kv_cache.shape[3]
+        group = q.shape[1] // hkv
         ws = meta.workspace
         if ws is not None:  # a captured graph's batch: its split count and buffers, fixed at capture
             t = q.shape[0]
+            launch = AttentionLaunch(ws.num_splits, block_m_for(meta.max_query_len, group))
             return tk.paged_attention(
                 q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                meta.max_query_len, scale, num_splits=ws.num_splits, out=ws.out[:t],
-                mid=(ws.mid_o[:t], ws.mid_lse[:t]),
+                meta.max_query_len, scale, launch=launch, out=ws.out[:t], mid=(ws.mid_o[:t], ws.mid_lse[:t]),
             )
-        splits = 1
-        if meta.max_query_len <= SPLIT_MAX_QUERY_LEN:
-            splits = self.num_splits or choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_seq_len,
-                                                          self.num_sms)
+        launch = self.launch(meta, group, hkv)
         return tk.paged_attention(
             q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale, num_splits=splits,
+            meta.max_query_len, scale, launch=launch,
         )
