@@ -27,14 +27,18 @@ def upload(device: torch.device, ints: dict[str, Sequence[int]] | None = None,
             continue
         sizes = [len(v) for v in group.values()]
         flat = [x for v in group.values() for x in v]
-        host = torch.tensor(flat, dtype=dtype)
-        if device.type == "cuda":
-            # Pinned, so the copy is truly asynchronous; the caching host allocator keeps the buffer
-            # until the copy has run, so it may go out of scope here.
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        dev = to_device(torch.tensor(flat, dtype=dtype), device)
         out.update(zip(group, dev.split(sizes), strict=True))
     return out
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device, copied without making the host wait."""
+    if device.type == "cuda":
+        # Pinned, so the copy is truly asynchronous; the caching host allocator keeps the buffer
+        # until the copy has run, so it may go out of scope here.
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class DeviceResult(Protocol):
