@@ -48,8 +48,12 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
     rows = [row + j for s, _, row in sampling for j in range(s.num_drafts + 1)]
     plp_rows, plp_targets, plp_ks, plp_counts = _prompt_logprob_rows(items)
     all_rows = rows == list(range(logits.shape[0]))  # the common decode step: every row samples
-    idx = upload(logits.device, {**({} if all_rows else {"rows": rows}),
-                                 **({"plp_rows": plp_rows, "plp_targets": plp_targets} if plp_rows else {})})
+    needed: dict[str, list[int]] = {}
+    if not all_rows:
+        needed["rows"] = rows
+    if plp_rows:
+        needed.update(plp_rows=plp_rows, plp_targets=plp_targets)
+    idx = upload(logits.device, needed)
     parts = []
     if sampling:
         picked = logits if all_rows else logits.index_select(0, idx["rows"])
