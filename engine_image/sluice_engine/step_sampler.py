@@ -1,6 +1,10 @@
 """Rank 0's end of a step: the logits of the step's rows -> each request's new tokens (sampled, or
 drafts verified), their logprobs, and prompt logprobs. The sampling state (parameters, generators,
-grammars, penalties' history) lives with the requests, which only rank 0 has."""
+grammars, penalties' history) lives with the requests, which only rank 0 has.
+
+Plain samples and draft verification are one batched pass (a plain sample is a request with no
+drafts), and everything the host needs from the step, prompt logprobs included, comes back in one
+device-to-host transfer (device_io.fetch)."""
 
 from __future__ import annotations
 
@@ -8,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .device_io import fetch, upload
+from .logprobs import TokenLogprobs, gather_logprobs
 from .request import Request
-from .sampler import Sampler, TokenLogprobs, top_logprobs
+from .sampler import Sampler
 from .sched_output import SchedulerOutput
 
 
@@ -35,46 +41,62 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
     `sched.logits_layout()`."""
     _, firsts = sched.logits_layout()
     items = list(zip(sched.scheduled, requests, firsts, strict=True))
-    # A plain sample reads the request's last row (with prompt logprobs its rows are all the chunk's).
-    plain = [(req, first + s.logits_rows() - 1) for s, req, first in items if s.samples and not s.num_drafts]
-    sampled = sampler(logits[[row for _, row in plain]], [r for r, _ in plain]) if plain else None
-    spec = [(req, first, s.num_drafts + 1) for s, req, first in items if s.num_drafts]
-    verified = None
-    if spec:
-        rows = [i for _, first, count in spec for i in range(first, first + count)]
-        verified = sampler.verify(logits[rows], [r for r, _, _ in spec])
+    # A request samples from its last num_drafts + 1 rows (with prompt logprobs its rows are all the
+    # chunk's); the drafts are the last tokens it computed this step.
+    sampling = [(s, req, first + s.logits_rows() - s.num_drafts - 1) for s, req, first in items
+                if s.samples or s.num_drafts]
+    rows = [row + j for s, _, row in sampling for j in range(s.num_drafts + 1)]
+    plp_rows, plp_targets, plp_ks, plp_counts = _prompt_logprob_rows(items)
+    all_rows = rows == list(range(logits.shape[0]))  # the common decode step: every row samples
+    needed: dict[str, list[int]] = {}
+    if not all_rows:
+        needed["rows"] = rows
+    if plp_rows:
+        needed.update(plp_rows=plp_rows, plp_targets=plp_targets)
+    idx = upload(logits.device, needed)
+    parts = []
+    if sampling:
+        picked = logits if all_rows else logits.index_select(0, idx["rows"])
+        drafts = [s.token_ids[s.num_tokens - s.num_drafts:] for s, _, _ in sampling]
+        parts.append(sampler.sample(picked, [req for _, req, _ in sampling], drafts))
+    if plp_rows:
+        parts.append(gather_logprobs(logits.index_select(0, idx["plp_rows"]), idx["plp_targets"], plp_ks))
+    fetched = iter(fetch(parts))
+    sampled = iter(next(fetched) if sampling else [])
+    prompt_lps = next(fetched) if plp_rows else []
 
     results: list[StepResult] = []
-    k = v = 0
-    for s, req, first in items:
+    at = 0
+    for (s, req, _), count in zip(items, plp_counts, strict=True):
         tokens: list[int] = []
         lps: list[TokenLogprobs | None] = []
-        rejected = 0
-        if s.num_drafts:
-            assert verified is not None
-            tokens, lps = verified[v]
-            rejected = s.num_drafts + 1 - len(tokens)
-            v += 1
-        elif s.samples:
-            assert sampled is not None
-            tokens, lps = [sampled.token_ids[k]], [sampled.logprobs[k]]
-            k += 1
+        if s.samples or s.num_drafts:
+            tokens, lps = next(sampled)
         plp = None
         if s.prompt_logprobs and not s.num_drafts:
-            plp = _prompt_logprobs(req, logits[first : first + s.num_tokens], s.start)
+            plp, at = prompt_lps[at : at + count], at + count
+        rejected = s.num_drafts + 1 - len(tokens) if s.num_drafts else 0
         results.append(StepResult(req, s.num_tokens, tokens, lps, plp, rejected))
     return results
 
 
-def _prompt_logprobs(req: Request, rows: torch.Tensor, start: int) -> list[TokenLogprobs]:
-    """Logprobs of the prompt tokens that rows predict (row j predicts token start + j + 1)."""
-    lps = torch.log_softmax(rows, dim=-1)
-    out = []
-    for j in range(rows.shape[0]):
-        target_pos = start + j + 1
-        if target_pos >= req.num_prompt_tokens:
-            break
-        if target_pos <= len(req.prompt_logprobs):
-            continue  # recomputed after a preemption: already recorded
-        out.append(top_logprobs(lps[j], req.all_token_ids[target_pos], req.params.prompt_logprobs or 0))
-    return out
+def _prompt_logprob_rows(items) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The rows whose prompt logprobs are reported: (rows, the prompt token each predicts, top-k per
+    row, how many rows per request). Row first + j predicts prompt token start + j + 1."""
+    rows: list[int] = []
+    targets: list[int] = []
+    ks: list[int] = []
+    counts: list[int] = []
+    for s, req, first in items:
+        n = 0
+        if s.prompt_logprobs and not s.num_drafts:
+            # Positions recorded before a preemption are recomputed but not reported again.
+            lo = max(s.start + 1, len(req.prompt_logprobs) + 1)
+            hi = min(s.start + s.num_tokens + 1, req.num_prompt_tokens)
+            for pos in range(lo, hi):
+                rows.append(first + pos - s.start - 1)
+                targets.append(req.all_token_ids[pos])
+                ks.append(req.params.prompt_logprobs or 0)
+                n += 1
+        counts.append(n)
+    return rows, targets, ks, counts

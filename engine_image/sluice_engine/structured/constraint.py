@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from ..device_io import to_device
+
 log = logging.getLogger("sluice.structured")
 
 
@@ -84,4 +86,7 @@ class GrammarConstraint:
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend="cpu")
         else:
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=indices)
+            # Both uploaded pinned and non-blocking: a list of indices would be copied up by xgrammar
+            # from pageable memory, which waits for the forward still running (device_io.py).
+            xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device),
+                                            indices=to_device(torch.tensor(indices, dtype=torch.int32), logits.device))
