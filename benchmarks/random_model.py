@@ -165,7 +165,7 @@ def main() -> None:
     t0 = time.perf_counter()
     out = create(args.out_dir, args.preset, args.device, getattr(torch, args.dtype), args.seed)
     total, _ = weight_bytes(model_config(args.preset), torch.empty((), dtype=getattr(torch, args.dtype)).element_size())
-    print(f"{out}: {args.preset}, {total / 1e9:.2f} GB of {args.dtype} weights, {time.perf_counter() - t0:.1f}s")
+    print(f"{out}: {args.preset}, {total / 1e9:.3f} GB of {args.dtype} weights, {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":
