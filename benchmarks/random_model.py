@@ -100,7 +100,8 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dt
         f.write(raw)
         for name, shape in tensors:
             t = make(name, shape).to(dtype).contiguous()
-            f.write(t.cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                f.write(t.cpu().view(torch.uint8).numpy().data)  # the host copy's buffer, not a second copy
 
 
 def tokenizer_json(vocab_size: int) -> str:
