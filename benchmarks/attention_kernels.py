@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--peak-tbps", type=float, default=None, help="peak HBM TB/s (default: from the GPU's name)")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=DECODE_BATCHES, metavar="B")
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=DECODE_CONTEXTS, metavar="L",
+                   help="context lengths of the decode grid (default: %(default)s)")
     p.add_argument("--decode-only", action="store_true")
     p.add_argument("--prefill-only", action="store_true")
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -142,8 +145,8 @@ def run_decode(args, tk, device) -> list[dict]:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     peak = peak_tbps(args)
     rows = []
-    for ctx in DECODE_CONTEXTS:
-        for b in DECODE_BATCHES:
+    for ctx in args.decode_contexts:
+        for b in args.decode_batches:
             batch = PagedBatch(b, 1, ctx - 1, hq, hkv, d, args.block_size, dtype, device)
             launch = choose_attention_launch(1, [ctx] * b, hq // hkv, hkv, sms)
             splits = launch.num_splits

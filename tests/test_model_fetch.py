@@ -199,6 +199,17 @@ def test_default_model_download_failure(cache, fake_converter, monkeypatch):
     assert leftovers(cache / "models") == []
 
 
+def test_offline_never_downloads_the_default_model(cache, fake_converter, monkeypatch):
+    # SLUICE_OFFLINE=1 (GPU check machines have no network): no pip, a clear error, nothing left behind.
+    monkeypatch.setenv("SLUICE_OFFLINE", "1")
+    monkeypatch.setattr(model_fetch, "_installed_default_gguf", lambda: None)
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    with pytest.raises(model_fetch.OfflineError, match="SLUICE_OFFLINE.*--model"):
+        resolve_model(None)
+    assert fake_converter.calls == []
+    assert leftovers(cache / "models") == []
+
+
 def test_default_model_from_installed_package(cache, fake_converter, monkeypatch, tmp_path):
     installed = tmp_path / model_fetch.DEFAULT_MODEL_GGUF
     installed.write_bytes(b"installed")

@@ -178,6 +178,8 @@ MIXED = [(0, 17), (16, 15), (0, 1), (280, 5), (14, 1), (3, 40)]  # prefill, pref
     (8, 1, 16, 128, torch.float32, None),
     (6, 2, 32, 64, torch.float32, 16),  # 16 rows hold 5 tokens x 3 heads: one row idle per tile
     (8, 1, 8, 64, torch.float16, 32),
+    # compiled on a GPU only (the interpreter upcasts bf16): Llama-3-8B's heads in the dtype it serves in
+    *([(32, 8, 16, 128, torch.bfloat16, None)] if CUDA else []),
 ], ids=lambda x: str(x).removeprefix("torch."))
 def test_prefill_and_extend_match_reference(hq, hkv, block_size, d, dtype, block_m):
     batch = Batch(MIXED, hq, hkv, d, block_size, dtype, seed=hq)

