@@ -255,8 +255,9 @@ def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama):
     eager.inputs = ReferenceInputs(BLOCK, CPU)
     api = ReplayByRerun()
     sizes = cg.capture_sizes(4)
-    # Split-KV decoding with preallocated partials: 3 splits, where the eager path picks 1 on CPU.
-    workspaces = cg.decode_workspaces(sizes, lambda n: 3, HEADS, HEAD_DIM, torch.float32, CPU)
+    # Split-KV decoding with preallocated partials: 4 splits (one of the fixed launch set), where the eager
+    # path picks 1 on CPU.
+    workspaces = cg.decode_workspaces(sizes, lambda n: 4, HEADS, HEAD_DIM, torch.float32, CPU)
     for ws in workspaces.values():  # garbage until a replay writes it
         for t in (ws.out, ws.mid_o, ws.mid_lse):
             t.fill_(float("nan"))
