@@ -295,3 +295,23 @@ def test_real_graphs(tiny_llama):
 
     graphed.graphs.replay = counted
     _assert_same_steps(graphed, eager, lambda: count, graphed.graphs.sizes)
+
+
+@needs_interpreter
+def test_a_failed_capture_leaves_the_runner_serving_eagerly(tiny_llama, monkeypatch, caplog):
+    """A GPU path never run before must not stop the server: the capture fails, steps run eagerly."""
+    from sluice_engine import model_runner
+
+    class FailingCapture(ReplayByRerun):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU
+    monkeypatch.setattr(model_runner.ModelRunner, "_graph_api", lambda self: FailingCapture())
+    with caplog.at_level("ERROR", logger="sluice.engine"):
+        runner = _runner(tiny_llama)
+    assert runner.graphs is None and not runner.inputs.frozen
+    assert "CUDA graph capture failed" in caplog.text
+    eager = _runner(tiny_llama, enforce_eager=True)
+    for sched in steps()[:3]:
+        torch.testing.assert_close(runner.execute_model(sched), eager.execute_model(sched), atol=1e-5, rtol=1e-5)

@@ -115,8 +115,19 @@ class ModelRunner:
         sizes = capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         workspaces = decode_workspaces(sizes, self._decode_splits, self.shard.num_heads, self.model_config.head_dim,
                                        self.dtype, self.device)
-        self.graphs = DecodeGraphs(sizes, self.inputs, self.forward, workspaces, TorchCudaGraphs(self.device))
-        self.graphs.capture()
+        graphs = DecodeGraphs(sizes, self.inputs, self.forward, workspaces, self._graph_api())
+        try:
+            graphs.capture()
+        except Exception:
+            # A capture that fails (a driver, a kernel that is not capturable) costs speed, not service:
+            # every step runs eagerly, over fresh buffers (capture froze the first ones). Logged with why.
+            log.exception("CUDA graph capture failed: every step runs eagerly (--enforce-eager skips capture)")
+            self.inputs = self._new_inputs(scratch_block=self.num_blocks)
+            return
+        self.graphs = graphs
+
+    def _graph_api(self) -> TorchCudaGraphs:
+        return TorchCudaGraphs(self.device)
 
     def _new_inputs(self, scratch_block: int | None) -> InputBuffers:
         cfg = self.cfg
