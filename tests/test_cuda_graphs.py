@@ -274,7 +274,10 @@ def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama):
     # Attention wrote its outputs and split partials where the graphs were captured to (no allocation).
     for n in (4, 2):
         ws = workspaces[n]
-        assert not any(t.isnan().any() for t in (ws.out, ws.mid_o, ws.mid_lse)), n
+        # Every split writes its log-sum-exp; a split that gets no keys writes no partial output (the merge
+        # skips it), so mid_o may keep its garbage there.
+        assert not any(t.isnan().any() for t in (ws.out, ws.mid_lse)), n
+        assert not ws.mid_o[:, :, 0].isnan().any(), n  # the first split always has keys
 
 
 @needs_gpu
