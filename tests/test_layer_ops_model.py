@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
@@ -20,22 +19,12 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import import_kernels  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
-
-def _import_kernels():
-    if not CUDA:
-        # See test_triton_attention.py: the variable stays set for the rest of this process.
-        os.environ["TRITON_INTERPRET"] = "1"
-    mod = importlib.import_module("sluice_engine.layer_ops.triton_kernels")
-    if not CUDA and not mod.INTERPRETER_READY:
-        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set; run these "
-                           "tests with TRITON_INTERPRET=1 in the environment")
-    return mod
-
-
-_import_kernels()
+import_kernels("sluice_engine.layer_ops.triton_kernels")
 from sluice_engine.attention.torch_paged import TorchPagedAttention  # noqa: E402
 from sluice_engine.distributed.layout import rank_shard  # noqa: E402
 from sluice_engine.forward_context import AttentionMetadata, ForwardContext, forward_context  # noqa: E402

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,25 +20,14 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import import_kernels  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
-
-def _import_kernels():
-    if not CUDA:
-        # See test_triton_attention.py: triton reads the variable at import and during launches, so it stays
-        # set for the rest of this process (nothing else can run Triton code without a GPU anyway).
-        os.environ["TRITON_INTERPRET"] = "1"
-    mod = importlib.import_module("sluice_engine.layer_ops.triton_kernels")
-    if not CUDA and not mod.INTERPRETER_READY:
-        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set; run these "
-                           "tests with TRITON_INTERPRET=1 in the environment")
-    return mod
-
-
-tk = _import_kernels()
+tk = import_kernels("sluice_engine.layer_ops.triton_kernels")
 from sluice_engine.layer_ops import select_layer_ops  # noqa: E402
 from sluice_engine.layer_ops.torch_ops import TorchLayerOps  # noqa: E402
 from sluice_engine.layer_ops.triton_ops import TritonLayerOps  # noqa: E402

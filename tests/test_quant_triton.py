@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
@@ -24,25 +23,14 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import import_kernels  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
-
-def _import_kernels():
-    if not CUDA:
-        # See test_triton_attention.py: triton reads the variable at import and during launches, so it stays
-        # set for the rest of this process (nothing else can run Triton code without a GPU anyway).
-        os.environ["TRITON_INTERPRET"] = "1"
-    mod = importlib.import_module("sluice_engine.quant.triton_gemm")
-    if not CUDA and not mod.INTERPRETER_READY:
-        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set; run these "
-                           "tests with TRITON_INTERPRET=1 in the environment")
-    return mod
-
-
-tg = _import_kernels()
+tg = import_kernels("sluice_engine.quant.triton_gemm")
 from sluice_engine.quant import awq, fp8, gptq  # noqa: E402
 from sluice_engine.quant.checkpoint import QuantCheckpoint, read_quant_config  # noqa: E402
 from sluice_engine.quant.linear import QuantLinear  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -26,26 +25,13 @@ from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for, choose_at
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import import_kernels  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}  # bf16: an 8-bit mantissa
 
-
-def _import_kernels():
-    if not CUDA:
-        # Triton reads the variable when a kernel is decorated, when triton.language is first imported,
-        # and again during launches (lazy imports, constexpr functions), so it stays set for the rest of
-        # this process. Without a GPU nothing else can run Triton code anyway. Pytest imports every test
-        # module before running any test, and no other module imports triton at import time.
-        os.environ["TRITON_INTERPRET"] = "1"
-    mod = importlib.import_module("sluice_engine.attention.triton_kernels")
-    if not CUDA and not mod.INTERPRETER_READY:
-        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET=1 was set; run these "
-                           "tests with TRITON_INTERPRET=1 in the environment")
-    return mod
-
-
-tk = _import_kernels()
+tk = import_kernels("sluice_engine.attention.triton_kernels")
 from sluice_engine.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 
