@@ -69,7 +69,11 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._started = threading.Event()  # the event loop is known: the engine thread may deliver
         self._thread: threading.Thread | None = None
-        self.pending_adds = 0  # submitted but not yet seen by the engine thread
+        # Submitted requests (event loop thread) and those the engine thread has taken into the scheduler;
+        # the difference is what is still in the command queue. Each counter has one writer.
+        self._adds_submitted = 0
+        self._adds_taken = 0
+        self._taking = threading.Lock()
         self.dead: BaseException | None = None
         self._fail_lock = threading.Lock()
         self.step_started: float | None = None  # monotonic start of the step now running (the watchdog's)
@@ -159,7 +163,10 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting + self.pending_adds
+        # Under the lock the engine thread takes a submitted request into the scheduler with: a request
+        # is counted once, as pending or as waiting, never both (the /metrics gauge read 7 for a queue of 4).
+        with self._taking:
+            return self.engine.scheduler.num_waiting + self._adds_submitted - self._adds_taken
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             logits_processors: list[LogitsProcessor] | None = None) -> AsyncIterator[RequestOutput]:
@@ -170,7 +177,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
-        self.pending_adds += 1
+        self._adds_submitted += 1
         self._cmds.put(_Add(request_id, prompt_token_ids, params, logits_processors, time.monotonic()))
         return self._outputs(request_id, q)
 
@@ -214,9 +221,6 @@ class AsyncEngine:
     def _deliver_threadsafe(self, items: list) -> None:
         if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._deliver, items)
-
-    def _dec_pending(self) -> None:
-        self.pending_adds -= 1
 
     def _warm_up_then_run(self) -> None:
         self._warm_up()
@@ -289,11 +293,11 @@ class AsyncEngine:
             if cmd is None:
                 return errors
             if isinstance(cmd, _Add):
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._dec_pending)
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.logits_processors,
-                                            arrival_time=cmd.arrival_time)
+                    with self._taking:
+                        self._adds_taken += 1
+                        self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                                cmd.logits_processors, arrival_time=cmd.arrival_time)
                 except ValueError as e:
                     errors.append((cmd.request_id, e))
                 except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
