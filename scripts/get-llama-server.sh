@@ -10,6 +10,12 @@
 #   bash scripts/get-llama-server.sh
 #   .tools/bin/llama-server -m .tools/models/SmolLM2-135M-Instruct-f32.gguf --port 8002 \
 #       --parallel 32 --ctx-size 65536 --threads 2 --no-webui
+#
+# On a CPU with AMX (Sapphire Rapids and later Xeons) serve block-quantized GGUFs (Q4_0/Q4_1/Q8_0...)
+# with --no-repack: built by GCC 12, llama.cpp's AMX matmul dies with a general protection fault on its
+# first `ldtilecfg` (GCC 12's _tile_loadconfig declares 8 of the tile config's 64 bytes as its input, so
+# -O3 drops the stores of the rows/columns and the CPU gets an invalid config; found with gdb, see
+# docs/BENCHMARKS.md). --no-repack keeps the weights in the CPU buffer and its AVX-512 VNNI dot products.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}  # pinned: the llama.cpp revision it vendors
@@ -36,16 +42,18 @@ if [ ! -d "$SRC/vendor/llama.cpp" ]; then
   mv "$tmp/llama_cpp_python-$VERSION" "$SRC"
 fi
 
-if [ ! -x "$BIN/llama-server" ]; then
-  echo "get-llama-server: building llama-server with $JOBS jobs (CPU only; ~10 min on 2 cores)"
+if [ ! -x "$BIN/llama-server" ] || [ ! -x "$BIN/llama-quantize" ] || [ ! -x "$BIN/llama-perplexity" ]; then
+  echo "get-llama-server: building llama-server, llama-quantize and llama-perplexity with $JOBS jobs (CPU only; ~10 min on 2 cores)"
   generator=()
   command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
   cmake -S "$SRC/vendor/llama.cpp" -B "$SRC/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >/dev/null
-  cmake --build "$SRC/build" --target llama-server -j "$JOBS"
-  install -m 0755 "$SRC/build/bin/llama-server" "$BIN/llama-server.partial"
-  mv -f "$BIN/llama-server.partial" "$BIN/llama-server"
+  cmake --build "$SRC/build" --target llama-server llama-quantize llama-perplexity -j "$JOBS"
+  for tool in llama-quantize llama-perplexity llama-server; do  # llama-server last: the check above
+    install -m 0755 "$SRC/build/bin/$tool" "$BIN/$tool.partial"
+    mv -f "$BIN/$tool.partial" "$BIN/$tool"
+  done
 fi
 
 # The same weights sluice serves (the bundled model, dequantized to float32 once), as an f32 GGUF: the
