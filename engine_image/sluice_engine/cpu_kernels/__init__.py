@@ -1,5 +1,5 @@
 """The engine's C++ kernels for CPU (paged attention for short queries, fp32 GEMM for linear layers, GEMM over GGUF
-block-quantized weights),
+block-quantized weights, the decoder's norms/rotary/activation),
 built with the system's C++ compiler once per machine into one shared object and loaded with ctypes
 (which releases the GIL during a call). The library is cached under the sluice cache dir, keyed by the
 sources, the flags, the compiler and the CPU (it is built for this CPU's vector units). Plain C++ and
@@ -24,7 +24,8 @@ from ..model_fetch import cache_root
 
 log = logging.getLogger("sluice.engine")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
+                                                              "layer_ops.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Where the compiler does not know -march=native for this CPU: the same without it (slower, still right).
 PORTABLE_FLAGS = [f for f in FLAGS if f != "-march=native"]
@@ -114,4 +115,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sluice_quant_block_bytes.argtypes, lib.sluice_quant_block_bytes.restype = [i32], i32
     for name in ("sluice_gemm_available", "sluice_gemm_panel_width"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
+    _bind_layer_ops(lib)
     return lib
+
+
+def _bind_layer_ops(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "sluice_rms_norm_f32": [p, i64, p, p, i64, i32, i32, f32, i32],
+        "sluice_add_rms_norm_f32": [p, i64, p, i64, p, p, i64, p, i64, i32, i32, f32, i32],
+        "sluice_rotary_f32": [p, i64, i64, i32, i32, i32, p, p, i64, i32],
+        "sluice_silu_mul_f32": [p, i64, p, i64, i32, i32, i32],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None

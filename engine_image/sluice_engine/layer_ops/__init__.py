@@ -5,7 +5,9 @@ SiLU-and-multiply. In plain torch each is several kernels (an fp16/bf16 RMSNorm 
 square, mean, add, rsqrt, multiply, downcast, weight), which at decode sizes cost launches, not math.
 `LayerOps` names them as four calls so one implementation can do each in one kernel:
 
-- `torch_ops.TorchLayerOps`: the reference (the CPU path; its arithmetic is the model's definition).
+- `torch_ops.TorchLayerOps`: the reference (its arithmetic is the model's definition).
+- `cpu_ops.CpuLayerOps`: one C++ call per op (`cpu_kernels/layer_ops.cpp`, fp32) beside the `cpu` attention
+  backend (the engine's C++ CPU path).
 - `triton_ops.TritonLayerOps`: one Triton kernel per op (`triton_kernels.py`); the model uses it with the
   Triton attention backend, i.e. on CUDA (or in Triton's interpreter, for tests).
 
@@ -41,11 +43,20 @@ class LayerOps(Protocol):
 
 def select_layer_ops(attention_backend: str) -> LayerOps:
     """The Triton kernels beside the Triton attention backend (which has already checked that Triton can
-    run here); the torch reference with every other backend."""
+    run here); the C++ ops beside the C++ `cpu` backend (whose library has loaded); the torch reference
+    with every other backend."""
     if attention_backend == "triton":
         from .triton_ops import TritonLayerOps
 
         return TritonLayerOps()
+    if attention_backend == "cpu":
+        from .. import cpu_kernels
+
+        lib = cpu_kernels.load()
+        if lib is not None:
+            from .cpu_ops import CpuLayerOps
+
+            return CpuLayerOps(lib)
     from .torch_ops import TorchLayerOps
 
     return TorchLayerOps()

@@ -1,0 +1,108 @@
+"""The C++ CPU layer ops (cpu_kernels/layer_ops.cpp via layer_ops/cpu_ops.py) against the torch reference
+(layer_ops/torch_ops.py): RMSNorm, residual add + RMSNorm, rotary in place, SiLU-and-multiply, over the
+shapes the decoder gives them (decode's few rows on one thread, prefill's many in parallel, the strided
+Q/K view of a fused QKV output), and the bundled model through the engine with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice_engine import cpu_kernels
+from sluice_engine.layer_ops import select_layer_ops
+from sluice_engine.layer_ops.cpu_ops import CpuLayerOps
+from sluice_engine.layer_ops.torch_ops import TorchLayerOps
+from sluice_engine.models.rotary import RotaryEmbedding
+
+ROWS = [1, 3, 15, 16, 17, 70]  # around the kernels' parallel threshold (16)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.fail("the CPU kernels did not build (is g++ installed?); see the log")
+    return CpuLayerOps(lib)
+
+
+REF = TorchLayerOps()
+# Tolerances: the same fp32 arithmetic summed in another order (the norm's sum of squares over <= 576
+# terms, vectorized), and for SiLU an exp within 2e-7 relative of libm's; observed errors are ~1e-7.
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_norms(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 576, generator=g) * 3, torch.randn(rows, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), **TOL)
+    got, got_sum = ops.fused_add_rms_norm(x, res, w, 1e-5)
+    want, want_sum = REF.fused_add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got_sum, want_sum)  # one add per element: exact
+    # [T, H, D] heads (Qwen3's q/k norms) and a row-strided view (a slice of a wider tensor).
+    heads = torch.randn(rows, 4, 64, generator=g)
+    torch.testing.assert_close(ops.rms_norm(heads, w[:64], 1e-6), REF.rms_norm(heads, w[:64], 1e-6), **TOL)
+    wide = torch.randn(rows, 700, generator=g)
+    torch.testing.assert_close(ops.rms_norm(wide[:, 100:676], w, 1e-5), REF.rms_norm(wide[:, 100:676], w, 1e-5),
+                               **TOL)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_in_place_on_the_fused_qkv_view(ops, rows):
+    q_heads, kv_heads, d = 9, 3, 64
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=g)
+    before = qkv.clone()
+    positions = torch.randint(0, 4000, (rows,), generator=g)
+    cos_sin = RotaryEmbedding(d, 4096, 100000.0, {})(positions)
+    view = qkv[:, : (q_heads + kv_heads) * d].view(rows, -1, d)
+    want = REF.rotary(view.clone(), cos_sin)
+    got = ops.rotary(view, cos_sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place, in the fused output
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * d :], before[:, (q_heads + kv_heads) * d :])  # V untouched
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g) * 4
+    gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.5, 88.5, 1e-30])  # exp's clamps and tiny values
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), REF.silu_and_mul(gate_up), **TOL)
+
+
+def test_other_dtypes_and_empty_batches_take_the_reference(ops):
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5))
+    assert ops.silu_and_mul(torch.empty(0, 32)).shape == (0, 16)
+    empty = torch.empty(0, 2, 8)
+    assert ops.rotary(empty, (torch.empty(0, 1, 4), torch.empty(0, 1, 4))).shape == (0, 2, 8)
+
+
+def test_the_cpu_backend_selects_them():
+    assert select_layer_ops("cpu").name == "cpu"
+    assert select_layer_ops("torch").name == "torch"
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_match_the_torch_path(model_dir):
+    """SmolLM2-135M, fp32, through the engine: the `cpu` backend (C++ attention, C++ layer ops) against the
+    `torch` backend (torch attention and ops); chunked prefill mixes prompt chunks with decode rows."""
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):", "One, two, three,"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=64, block_size=16,
+                  max_num_batched_tokens=16, kv_cache_memory=8 << 20, attention_backend=backend)
+        assert llm.engine.runner.model.ops.name == backend
+        runs[backend] = llm.generate(prompts, params)
+    for fast, ref in zip(runs["cpu"], runs["torch"], strict=True):
+        assert fast.token_ids == ref.token_ids
+        for a, b in zip(fast.logprobs, ref.logprobs, strict=True):
+            assert abs(a[0] - b[0]) < 1e-3  # the sampled token's logprob
