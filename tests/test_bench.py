@@ -321,6 +321,9 @@ def test_compare_and_sweep_with_plots(start_server, tmp_path, capsys):
         ("a", "b", "concurrency 1"), ("a", "b", "concurrency 2")]
     assert all(x["output tok/s"] > 0 for x in doc["ratios"])
     assert "| a ÷ b | concurrency 1 |" in printed
+    # The server on loopback is found by its port: its memory is in each run and the table.
+    assert all(0 < r["server_rss_mib"] <= r["server_peak_rss_mib"] for r in doc["runs"])
+    assert "server RSS MiB |" in printed
     for png in ("latency_cdf.png", "sweep_max_concurrency.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -368,6 +371,17 @@ def test_hf_static_peer(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_server_memory_of_processes():
+    from sluice_engine.bench.machine import server_memory_mib
+
+    rss, peak = server_memory_mib([os.getpid()])
+    assert 10 < rss <= peak  # this test process: tens of MiB at least (torch is loaded)
+    both = server_memory_mib([os.getpid(), os.getppid()])
+    assert both[0] > rss
+    assert server_memory_mib([]) is None
+    assert server_memory_mib([2**22 + 12345]) is None  # no such process
 
 
 def test_notes_flag_what_skews_a_run():

@@ -1,4 +1,4 @@
-"""What else the machine was doing during a run.
+"""What else the machine was doing during a run, and the memory of the servers it measured.
 
 On a shared box other processes' CPU skews every figure (on 2 cores, OpenMP threads that lose their core
 stall each other), so each run reports the share of the machine's CPU taken by processes other than the
@@ -72,6 +72,22 @@ def listener_pids(url: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def server_memory_mib(pids: list[int]) -> tuple[float, float] | None:
+    """(resident, peak resident) memory of the processes `pids` together, in MiB: the sum of their VmRSS
+    and of their VmHWM (Linux /proc; None when a process cannot be read). A server that forks workers
+    is counted across the processes that hold its listening socket."""
+    rss = hwm = 0
+    try:
+        for pid in sorted(set(pids)):
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":" in line)
+            rss += int(fields["VmRSS"].split()[0])
+            hwm += int(fields["VmHWM"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
+    return (rss / 1024, hwm / 1024) if pids else None
 
 
 class CpuMeter:

@@ -43,6 +43,8 @@ def run_block(run: RunResult) -> str:
         lines.append(_row("Echo outputs matching the text (%):", _f(100 * s["echo_exact_match"], 1)))
     if run.other_cpu_pct is not None:
         lines.append(_row("Other processes' CPU (% of machine):", f"{run.other_cpu_pct:.0f}"))
+    if run.server_rss_mib is not None:
+        lines.append(_row("Server RSS / peak RSS (MiB):", f"{run.server_rss_mib:.0f} / {run.server_peak_rss_mib:.0f}"))
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         short = key.split("_")[0].upper()
@@ -67,6 +69,9 @@ def runs_table(runs: list[RunResult], slo: bool) -> str:
             "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "E2E p50 ms"]
     if slo:
         head += ["goodput req/s", "SLO met"]
+    memory = any(r.server_rss_mib is not None for r in runs)
+    if memory:
+        head += ["server RSS MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for r in runs:
         s = r.summary
@@ -76,6 +81,8 @@ def runs_table(runs: list[RunResult], slo: bool) -> str:
                  _ms(s["e2el_ms"], "median")]
         if slo:
             cells += [_f(s.get("request_goodput"), 3), f"{100 * (s.get('slo_attainment') or 0):.0f}%"]
+        if memory:
+            cells.append(_f(r.server_rss_mib, 0))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -127,6 +134,7 @@ def run_json(run: RunResult, with_requests: bool = True) -> dict:
     point = {k: _num(v) for k, v in asdict(run.point).items()}
     d: dict[str, Any] = {"server": run.target, "url": run.url, "model": run.model, "load": point,
                          "peak_concurrency": run.peak_concurrency, "other_cpu_pct": run.other_cpu_pct,
+                         "server_rss_mib": run.server_rss_mib, "server_peak_rss_mib": run.server_peak_rss_mib,
                          "summary": run.summary}
     if with_requests:
         d["requests"] = [

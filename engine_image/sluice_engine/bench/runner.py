@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .arrivals import arrival_times
 from .client import RequestOptions, Target, fetch_model, send
-from .machine import CpuMeter, is_loopback, listener_pids
+from .machine import CpuMeter, is_loopback, listener_pids, server_memory_mib
 from .metrics import RequestRecord
 from .workloads import BenchRequest
 
@@ -41,6 +41,9 @@ class RunResult:
     peak_concurrency: int
     other_cpu_pct: float | None  # other processes' share of the machine's CPU (machine.py)
     summary: dict = field(default_factory=dict)
+    # A loopback server's resident memory at the end of the run and its peak so far, MiB (machine.py).
+    server_rss_mib: float | None = None
+    server_peak_rss_mib: float | None = None
 
 
 def _session(limit: int, opts: RequestOptions):
@@ -122,4 +125,6 @@ def run_point(target: Target, model: str, requests: list[BenchRequest], warmups:
     records, duration, peak = asyncio.run(_run(target, model, requests, warmups, point, opts, seed, progress,
                                                meter))
     other = meter.other_pct() if meter is not None else None
-    return RunResult(target.name, target.url, model, point, duration, records, peak, other)
+    memory = server_memory_mib(server_pids)
+    return RunResult(target.name, target.url, model, point, duration, records, peak, other,
+                     server_rss_mib=memory[0] if memory else None, server_peak_rss_mib=memory[1] if memory else None)
