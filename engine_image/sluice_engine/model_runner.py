@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .attention.backend import select_backend
@@ -97,6 +98,8 @@ class ModelRunner:
     def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         sh = self.shard
         shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
+        if self.device.type == "cpu":
+            return [_lazy_zeros(shape, self.dtype) for _ in range(sh.num_layers)]
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(sh.num_layers)]
 
     @property
@@ -188,3 +191,13 @@ class ModelRunner:
         dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
         for cache in self.kv_caches:  # [2, num_blocks, ...]: K and V of each block in one copy
             cache.index_copy_(1, dst, cache.index_select(1, src))
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in memory the OS maps on first write: numpy's zeros is calloc, which for a large size is a fresh
+    anonymous mapping left untouched, where torch.zeros writes every byte. So on CPU a KV cache's blocks count
+    in the process's resident memory once used, not all at startup (1 GiB by default on CPU)."""
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
