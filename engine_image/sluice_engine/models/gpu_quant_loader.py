@@ -153,7 +153,10 @@ class QuantLinears:
                              f"{'does not' if bias else 'does'}")
         return module
 
-    def log(self) -> None:
+    def finish(self) -> None:
+        """Log what was built; every built layer must have been taken by the model."""
+        if self.modules:
+            raise ValueError(f"the model did not take the quantized layers {sorted(self.modules)[:3]}")
         c = self.counts
         log.info("decoder projections from the %s checkpoint: %d quantized (%d of them fused parts run side by "
                  "side), %d dense", self.method, c["concatenated"] + c["side by side"], c["side by side"],

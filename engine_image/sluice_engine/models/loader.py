@@ -146,7 +146,7 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
         torch.set_default_dtype(default_dtype)
     load_weights(model, checkpoint_files(model_dir))
     if quant_linears is not None:
-        quant_linears.log()
+        quant_linears.finish()
     elif quantization == "fp8":
         from .gpu_quant_loader import quantize_fp8_linears
 
