@@ -274,9 +274,9 @@ def test_quantization_the_accelerator_runs_passes_both_validators(quantization, 
 
 
 def test_quantization_choices_match_the_engine():
-    """spec.engine.quantization's enum is the engine's --quantization choices; the engine refuses what the
-    device cannot run (and, for now, fp8/awq/gptq everywhere: their kernels are not wired into loading), with
-    a message that names the flag."""
+    """spec.engine.quantization's enum is the engine's --quantization choices; the engine takes what the
+    operator renders for each accelerator (fp8/awq/gptq on a GPU, the GGUF formats on CPU) and refuses what
+    the device cannot run, with a message that names the flag."""
     from sluice_engine.config import EngineConfig
     from sluice_engine.serve_cli import add_engine_args
     from sluice_operator.spec import QUANTIZATIONS
@@ -289,8 +289,10 @@ def test_quantization_choices_match_the_engine():
         EngineConfig(quantization=q)
     EngineConfig(quantization="q4_1", device="cpu")
     for q in ("fp8", "awq", "gptq"):
+        EngineConfig(quantization=q)
+        EngineConfig(quantization=q, device="cuda")
         with pytest.raises(ValueError, match=f"--quantization {q}: "):
-            EngineConfig(quantization=q)
+            EngineConfig(quantization=q, device="cpu")
     with pytest.raises(ValueError, match="--quantization q4_1: "):
         EngineConfig(quantization="q4_1", device="cuda")
     with pytest.raises(ValueError, match="--quantization must be one of"):

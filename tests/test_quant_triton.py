@@ -23,6 +23,8 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from quant_checkpoints import random_w4 as _random_w4  # noqa: E402
+from quant_checkpoints import write_checkpoint  # noqa: E402
 from triton_interpreter import import_kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -53,13 +55,6 @@ def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     err = (y.float() - ref).abs().max().item()
     scale = ref.abs().max().item()
     assert err <= TOL[dtype] * scale, f"{dtype}: max error {err:.3g} vs {TOL[dtype]} x {scale:.3g}"
-
-
-def _random_w4(k: int, n: int, group: int, gen: torch.Generator):
-    q = torch.randint(0, 16, (k, n), generator=gen)
-    z = torch.randint(0, 16, (k // group, n), generator=gen)
-    s = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).half()
-    return q, z, s
 
 
 # -- the references against the formats' element formulas ---------------------------------------------------
@@ -157,19 +152,109 @@ def test_leading_dims_and_shape_checks():
         w.apply(torch.randn(1, 64))
 
 
+def test_fp8_bit_decoding_matches_the_e4m3_type():
+    """GPUs without Triton's e4m3 type (compute capability < 8.9) read the bytes and decode them: every e4m3
+    value (all 256 bytes but the two NaNs) comes out exactly, with either sign, subnormals included."""
+    b = torch.arange(256, dtype=torch.uint8)
+    b[(b & 0x7F) == 0x7F] = 0
+    w = b.view(torch.float8_e4m3fn).reshape(16, 16)
+    eye = torch.eye(16)
+    for decode_bits in (False, True):
+        y = tg.fp8_linear(eye.to(DEVICE), w.to(DEVICE), torch.ones(1, device=DEVICE), decode_bits=decode_bits)
+        assert torch.equal(y.cpu(), w.float().T), decode_bits
+    gen = torch.Generator().manual_seed(11)
+    wq, scale = fp8.quantize_fp8(torch.randn(64, 128, generator=gen), per_channel=True)
+    x = torch.randn(5, 128, generator=gen).half()
+    y = tg.fp8_linear(x.to(DEVICE), wq.to(DEVICE), scale.to(DEVICE), decode_bits=True)
+    _close(y.cpu(), x.float() @ fp8.dequantize_fp8(wq, scale).T, torch.float16)
+
+
+# -- fused projections and tensor-parallel slices -----------------------------------------------------------
+def _w4_parts(cls, k: int, ns: list[int], group: int, gen, g_idx=None):
+    out = []
+    for n in ns:
+        q, z, s = _random_w4(k, n, group, gen)
+        if cls is awq.AwqWeights:
+            out.append(cls(awq.pack_awq(q), s, awq.pack_awq(z)))
+        else:
+            out.append(cls(gptq.pack_rows(q), s, gptq.pack_cols(z), g_idx))
+    return out
+
+
+@pytest.mark.parametrize("cls", [awq.AwqWeights, gptq.GptqWeights], ids=["awq", "gptq"])
+def test_w4_concatenation_and_slices_are_the_dequantized_ones(cls):
+    gen = torch.Generator().manual_seed(12)
+    k, group = 128, 32
+    parts = _w4_parts(cls, k, [64, 16, 16], group, gen)  # q, k, v
+    fused = cls.cat_out(parts)
+    assert fused.shape == (96, k)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts], dim=1))
+    w = fused.dequantize()
+    assert torch.equal(fused.narrow_out(64, 80).dequantize(), w[:, 64:80])
+    assert torch.equal(fused.narrow_in(32, 96).dequantize(), w[32:96])
+    with pytest.raises(ValueError, match="8-column"):
+        fused.narrow_out(4, 20)
+    if cls is awq.AwqWeights:
+        with pytest.raises(ValueError, match="group boundaries"):
+            fused.narrow_in(16, 48)
+    else:  # off the group boundaries: every group's scales kept, an explicit g_idx picks them
+        part = fused.narrow_in(16, 48)
+        assert part.g_idx is not None and part.scales.shape[0] == k // group
+        assert torch.equal(part.dequantize(), w[16:48])
+        x = torch.randn(3, 32, generator=gen)
+        _close(part.to(DEVICE).apply(x.to(DEVICE)).cpu(), x @ w[16:48], torch.float32)
+
+
+def test_gptq_act_order_parts_concatenate_only_with_one_g_idx():
+    gen = torch.Generator().manual_seed(13)
+    k, group = 64, 32
+    g_idx = (torch.randperm(k, generator=gen) // group).int()
+    same = _w4_parts(gptq.GptqWeights, k, [32, 16], group, gen, g_idx)
+    fused = gptq.GptqWeights.cat_out(same)
+    assert torch.equal(fused.g_idx, g_idx)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in same], dim=1))
+    other = _w4_parts(gptq.GptqWeights, k, [16], group, gen, (torch.randperm(k, generator=gen) // group).int())
+    assert gptq.GptqWeights.cat_out(same + other) is None
+    assert gptq.GptqWeights.cat_out(_w4_parts(gptq.GptqWeights, k, [8, 8], group, gen)).g_idx is None
+    # A row-parallel slice of an act-order layer: g_idx sliced, every group kept.
+    part = fused.narrow_in(8, 40)
+    assert torch.equal(part.g_idx, g_idx[8:40]) and torch.equal(part.dequantize(), fused.dequantize()[8:40])
+
+
+def test_fp8_concatenation_keeps_values_and_makes_differing_scales_per_channel():
+    gen = torch.Generator().manual_seed(14)
+    tensor_parts = [fp8.Fp8Weights(*fp8.quantize_fp8(torch.randn(n, 32, generator=gen) * (i + 1), False))
+                    for i, n in enumerate([16, 8, 8])]
+    fused = fp8.Fp8Weights.cat_out(tensor_parts)
+    assert fused.per_channel and fused.weight_scale.shape == (32,)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in tensor_parts]))
+    one_scale = [fp8.Fp8Weights(p.weight, tensor_parts[0].weight_scale) for p in tensor_parts]
+    assert not fp8.Fp8Weights.cat_out(one_scale).per_channel
+    channel_parts = [fp8.Fp8Weights(*fp8.quantize_fp8(torch.randn(n, 32, generator=gen), True)) for n in (16, 8)]
+    fused = fp8.Fp8Weights.cat_out(channel_parts + tensor_parts[1:2])
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in channel_parts + tensor_parts[1:2]]))
+    w = fused.dequantize()
+    assert torch.equal(fused.narrow_out(8, 24).dequantize(), w[8:24])
+    assert torch.equal(fused.narrow_in(8, 24).dequantize(), w[:, 8:24])
+
+
+def test_quant_linear_registers_its_tensors():
+    """The packed tensors are the module's buffers (the memory profile counts the model's bytes from
+    them), and a device move hands the moved tensors back to the weights."""
+    gen = torch.Generator().manual_seed(15)
+    w = _w4_parts(gptq.GptqWeights, 64, [16], 32, gen, (torch.randperm(64, generator=gen) // 32).int())[0]
+    layer = QuantLinear(w)
+    assert {n for n, _ in layer.named_buffers()} == {"qweight", "scales", "qzeros", "g_idx"}
+    moved = layer.to("meta")
+    assert moved.weights.qweight.device.type == "meta" and moved.qweight is moved.weights.qweight
+
+
 # -- checkpoints --------------------------------------------------------------------------------------------
 LAYERS = {"model.layers.0.self_attn.o_proj.": (128, 64), "model.layers.0.mlp.down_proj.": (256, 128)}  # K, N
 
 
 def _write(tmp_path, qcfg: dict, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                      "quantization_config": qcfg}))
-    names = sorted(tensors)
-    half = len(names) // 2  # two shards: the loader must find a tensor in whichever file holds it
-    save_file({n: tensors[n].contiguous() for n in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({n: tensors[n].contiguous() for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    write_checkpoint(tmp_path, {"architectures": ["LlamaForCausalLM"], "quantization_config": qcfg}, tensors)
 
 
 def _check_loaded(tmp_path, twins: dict[str, torch.Tensor], transpose: bool) -> None:

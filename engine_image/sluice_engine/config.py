@@ -85,7 +85,8 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
     # Weights of the linear layers (quantization.py): none = the dtype's; q8_0/q4_0/q4_1 = GGUF blocks on
-    # CPU; auto = none for now (docs/engine-flags.md).
+    # CPU; fp8/awq/gptq = the Triton kernels (a checkpoint quantized so; fp8 also quantizes a dense one);
+    # auto = the checkpoint's quantization_config, else none for now (docs/engine-flags.md).
     quantization: str = "auto"
     seed: int = 0
     # Speculative decoding (None: off). See spec_decode/proposer.py.
@@ -124,7 +125,7 @@ class EngineConfig:
             raise ValueError(f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.quantization not in QUANT_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, got {self.quantization}")
-        check_quant_device(self.quantization, self.device)
+        check_quant_device(self.quantization, self.device, self.attention_backend)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:

@@ -22,8 +22,15 @@ from .forward_context import ForwardContext, forward_context
 from .input_buffers import InputBuffers
 from .model_fetch import gguf_source
 from .model_input import ModelInput
-from .models.loader import load_model, resolve_device, resolve_dtype, resolve_quantization
+from .models.loader import (
+    checkpoint_quantization,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+)
 from .models.model_config import ModelConfig
+from .quantization import CPU_FORMATS
 from .sched_output import SchedulerOutput
 
 log = logging.getLogger("sluice.engine")
@@ -49,10 +56,11 @@ class ModelRunner:
         self.shard: RankShard = rank_shard(mc, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
         self.max_model_len = max_model_len(cfg, mc)
         self.backend = select_backend(cfg.attention_backend, self.device)
-        self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend)
+        self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend,
+                                                 checkpoint_quantization(model_dir))
         self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
                                 quantization=self.quantization,
-                                gguf_path=None if self.quantization == "none" else gguf_source(cfg.model))
+                                gguf_path=gguf_source(cfg.model) if self.quantization in CPU_FORMATS else None)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated

@@ -1,26 +1,41 @@
 """The `--quantization` flag's names and what each means on which device (torch-free: config.py
-validates with it). The CPU formats are GGUF block formats run by cpu_kernels/quant_gemm.cpp; the GPU
-formats are named here so that CPU serving can refuse them with a message."""
+validates with it).
+
+- CPU formats (q8_0, q4_0, q4_1): GGUF block formats run by cpu_kernels/quant_gemm.cpp, on the C++ CPU path.
+- GPU formats (fp8, awq, gptq): weight-only formats run by the Triton GEMM kernels of quant/triton_gemm.py,
+  which dequantize in the kernel. A checkpoint quantized in one of them (config.json quantization_config)
+  is served in it with auto or its own name (models/gpu_quant_loader.py builds its decoder projections from
+  the packed tensors); naming another format for it is refused. `fp8` on a dense checkpoint quantizes its
+  weights at load (per-channel scales); awq and gptq need a checkpoint quantized so.
+  They run where Triton runs: on CUDA, and on CPU only in Triton's interpreter (TRITON_INTERPRET=1), i.e.
+  with the Triton attention backend (--attention-backend triton), which is how the tests run the whole
+  engine without a GPU; any other CPU setup is refused. FP8 (e4m3) weights dequantize in the kernel on any
+  CUDA GPU: those with e4m3 conversions (compute capability 8.9+: L4, H100, H200) convert natively, older ones
+  (A100, A10, ...) decode the e4m3 bits with integer arithmetic -- the same values; weight-only FP8 is about
+  memory, so either way it halves a bf16 model's weight bytes.
+"""
 
 from __future__ import annotations
 
 CPU_FORMATS = ("q8_0", "q4_0", "q4_1")
-GPU_FORMATS = ("fp8", "awq", "gptq")  # no CPU kernels: refused on CPU
+GPU_FORMATS = ("fp8", "awq", "gptq")  # Triton kernels: CUDA, or Triton's interpreter on CPU (tests)
 CHOICES = ("auto", "none", *CPU_FORMATS, *GPU_FORMATS)
 
 
-def check_device(quantization: str, device: str) -> None:
+def gpu_formats_run(device: str, attention_backend: str = "auto") -> bool:
+    """Whether the GPU formats' Triton kernels run on `device` (cpu | cuda | auto, as the flag may still say):
+    on CUDA, and on CPU beside the Triton attention backend (Triton's interpreter: tests)."""
+    return device != "cpu" or attention_backend == "triton"
+
+
+def check_device(quantization: str, device: str, attention_backend: str = "auto") -> None:
     """Raise ValueError where `device` (cpu | cuda | auto) has no kernels for `quantization`."""
     if quantization in ("auto", "none"):
         return
-    if quantization in GPU_FORMATS and device != "cpu":
-        # NOTE: the Triton kernels and checkpoint readers exist (sluice_engine/quant) but the model loader does
-        # not build QuantLinear layers from them yet: refuse rather than load such a checkpoint as dense.
-        raise ValueError(f"--quantization {quantization}: this engine build cannot serve {quantization} weights "
-                         "yet (its Triton kernels are not wired into model loading); use none")
-    if device == "cpu" and quantization in GPU_FORMATS:
+    if quantization in GPU_FORMATS and not gpu_formats_run(device, attention_backend):
         raise ValueError(f"--quantization {quantization}: {quantization} weights need CUDA kernels; on CPU "
-                         f"use one of {', '.join(CPU_FORMATS)} or none")
+                         f"use one of {', '.join(CPU_FORMATS)} or none (Triton's interpreter runs them on CPU "
+                         "with --attention-backend triton, for tests)")
     if device == "cuda" and quantization in CPU_FORMATS:
         raise ValueError(f"--quantization {quantization}: the {quantization} kernels run on CPU only; "
                          f"on CUDA use none (or serve with --device cpu)")

@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=list(QUANT_CHOICES),
                    help="weights of the linear layers: none (the dtype's), q8_0/q4_0/q4_1 (GGUF blocks, CPU; "
                         "a GGUF's own blocks are kept, other weights quantized at load); auto: none for now; "
-                        "fp8/awq/gptq (GPU) are refused by this build: their kernels are not wired into loading")
+                        "fp8/awq/gptq (CUDA, Triton kernels): a checkpoint quantized so (auto serves a "
+                        "config.json quantization_config in its format); fp8 also quantizes a dense one at load")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache budget (target and draft caches together), e.g. 512MiB or 4GiB (default: "

@@ -19,6 +19,8 @@ stage adds it once at its end, so stages still pass one hidden tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,15 @@ from ..forward_context import get_forward_context
 from ..layer_ops import LayerOps, select_layer_ops
 from .model_config import ModelConfig
 from .rotary import RotaryEmbedding
+
+# (module name as in the model, e.g. "layers.3.self_attn.qkv_proj", in_features, out_features, bias) -> the
+# layer. Dense: nn.Linear, loaded afterwards by models/loader.py; a quantized checkpoint's loader builds its
+# decoder projections from the packed tensors instead (models/gpu_quant_loader.py).
+LinearFactory = Callable[[str, int, int, bool], nn.Module]
+
+
+def dense_linear(name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 class RMSNorm(nn.Module):
@@ -49,15 +60,16 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, cache_idx: int, backend: AttentionBackend, shard: RankShard,
-                 ops: LayerOps):
+                 ops: LayerOps, linear: LinearFactory = dense_linear, prefix: str = ""):
         super().__init__()
         self.ops = ops
         self.cache_idx = cache_idx  # this layer's KV cache among the stage's
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(prefix + "qkv_proj", cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               cfg.attention_bias)
+        self.o_proj = linear(prefix + "o_proj", self.q_size, cfg.hidden_size, False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.backend = backend
@@ -84,13 +96,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: RankShard, ops: LayerOps):
+    def __init__(self, cfg: ModelConfig, shard: RankShard, ops: LayerOps, linear: LinearFactory = dense_linear,
+                 prefix: str = ""):
         super().__init__()
         self.ops = ops
         self.intermediate = shard.intermediate
         # This rank's gate columns, then its up columns (models/loader.py): silu_and_mul splits in halves.
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(prefix + "gate_up_proj", cfg.hidden_size, 2 * self.intermediate, False)
+        self.down_proj = linear(prefix + "down_proj", self.intermediate, cfg.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tp_all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
@@ -98,12 +111,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, cache_idx: int, backend: AttentionBackend, shard: RankShard,
-                 ops: LayerOps):
+                 ops: LayerOps, linear: LinearFactory = dense_linear):
         super().__init__()
+        prefix = f"layers.{cache_idx}."  # the stage's own numbering, as the model's module names
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, cache_idx, backend, shard, ops)
+        self.self_attn = Attention(cfg, cache_idx, backend, shard, ops, linear, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, shard, ops)
+        self.mlp = MLP(cfg, shard, ops, linear, prefix + "mlp.")
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +133,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 shard: RankShard | None = None, ops: LayerOps | None = None):
-        """ops: the layers' norm/rotary/activation ops; None picks them from the attention backend."""
+                 shard: RankShard | None = None, ops: LayerOps | None = None, linear: LinearFactory = dense_linear):
+        """ops: the layers' norm/rotary/activation ops; None picks them from the attention backend.
+        linear: builds the decoder layers' projections (the output layer is always dense)."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard = shard or single_shard(cfg)
@@ -129,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         local_vocab = shard.vocab_end - shard.vocab_start
         # The stage's slice of the vocabulary; rows past the real vocabulary (padding) stay zero.
         self.embed_tokens = nn.Embedding(local_vocab, cfg.hidden_size) if shard.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard, ops) for i in range(shard.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, shard, ops, linear)
+                                    for i in range(shard.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if shard.is_last_stage else None
         # Tied embeddings on one stage: the embedding is the output layer. Across stages the last one
         # holds its own copy of the table as the output layer.

@@ -5,6 +5,10 @@ Each checkpoint tensor is read lazily, tensor by tensor, and only the rows this 
 (distributed/layout.py) are read from the file (columns: the tensor, then sliced): peak memory while
 loading is about the rank's shard plus one tensor, never the whole checkpoint. Sharded checkpoints are read
 through their `model.safetensors.index.json`. Q/K/V and gate/up land in their fused projections.
+
+Quantized checkpoints (config.json quantization_config: fp8, awq, gptq) have their decoder projections built
+from the packed tensors by models/gpu_quant_loader.py before the model is; this loader then fills the rest
+(embeddings, norms, output layer, projections the checkpoint keeps dense) and passes over the packed tensors.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pathlib import Path
 import torch
 
 from ..distributed.layout import RankShard, single_shard
+from ..quantization import CPU_FORMATS, GPU_FORMATS, gpu_formats_run
 from ..quantization import check_device as check_quant_device
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, dense_linear
 from .model_config import ModelConfig
 
 log = logging.getLogger("sluice.engine")
@@ -50,10 +55,39 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend) -> str:
-    """--quantization as this rank runs it: none, or a CPU block format (quantization.py)."""
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """The quant_method of an HF directory's config.json quantization_config (validated: registry.py), or
+    None for a dense checkpoint."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    qcfg = cfg.get("quantization_config")
+    if qcfg is None:
+        return None
+    from ..quant.registry import check_quant_config
+
+    return check_quant_config(qcfg)
+
+
+def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend,
+                         checkpoint: str | None = None) -> str:
+    """--quantization as this rank runs it: none, a CPU block format, or a GPU format (quantization.py).
+    checkpoint: the checkpoint's own quantization (`checkpoint_quantization`), None for a dense one."""
     q = cfg.quantization
-    check_quant_device(q, device.type)
+    check_quant_device(q, device.type, backend.name)
+    if checkpoint is not None:
+        if q not in ("auto", checkpoint):
+            raise ValueError(f"--quantization {q}: the checkpoint is {checkpoint}-quantized (config.json "
+                             f"quantization_config); serve it with --quantization auto or {checkpoint}")
+        if not gpu_formats_run(device.type, backend.name):
+            raise ValueError(f"the checkpoint is {checkpoint}-quantized (config.json quantization_config): "
+                             f"{checkpoint} weights need CUDA kernels (Triton), not {device.type}; on CPU serve "
+                             f"a dense checkpoint or a GGUF one ({', '.join(CPU_FORMATS)})")
+        return checkpoint
+    if q in GPU_FORMATS:
+        if q != "fp8":
+            raise ValueError(f"--quantization {q} serves {q} checkpoints (config.json quantization_config "
+                             f"quant_method {q}); this checkpoint is dense (use auto or none, or fp8 to "
+                             "quantize its weights at load)")
+        return q  # fp8 on a dense checkpoint: quantized at load (models/gpu_quant_loader.py)
     if q == "auto":
         # NOTE: auto keeps the dtype's weights for now; keeping a GGUF's own blocks (the Q4_1 of the
         # bundled model) becomes the CPU default once perplexity and the llama-server comparison say so.
@@ -87,23 +121,42 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
     """This rank's shard of the model of an HF directory, built directly in `dtype` on `device` (no
     fp32 copy of the weights ever exists), in eval mode. With `quantization` a CPU block format (or
     auto), linear layers are then held in GGUF blocks, read from `gguf_path` where it has them
-    (models/quant_loader.py)."""
+    (models/quant_loader.py). With a GPU format (fp8, awq, gptq), a checkpoint quantized in it has its
+    decoder projections built from its packed tensors, and fp8 on a dense checkpoint quantizes them once
+    loaded (models/gpu_quant_loader.py)."""
     t0 = time.perf_counter()
     shard = shard or single_shard(mc)
+    own = checkpoint_quantization(model_dir)
+    if own is not None:
+        if quantization not in ("auto", own):
+            raise ValueError(f"{model_dir} is {own}-quantized (config.json quantization_config); it loads with "
+                             f"--quantization {own} (or auto), not {quantization}")
+        quantization = own
+    linear, quant_linears = dense_linear, None
+    if own is not None:
+        from .gpu_quant_loader import QuantLinears
+
+        linear = quant_linears = QuantLinears(model_dir, mc, shard, dtype, device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(mc, backend, max_positions=max_positions, shard=shard)
+            model = LlamaForCausalLM(mc, backend, max_positions=max_positions, shard=shard, linear=linear)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, checkpoint_files(model_dir))
+    if quant_linears is not None:
+        quant_linears.finish()
+    elif quantization == "fp8":
+        from .gpu_quant_loader import quantize_fp8_linears
+
+        quantize_fp8_linears(model)
     where = "" if shard.tp * shard.pp == 1 else (
         f" (rank {shard.rank}: TP {shard.tp_rank}/{shard.tp}, layers {shard.first_layer}-{shard.end_layer - 1})")
     log.info("loaded %s (%s, %d layers, %.1fM params%s) on %s in %.1fs", model_dir, mc.architecture,
              shard.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, where, device,
              time.perf_counter() - t0)
-    if quantization != "none":
+    if quantization in CPU_FORMATS or quantization == "auto":
         from ..cpu_kernels import load as load_kernels
         from .quant_loader import GGUFBlocks, quantize_linears
 
@@ -121,13 +174,21 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
 # -- weights ---------------------------------------------------------------------------------------
 def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     """Copy this shard's slices of every checkpoint tensor into the model; raise ValueError on a
-    tensor the model does not know, a shape that does not fit, or a parameter left unfilled."""
+    tensor the model does not know, a shape that does not fit, or a parameter left unfilled. The layers
+    already built from a quantized checkpoint's packed tensors (gpu_quant_loader.py) are passed over, with
+    the tensors of them and the auxiliary scales weight-only serving does not use."""
+    from .gpu_quant_loader import AUX_TENSORS, quantized_module_names
+
     params = dict(model.named_parameters())
+    quantized = quantized_module_names(model)
     # parameter name -> the rows of it filled so far (fused projections fill in parts)
     filled: dict[str, int] = {}
     with torch.no_grad():
         for name, get in _checkpoint_tensors(files):
             for param_name, rows, take in _targets(model, name):
+                if quantized and (param_name.rsplit(".", 1)[0] in quantized
+                                  or param_name.rsplit(".", 1)[-1] in AUX_TENSORS):
+                    continue
                 if param_name not in params:
                     raise ValueError(f"unexpected weight {name!r} in checkpoint")
                 param = params[param_name]
@@ -141,6 +202,8 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     sh = model.shard
     missing = []
     for pname, p in params.items():
+        if pname.rsplit(".", 1)[0] in quantized:
+            continue
         want = p.shape[0]
         if pname in ("embed_tokens.weight", "lm_head.weight"):  # padding rows past the vocabulary stay zero
             want = max(0, min(sh.vocab_end, model.cfg.vocab_size) - sh.vocab_start)
@@ -168,7 +231,7 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, SafetensorsSli
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class SafetensorsSlice:

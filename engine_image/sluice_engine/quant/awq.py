@@ -5,6 +5,11 @@
   p = [0, 4, 1, 5, 2, 6, 3, 7][j] (AWQ packs in the order [0, 2, 4, 6, 1, 3, 5, 7]).
 - `scales` [K/G, N] fp16, `qzeros` [K/G, N/8] int32 packed like qweight; the zero is stored as is.
 - w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]; the layer computes x @ w (w is W^T, [K, N]).
+
+Fused projections (q/k/v, gate/up) concatenate their parts along N exactly: every tensor's N axis is whole
+int32s of 8 columns (each part's N is a multiple of 8, as its packing requires) and the groups run along K,
+which the parts share. Tensor parallelism slices N at multiples of 8 (column-parallel) and K at multiples of
+the group size (row-parallel).
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 def _to_int32(u: torch.Tensor) -> torch.Tensor:
     """uint32 values held in int64 -> the int32 with the same bits."""
     return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A slice in its own contiguous storage (a view would keep the whole tensor alive)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def dequantize_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor) -> torch.Tensor:
@@ -76,6 +86,26 @@ class AwqWeights:
             raise ValueError(f"{prefix}: {w.scales.shape[0]} scale groups do not cover K={w.qweight.shape[0]} "
                              f"at group_size {group}")
         return w
+
+    def narrow_out(self, start: int, end: int) -> AwqWeights:
+        """Output columns [start, end) (column-parallel sharding); both multiples of 8."""
+        if start % 8 or end % 8:
+            raise ValueError(f"awq: output columns {start}..{end} do not fall on the 8-column packing")
+        return AwqWeights(_own(self.qweight[:, start // 8 : end // 8]), _own(self.scales[:, start:end]),
+                          _own(self.qzeros[:, start // 8 : end // 8]))
+
+    def narrow_in(self, start: int, end: int) -> AwqWeights:
+        """Input rows [start, end) (row-parallel sharding); both multiples of the group size."""
+        group = self.qweight.shape[0] // self.scales.shape[0]
+        if start % group or end % group:
+            raise ValueError(f"awq: input rows {start}..{end} do not fall on group boundaries (group size {group})")
+        return AwqWeights(_own(self.qweight[start:end]), _own(self.scales[start // group : end // group]),
+                          _own(self.qzeros[start // group : end // group]))
+
+    @classmethod
+    def cat_out(cls, parts: list[AwqWeights]) -> AwqWeights:
+        """The parts' output columns side by side (a fused projection): exact, see the module docstring."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("qweight", "scales", "qzeros")))
 
     def to(self, device: torch.device) -> AwqWeights:
         return AwqWeights(self.qweight.to(device), self.scales.to(device), self.qzeros.to(device))

@@ -40,6 +40,9 @@ class QuantCheckpoint:
                 for name in st.keys():
                     self._file_of[name] = f
 
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
     def get(self, name: str) -> torch.Tensor | None:
         f = self._file_of.get(name)
         if f is None:

@@ -3,6 +3,11 @@
 (`<layer>.weight` F8_E4M3, `<layer>.weight_scale` F32); w = weight * scale. Block-wise scales
 (weight_block_size, `weight_scale_inv`) are a different format and are refused. An activation scale
 (`input_scale`, activation_scheme static) is not used: activations stay fp16/bf16 (W8A16).
+
+Fused projections (q/k/v, gate/up) concatenate their parts' weights along N exactly. Per-channel scales
+concatenate; per-tensor scales that differ between the parts become per-channel ones (each part's scale
+repeated over its rows: the e4m3 values are kept as they are, nothing is requantized); per-tensor scales that
+agree stay one scale. Tensor parallelism slices rows (with their scales) or columns of the [N, K] weight.
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ class Fp8Weights:
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{prefix}weight is {weight.dtype}, not float8_e4m3fn (e4m3)")
         return cls(weight, scale.to(torch.float32).reshape(-1))
+
+    @property
+    def per_channel(self) -> bool:
+        return self.weight_scale.numel() > 1
+
+    def narrow_out(self, start: int, end: int) -> Fp8Weights:
+        """Output rows [start, end) (column-parallel sharding)."""
+        scale = self.weight_scale[start:end].clone() if self.per_channel else self.weight_scale
+        return Fp8Weights(self.weight[start:end].clone(), scale)
+
+    def narrow_in(self, start: int, end: int) -> Fp8Weights:
+        """Input columns [start, end) (row-parallel sharding); the scales are per output row, kept whole."""
+        return Fp8Weights(self.weight[:, start:end].contiguous(), self.weight_scale)
+
+    @classmethod
+    def cat_out(cls, parts: list[Fp8Weights]) -> Fp8Weights:
+        """The parts' output rows stacked (a fused projection): exact, see the module docstring."""
+        weight = torch.cat([p.weight for p in parts])
+        scales = [p.weight_scale for p in parts]
+        if not any(p.per_channel for p in parts) and all(torch.equal(s, scales[0]) for s in scales):
+            return cls(weight, scales[0])
+        return cls(weight, torch.cat([s.expand(p.weight.shape[0]) for s, p in zip(scales, parts, strict=True)]))
 
     def to(self, device: torch.device) -> Fp8Weights:
         return Fp8Weights(self.weight.to(device), self.weight_scale.to(device))

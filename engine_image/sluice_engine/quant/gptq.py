@@ -6,6 +6,13 @@ checkpoint_format "gptq"; the v2 format, which stores zeros without the offset, 
   (so a symmetric 4-bit layer stores 7 for its zero 8).
 - `g_idx` [K] int32, optional: the group of each input row (act-order / desc_act checkpoints); k // G if absent.
 - w[k, n] = (q[k, n] - (z[g, n] + 1)) * s[g, n] with g = g_idx[k]; the layer computes x @ w (w is W^T, [K, N]).
+
+Fused projections (q/k/v, gate/up) concatenate their parts along N exactly when the parts share one g_idx
+(qweight and scales are whole columns, qzeros whole int32s of 8 columns). Act-order parts quantized from the
+same input share it (the order comes from the input's Hessian); parts whose g_idx differ cannot share one
+kernel call (`cat_out` says None) and run side by side (quant/linear.py ConcatQuantLinear). Tensor parallelism
+slices N at multiples of 8 and K at multiples of 8; where a K slice does not fall on group boundaries (or the
+layer has act-order) the slice keeps every group's scales and zeros and an explicit g_idx picks them.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 def _to_int32(u: torch.Tensor) -> torch.Tensor:
     return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A slice in its own contiguous storage (a view would keep the whole tensor alive)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -69,7 +81,8 @@ class GptqWeights:
         groups = self.scales.shape[0]
         assert self.scales.shape[1] == n and tuple(self.qzeros.shape) == (groups, n // 8), (
             self.qweight.shape, self.scales.shape, self.qzeros.shape)
-        assert (8 * k8) % groups == 0 and (self.g_idx is None or self.g_idx.shape == (8 * k8,))
+        # With g_idx the groups need not tile K (a row-parallel slice keeps every group's scales).
+        assert (8 * k8) % groups == 0 if self.g_idx is None else self.g_idx.shape == (8 * k8,)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,6 +106,42 @@ class GptqWeights:
             if torch.equal(g_idx, torch.arange(k, dtype=torch.int32) // group):
                 g_idx = None
         return cls(t["qweight"].to(torch.int32), t["scales"], t["qzeros"].to(torch.int32), g_idx)
+
+    @property
+    def group_of_row(self) -> torch.Tensor:
+        """g_idx, or the k // G it stands for when absent: [K] int32."""
+        if self.g_idx is not None:
+            return self.g_idx
+        k = self.qweight.shape[0] * 8
+        return (torch.arange(k, device=self.qweight.device) // (k // self.scales.shape[0])).to(torch.int32)
+
+    def narrow_out(self, start: int, end: int) -> GptqWeights:
+        """Output columns [start, end) (column-parallel sharding); both multiples of 8 (qzeros' packing)."""
+        if start % 8 or end % 8:
+            raise ValueError(f"gptq: output columns {start}..{end} do not fall on the 8-column packing of qzeros")
+        return GptqWeights(_own(self.qweight[:, start:end]), _own(self.scales[:, start:end]),
+                           _own(self.qzeros[:, start // 8 : end // 8]), self.g_idx)
+
+    def narrow_in(self, start: int, end: int) -> GptqWeights:
+        """Input rows [start, end) (row-parallel sharding); both multiples of 8 (qweight's packing)."""
+        if start % 8 or end % 8:
+            raise ValueError(f"gptq: input rows {start}..{end} do not fall on the 8-row packing of qweight")
+        qweight = _own(self.qweight[start // 8 : end // 8])
+        group = self.qweight.shape[0] * 8 // self.scales.shape[0]
+        if self.g_idx is None and start % group == 0 and end % group == 0:
+            return GptqWeights(qweight, _own(self.scales[start // group : end // group]),
+                               _own(self.qzeros[start // group : end // group]))
+        return GptqWeights(qweight, self.scales, self.qzeros, _own(self.group_of_row[start:end]))
+
+    @classmethod
+    def cat_out(cls, parts: list[GptqWeights]) -> GptqWeights | None:
+        """The parts' output columns side by side (a fused projection), or None where their g_idx differ."""
+        first = parts[0].group_of_row
+        if any(not torch.equal(p.group_of_row, first) for p in parts[1:]):
+            return None
+        g_idx = None if all(p.g_idx is None for p in parts) else first
+        return cls(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("qweight", "scales", "qzeros")),
+                   g_idx)
 
     def to(self, device: torch.device) -> GptqWeights:
         return GptqWeights(self.qweight.to(device), self.scales.to(device), self.qzeros.to(device),

@@ -1,7 +1,9 @@
 """Triton GEMM kernels for weight-only quantized linear layers: y = x @ dequant(W)^T, dequantized in the kernel.
 
 - `fp8_linear`: FP8 e4m3 weights [N, K] (the checkpoint's nn.Linear layout) with one fp32 scale per tensor or
-  per output channel. Needs a GPU with e4m3 conversions (sm89+: L4, H100, H200) -- or the interpreter.
+  per output channel. GPUs with e4m3 conversions (sm89+: L4, H100, H200; and the interpreter) load them as
+  e4m3; older ones (Triton refuses the e4m3 type there) read the bytes and decode the bits with integer
+  arithmetic (E4M3_BITS): the same values, a few more instructions on a memory-bound load.
 - `awq_linear`: AWQ 4-bit, qweight [K, N/8] int32 packed along N in AWQ's interleaved nibble order,
   scales [K/G, N], qzeros [K/G, N/8] packed the same way as qweight; w = (q - z) * s.
 - `gptq_linear`: GPTQ 4-bit (v1 / GPTQ-for-LLaMa / AutoGPTQ format), qweight [K/8, N] int32 packed along K in
@@ -18,6 +20,8 @@ where bf16 arithmetic is wrong: there bf16 is upcast to fp32 right after loading
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,11 +32,24 @@ MIN_DOT = 16  # tensor-core dots need every dimension >= 16
 
 
 @triton.jit
+def _e4m3_bits_to_f32(b):
+    """e4m3fn bytes (sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities) -> their fp32 values.
+    Normal: the fp32 with exponent e - 7 + 127 and the mantissa bits on top; subnormal (e = 0): m * 2^-9."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    E4M3_BITS: tl.constexpr,  # w_ptr is the e4m3 bytes as uint8: decode the bits (GPUs without e4m3 types)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -52,6 +69,8 @@ def _fp8_gemm_kernel(
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
+        if E4M3_BITS:
+            w = _e4m3_bits_to_f32(w)
         # NOTE: the scale is applied to the accumulator after the loop (it is constant along K), so the
         # dot sees e4m3 values exactly representable in fp16/bf16.
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
@@ -150,9 +169,19 @@ def _dot_mode(x: torch.Tensor) -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"
 
 
+@functools.cache
+def _e4m3_native(device: torch.device) -> bool:
+    """Whether Triton has the e4m3 type on `device`: CUDA compute capability 8.9+, other backends (ROCm) and
+    the interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] e4m3 * weight_scale)^T; weight_scale: one element or [N] (fp32)."""
+               bias: torch.Tensor | None = None, decode_bits: bool | None = None) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] e4m3 * weight_scale)^T; weight_scale: one element or [N] (fp32).
+    decode_bits: decode the e4m3 bytes with integer arithmetic; None: where the GPU lacks the e4m3 type."""
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (weight.dtype, weight.shape)
     n, k = weight.shape
     x2, lead = _check_x(x, k)
@@ -164,11 +193,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     bm, bn, bk = _tiles(m, n, k)
     upcast, precision = _dot_mode(x)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    if decode_bits is None:
+        decode_bits = not _e4m3_native(weight.device)
     _fp8_gemm_kernel[grid](
-        x2, weight, scale, bias if bias is not None else scale, y, m, n, k,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        x2, weight.view(torch.uint8) if decode_bits else weight, scale, bias if bias is not None else scale, y,
+        m, n, k, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias is not None, UPCAST=upcast,
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        DOT_PRECISION=precision, E4M3_BITS=decode_bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.reshape(*lead, n)
 
 
@@ -180,7 +211,8 @@ def _w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     want_qw = (k, n // PACK) if awq else (k // PACK, n)
     assert n % PACK == 0 and tuple(qweight.shape) == want_qw, (qweight.shape, want_qw)
     assert tuple(qzeros.shape) == (groups, n // PACK), (qzeros.shape, groups, n)
-    assert k % groups == 0, f"K={k} is not a whole number of {groups} groups"
+    # With g_idx the groups need not tile K: a row-parallel slice keeps every group's scales (gptq.py).
+    assert g_idx is not None or k % groups == 0, f"K={k} is not a whole number of {groups} groups"
     assert g_idx is None or (not awq and g_idx.shape == (k,)), "g_idx: GPTQ only, one group per input row"
     assert bias is None or bias.shape == (n,)
     x2, lead = _check_x(x, k)
@@ -191,7 +223,7 @@ def _w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     g = g_idx.to(torch.int32) if g_idx is not None else qzeros  # a placeholder pointer when absent
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _w4_gemm_kernel[grid](
-        x2, qweight, scales, qzeros, g, bias if bias is not None else scales, y, m, n, k, k // groups,
+        x2, qweight, scales, qzeros, g, bias if bias is not None else scales, y, m, n, k, max(1, k // groups),
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
         qzeros.stride(0), qzeros.stride(1), y.stride(0), y.stride(1),
         AWQ=awq, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, UPCAST=upcast,

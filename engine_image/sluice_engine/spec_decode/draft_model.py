@@ -23,8 +23,9 @@ from ..forward_context import ForwardContext, forward_context
 from ..input_buffers import InputBuffers
 from ..kv_cache import KVCacheManager
 from ..memory_profile import PeakMeter, dummy_step
-from ..models.loader import load_model
+from ..models.loader import checkpoint_quantization, load_model
 from ..models.model_config import ModelConfig
+from ..quantization import check_device as check_quant_device
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..sched_output import ScheduledRequest, SchedulerOutput
@@ -51,7 +52,12 @@ class DraftModelProposer:
         if mc.vocab_size > target_vocab_size:
             raise ValueError(f"--draft-model {model_dir}: its vocabulary ({mc.vocab_size}) is larger than the "
                              f"target's ({target_vocab_size}); draft and target must share a tokenizer")
-        self.model = load_model(model_dir, mc, backend, device, dtype, max_positions)
+        # A draft checkpoint quantized for the GPU formats (config.json quantization_config) is served in its
+        # format, as a target would be with --quantization auto.
+        quantization = checkpoint_quantization(model_dir) or "none"
+        if quantization != "none":
+            check_quant_device(quantization, device.type, backend.name)
+        self.model = load_model(model_dir, mc, backend, device, dtype, max_positions, quantization=quantization)
         # The cache comes once the memory is sized (allocate_kv_cache), out of the target's budget.
         self.kv_caches: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
