@@ -260,6 +260,8 @@ VOCAB = 96
 def _tiny_llama(root, kv_scales: dict[str, float] | None = None):
     """A 2-layer Llama (6 query heads over 2 KV heads, head_dim 16) with random weights, as an HF directory;
     kv_scales: checkpoint KV-cache scale tensors to add (name -> value)."""
+    pytest.importorskip("safetensors")  # the engine tests: on a bare GPU machine (benchmarks/gpu_check.sh)
+    pytest.importorskip("tokenizers")  # the kernel tests above need neither
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -395,6 +397,31 @@ def test_engine_over_fp8_is_the_engine_over_e4m3_rounded_kv(tmp_path):
     first_same = sum(c.token_ids[0] == e.token_ids[0] for c, e in zip(got, exact, strict=True))
     assert first_same > len(got) // 2, [(c.token_ids, e.token_ids) for c, e in zip(got, exact, strict=True)]
     assert all(abs(c.logprobs[0][0] - e.logprobs[0][0]) < 0.5 for c, e in zip(got, exact, strict=True))
+
+
+@pytest.mark.slow
+def test_speculative_decoding_over_fp8(tiny_llama):
+    """A draft model beside an FP8 target cache: the draft's own cache stays in the model dtype (sized at its
+    bytes, out of the same budget); verification (several query rows a sequence) reads the FP8 cache; greedy
+    outputs are the non-speculative FP8 run's. N-gram speculation likewise."""
+    from sluice_engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts, _ = _prompts(5)
+    prompts = prompts[:3]
+    plain = _llm(tiny_llama, kv_cache_memory=1 << 20, kv_cache_dtype="fp8")
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    draft = _llm(tiny_llama, kv_cache_memory=1 << 20, kv_cache_dtype="fp8", draft_model=str(tiny_llama),
+                 num_speculative_tokens=3)
+    executor = draft.engine.executor
+    runner, proposer = executor.runner, executor.draft
+    assert runner.kv_caches[0].dtype == FP8 and proposer.kv_caches[0].dtype == torch.float32
+    assert proposer.kv_bytes_per_token == 4 * runner.kv_bytes_per_token
+    # One budget, the same block count for both: (1 + 4) bytes per element a token.
+    assert runner.num_blocks == (1 << 20) // ((runner.kv_bytes_per_token + proposer.kv_bytes_per_token) * 4)
+    assert [c.token_ids for c in draft.generate(prompts, params)] == want
+    ngram = _llm(tiny_llama, kv_cache_memory=1 << 20, kv_cache_dtype="fp8", speculative_method="ngram")
+    assert [c.token_ids for c in ngram.generate(prompts, params)] == want
 
 
 @pytest.mark.skipif(not CUDA, reason="a 30-layer model in Triton's interpreter takes minutes; run on a GPU")
