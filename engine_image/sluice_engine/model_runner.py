@@ -125,8 +125,9 @@ class ModelRunner:
             log.info("KV cache fp8 (e4m3): the checkpoint's k_scale/v_scale for %d of %d layers (k %.3g..%.3g, "
                      "v %.3g..%.3g), 1.0 elsewhere", loaded, len(layers), min(k), max(k), min(v), max(v))
         else:
-            # Without calibrated scales, 1.0: K/V as bf16 models make them sit well inside e4m3's +-448 (larger
-            # values saturate), at e4m3's relative precision of 2^-4 from 2^-6 up (finer steps below it).
+            # Without calibrated scales, 1.0 (as vLLM): K/V as bf16 models make them sit well inside e4m3's +-448
+            # (larger values saturate), at e4m3's relative precision of 2^-4 from 2^-6 up; below 2^-6 the steps are
+            # 2^-9 absolute, coarser relative to the value (a layer whose values are mostly that small loses most).
             log.info("KV cache fp8 (e4m3): no k_scale/v_scale in the checkpoint; scales 1.0")
 
     @property

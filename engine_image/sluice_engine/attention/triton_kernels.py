@@ -43,8 +43,6 @@ LOG2E = 1.4426950408889634
 MIN_DOT = 16
 # Elements per merge program (heads x splits x head_dim): all heads of a row when they fit.
 MERGE_TILE = 4096
-# The largest finite e4m3fn magnitude: FP8 cache writes saturate here.
-E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
 
@@ -71,7 +69,7 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     if KV_FP8:
-        # x / scale, saturated to e4m3's finite range (+-448: an outlier clips rather than becoming NaN),
+        # x / scale, saturated to e4m3's largest finite magnitude (448: an outlier clips rather than becoming NaN),
         # rounded to nearest even. Division, not a multiply by the reciprocal: the torch reference's bytes.
         k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(kv_scale_ptr), -448.0), 448.0)
         v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(kv_scale_ptr + 1), -448.0), 448.0)
