@@ -121,7 +121,8 @@ if has torch; then
 fi
 
 # -- 1: Triton kernel tests ------------------------------------------------------------------------------------
-TESTS=(tests/test_triton_attention.py tests/test_layer_ops_triton.py tests/test_quant_triton.py tests/test_cuda_graphs.py)
+TESTS=(tests/test_triton_attention.py tests/test_layer_ops_triton.py tests/test_quant_triton.py tests/test_cuda_graphs.py
+       tests/test_fp8_kv_cache.py)
 # conftest.py needs nothing beyond pytest and torch for these modules (httpx et al. are imported lazily); a module
 # whose own imports fail (test_quant_triton and test_cuda_graphs need safetensors) is reported, the rest still run.
 PYTEST_ARGS=(-q -p no:cacheprovider --maxfail=5 --continue-on-collection-errors -rfEs -o addopts="" --durations=10)

@@ -66,6 +66,18 @@ def test_quantization_renders_the_engine_flag_only_when_set(tmp_path, capsys):
         assert args[:i] + args[i + 2:] == without
 
 
+def test_kv_cache_dtype_renders_the_engine_flag_only_when_set():
+    base = ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: q, namespace: ml}\n"
+            "spec: {model: {uri: 'hf://org/m'}%s}\n")
+    without = _serve_args(reconcile(parse_endpoint(yaml.safe_load(base % ""))))
+    assert "--kv-cache-dtype" not in without
+    for value in ("fp8", "auto"):
+        args = _serve_args(reconcile(parse_endpoint(yaml.safe_load(base % f", engine: {{kvCacheDtype: {value}}}"))))
+        i = args.index("--kv-cache-dtype")
+        assert args[i + 1] == value
+        assert args[:i] + args[i + 2:] == without  # setting it changes only this flag
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
      "spec: {model: {uri: 'hf://a/b'}, scaling: {minReplicas: 3, maxReplicas: 2}}\n",
@@ -76,6 +88,9 @@ def test_quantization_renders_the_engine_flag_only_when_set(tmp_path, capsys):
     ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
      "spec: {model: {uri: 'hf://a/b'}, engine: {quantization: gptq}, accelerator: {type: cpu}}\n",
      "spec: engine.quantization fp8, awq and gptq run on GPUs only (Triton kernels) and accelerator.type is cpu"),
+    ("apiVersion: sluice.dev/v1alpha1\nkind: InferenceEndpoint\nmetadata: {name: x}\n"
+     "spec: {model: {uri: 'hf://a/b'}, engine: {kvCacheDtype: fp8}, accelerator: {type: cpu}}\n",
+     "spec: engine.kvCacheDtype fp8 runs on GPUs only (the Triton attention kernels) and accelerator.type is cpu"),
     ("apiVersion: sluice.dev/v1\nkind: InferenceEndpoint\nmetadata: {name: x}\nspec: {model: {uri: 'hf://a/b'}}\n",
      "apiVersion: Input should be 'sluice.dev/v1alpha1'"),
     ("spec: [unclosed", "not valid YAML"),

@@ -119,6 +119,14 @@ INVALID = [
                  "engine.quantization q8_0, q4_0 and q4_1 (GGUF) run on CPUs only", id="gguf-on-gpu"),
     pytest.param(with_spec(engine={"quantization": "int8"}), "spec.engine.quantization: Input should be",
                  "spec.engine.quantization: 'int8' is not one of", id="unknown-quantization"),
+    pytest.param(with_spec(accelerator={"type": "cpu"}, engine={"kvCacheDtype": "fp8"}),
+                 "spec: engine.kvCacheDtype fp8 runs on GPUs only",
+                 "engine.kvCacheDtype fp8 runs on GPUs only", id="fp8-kv-on-cpu"),
+    pytest.param(with_spec(engine={"kvCacheDtype": "fp16"}), "spec.engine.kvCacheDtype: Input should be",
+                 "spec.engine.kvCacheDtype: 'fp16' is not one of", id="unknown-kv-cache-dtype"),
+    pytest.param(with_spec(engine={"args": {"kv-cache-dtype": "fp8"}}),
+                 "spec.engine.args: 'kv-cache-dtype' is set by the operator from engine.kvCacheDtype",
+                 "engine.args keys must be engine flags", id="kv-cache-dtype-flag"),
     pytest.param(with_spec(accelerator={"type": "cpu", "product": "NVIDIA-L4"}),
                  "spec.accelerator: accelerator.product and accelerator.gpusPerNode apply to GPUs only",
                  "accelerator.product and accelerator.gpusPerNode apply to GPUs only", id="cpu-product"),
@@ -271,6 +279,31 @@ def test_quantization_the_accelerator_runs_passes_both_validators(quantization, 
     assert parse_endpoint(doc).spec.engine.quantization == quantization
     assert api_server_errors(schema, doc) == []
     assert parse_endpoint(BASE).spec.engine.quantization is None  # unset by default: no flag rendered
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "accelerator"), [("auto", "gpu"), ("auto", "cpu"), ("fp8", "gpu")])
+def test_kv_cache_dtype_the_accelerator_runs_passes_both_validators(kv_cache_dtype, accelerator, schema):
+    doc = with_spec(engine={"kvCacheDtype": kv_cache_dtype}, accelerator={"type": accelerator})
+    assert parse_endpoint(doc).spec.engine.kv_cache_dtype == kv_cache_dtype
+    assert api_server_errors(schema, doc) == []
+    assert parse_endpoint(BASE).spec.engine.kv_cache_dtype is None  # unset by default: no flag rendered
+
+
+def test_kv_cache_dtype_choices_match_the_engine():
+    """spec.engine.kvCacheDtype's enum is the engine's --kv-cache-dtype choices; the engine takes fp8 where the
+    operator renders it (a GPU) and refuses it on CPU, naming the flag."""
+    from sluice_engine.config import EngineConfig
+    from sluice_engine.serve_cli import add_engine_args
+    from sluice_operator.spec import KV_CACHE_DTYPES
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    action = next(a for a in p._actions if "--kv-cache-dtype" in a.option_strings)
+    assert tuple(action.choices) == KV_CACHE_DTYPES and action.default == "auto"
+    EngineConfig(kv_cache_dtype="fp8", device="cuda")
+    EngineConfig(kv_cache_dtype="auto", device="cpu")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: "):
+        EngineConfig(kv_cache_dtype="fp8", device="cpu")
 
 
 def test_quantization_choices_match_the_engine():

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .quantization import CHOICES as QUANT_CHOICES
 from .quantization import check_device as check_quant_device
+from .quantization import check_kv_cache_dtype
 
 # --warmup: what runs before /ready turns 200 (warmup.py): auto = full on CUDA, minimal elsewhere.
 WARMUP_MODES = ("auto", "full", "minimal", "off")
@@ -88,6 +89,9 @@ class EngineConfig:
     # CPU; fp8/awq/gptq = the Triton kernels (a checkpoint quantized so; fp8 also quantizes a dense one);
     # auto = the checkpoint's quantization_config, else none for now (docs/engine-flags.md).
     quantization: str = "auto"
+    # The KV cache's element type (quantization.py): auto = the model's dtype; fp8 = e4m3 with per-tensor
+    # scales (the Triton attention kernels; half a bf16 cache's bytes per token).
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Speculative decoding (None: off). See spec_decode/proposer.py.
     speculative_method: str | None = None
@@ -126,6 +130,7 @@ class EngineConfig:
         if self.quantization not in QUANT_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, got {self.quantization}")
         check_quant_device(self.quantization, self.device, self.attention_backend)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.device, self.attention_backend)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.max_queue_len < 1:

@@ -30,7 +30,7 @@ from .models.loader import (
     resolve_quantization,
 )
 from .models.model_config import ModelConfig
-from .quantization import CPU_FORMATS
+from .quantization import CPU_FORMATS, check_kv_cache_dtype
 from .sched_output import SchedulerOutput
 
 log = logging.getLogger("sluice.engine")
@@ -56,11 +56,18 @@ class ModelRunner:
         self.shard: RankShard = rank_shard(mc, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
         self.max_model_len = max_model_len(cfg, mc)
         self.backend = select_backend(cfg.attention_backend, self.device)
+        check_kv_cache_dtype(cfg.kv_cache_dtype, self.device.type, self.backend.name)  # auto now resolved
+        # fp8: e4m3 elements, one scale per layer for K and one for V (models/llama.py Attention.kv_scale).
+        # NOTE: a draft model's cache stays in the model dtype (spec_decode/draft_model.py): it is small, and
+        # its drafts are verified by the target anyway.
+        self.kv_cache_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
         self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend,
                                                  checkpoint_quantization(model_dir))
         self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
                                 quantization=self.quantization,
                                 gguf_path=gguf_source(cfg.model) if self.quantization in CPU_FORMATS else None)
+        if cfg.kv_cache_dtype == "fp8":
+            self._log_kv_scales()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
@@ -72,7 +79,7 @@ class ModelRunner:
         """K and V of one token in this rank's layers and KV heads. How many blocks the budget holds
         is memory_profile.plan_kv_cache's to say (with the draft's cache, out of the same budget)."""
         sh = self.shard
-        return 2 * sh.num_layers * sh.num_kv_heads * self.model_config.head_dim * self.dtype.itemsize
+        return 2 * sh.num_layers * sh.num_kv_heads * self.model_config.head_dim * self.kv_cache_dtype.itemsize
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -107,8 +114,21 @@ class ModelRunner:
         sh = self.shard
         shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
         if self.device.type == "cpu":
-            return [_lazy_zeros(shape, self.dtype) for _ in range(sh.num_layers)]
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(sh.num_layers)]
+            return [_lazy_zeros(shape, self.kv_cache_dtype) for _ in range(sh.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(sh.num_layers)]
+
+    def _log_kv_scales(self) -> None:
+        layers = [layer.self_attn for layer in self.model.layers]
+        loaded = sum(a.kv_scale_source == "checkpoint" for a in layers)
+        if loaded:
+            k, v = torch.stack([a.kv_scale for a in layers]).cpu().T.tolist()
+            log.info("KV cache fp8 (e4m3): the checkpoint's k_scale/v_scale for %d of %d layers (k %.3g..%.3g, "
+                     "v %.3g..%.3g), 1.0 elsewhere", loaded, len(layers), min(k), max(k), min(v), max(v))
+        else:
+            # Without calibrated scales, 1.0 (as vLLM): K/V as bf16 models make them sit well inside e4m3's +-448
+            # (larger values saturate), at e4m3's relative precision of 2^-4 from 2^-6 up; below 2^-6 the steps are
+            # 2^-9 absolute, coarser relative to the value (a layer whose values are mostly that small loses most).
+            log.info("KV cache fp8 (e4m3): no k_scale/v_scale in the checkpoint; scales 1.0")
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -198,6 +218,8 @@ class ModelRunner:
         src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
         for cache in self.kv_caches:  # [2, num_blocks, ...]: K and V of each block in one copy
+            if cache.dtype == torch.float8_e4m3fn:  # torch's index_copy_ takes no float8: copy the bytes
+                cache = cache.view(torch.uint8)
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
 

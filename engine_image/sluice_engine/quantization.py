@@ -39,3 +39,22 @@ def check_device(quantization: str, device: str, attention_backend: str = "auto"
     if device == "cuda" and quantization in CPU_FORMATS:
         raise ValueError(f"--quantization {quantization}: the {quantization} kernels run on CPU only; "
                          f"on CUDA use none (or serve with --device cpu)")
+
+
+# -- the KV cache (--kv-cache-dtype) ----------------------------------------------------------------------------
+# auto: the model's dtype. fp8: float8_e4m3fn with a per-tensor scale per layer for K and for V (the checkpoint's
+# k_scale/v_scale, else 1.0): half the bytes of a bf16 cache, so twice the tokens in the same memory. Written
+# and read by the Triton attention kernels (and the torch reference backend on CUDA); on CPU only in Triton's
+# interpreter (tests), as the GPU weight formats.
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: str, attention_backend: str = "auto") -> None:
+    """Raise ValueError unless `device` (cpu | cuda | auto, as the flag may still say) with `attention_backend`
+    runs a cache of `kv_cache_dtype`: fp8 on CUDA, or on CPU with the Triton backend (the interpreter: tests).
+    The C++ CPU kernel reads the model's dtype only."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8" and (attention_backend == "cpu" or (device == "cpu" and attention_backend != "triton")):
+        raise ValueError("--kv-cache-dtype fp8: the FP8 KV cache needs the Triton attention kernels (CUDA); "
+                         "on CPU use auto")

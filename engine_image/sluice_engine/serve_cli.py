@@ -10,6 +10,7 @@ import sys
 
 from .config import WARMUP_MODES, EngineConfig, parse_size
 from .quantization import CHOICES as QUANT_CHOICES
+from .quantization import KV_CACHE_DTYPES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a GGUF's own blocks are kept, other weights quantized at load); auto: none for now; "
                         "fp8/awq/gptq (CUDA, Triton kernels): a checkpoint quantized so (auto serves a "
                         "config.json quantization_config in its format); fp8 also quantizes a dense one at load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache elements: auto (the model's dtype) or fp8 (e4m3 with a per-tensor scale per "
+                        "layer for K and V: the checkpoint's k_scale/v_scale, else 1.0; half a bf16 cache's bytes, "
+                        "so twice the tokens; CUDA, Triton attention kernels)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache budget (target and draft caches together), e.g. 512MiB or 4GiB (default: "

@@ -13,6 +13,7 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "dtype": "engine.dtype",
     "max-model-len": "engine.maxModelLen",
     "quantization": "engine.quantization",
+    "kv-cache-dtype": "engine.kvCacheDtype",
     "device": "accelerator.type",
     "host": "(always 0.0.0.0 in a pod)",
     "port": "(always 8000 in a pod)",

@@ -211,6 +211,8 @@ _ARGS_SCHEMA = {
 GPU_QUANTIZATIONS = ("fp8", "awq", "gptq")
 CPU_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")
 QUANTIZATIONS = ("auto", "none", *CPU_QUANTIZATIONS, *GPU_QUANTIZATIONS)
+# engine.kvCacheDtype: fp8 is the Triton attention kernels' (GPU only). NOTE: the engine's --kv-cache-dtype choices.
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class Engine(_Object):
@@ -229,6 +231,11 @@ class Engine(_Object):
         "(config.json quantization_config, or the GGUF file's type); none: dense weights. GPU only: fp8 "
         "(e4m3 weights, per-tensor or per-channel scales), awq, gptq (4-bit, group-wise). CPU only: the GGUF "
         "formats q8_0, q4_0, q4_1. Default: unset (the engine's default)."))
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = Field(None, description=(
+        "KV cache element type (flag --kv-cache-dtype), separate from the weights' quantization. auto: the "
+        "dtype's. GPU only: fp8 (e4m3 with a per-tensor scale per layer for K and V: the checkpoint's "
+        "k_scale/v_scale, else 1.0), half the bytes of a bfloat16 cache per token, so twice the tokens in the "
+        "same memory. Default: unset (the engine's default, auto)."))
 
     @field_validator("args")
     @classmethod
@@ -517,6 +524,7 @@ _HAS_G = "has(self.accelerator) && has(self.accelerator.gpusPerNode)"
 _G = "self.accelerator.gpusPerNode"
 _HAS_N = "has(self.parallelism) && has(self.parallelism.nodes)"
 _HAS_Q = "has(self.engine) && has(self.engine.quantization)"
+_HAS_KV = "has(self.engine) && has(self.engine.kvCacheDtype)"
 _CPU = "(has(self.accelerator) && self.accelerator.type == 'cpu')"
 
 
@@ -558,6 +566,11 @@ class EndpointSpec(_Object):
              "engine.quantization q8_0, q4_0 and q4_1 (GGUF) run on CPUs only (accelerator.type cpu); on a GPU "
              "use fp8, awq, gptq, none or auto",
              lambda s: s.accelerator.type == "cpu" or s.engine.quantization not in CPU_QUANTIZATIONS,
+             field_path=".engine"),
+        Rule(f"!({_HAS_KV}) || !{_CPU} || self.engine.kvCacheDtype != 'fp8'",
+             "engine.kvCacheDtype fp8 runs on GPUs only (the Triton attention kernels) and accelerator.type is "
+             "cpu; on a CPU use auto",
+             lambda s: s.accelerator.type != "cpu" or s.engine.kv_cache_dtype != "fp8",
              field_path=".engine"),
     )
     model: ModelSource = Field(description="The model to serve.")

@@ -61,6 +61,8 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
         args += ["--max-model-len", str(spec.engine.max_model_len)]
     if spec.engine.quantization is not None:  # unset: the engine's default, and no flag (pod templates unchanged)
         args += ["--quantization", spec.engine.quantization]
+    if spec.engine.kv_cache_dtype is not None:  # likewise
+        args += ["--kv-cache-dtype", spec.engine.kv_cache_dtype]
     # The replica's layout (left out at 1, the engine's default): one process per rank, tensor-fastest.
     if spec.parallelism.tensor > 1:
         args += ["--tensor-parallel-size", str(spec.parallelism.tensor)]

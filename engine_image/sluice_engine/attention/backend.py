@@ -12,16 +12,20 @@ from ..forward_context import AttentionMetadata
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Scatter this step's K/V rows ([T, Hkv, D]) into their cache slots."""
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 kv_scale: torch.Tensor | None = None) -> None:
+        """Scatter this step's K/V rows ([T, Hkv, D]) into their cache slots. An FP8 cache (float8_e4m3fn,
+        --kv-cache-dtype fp8) stores K / k_scale and V / v_scale, saturated to +-448, with kv_scale the layer's
+        [k_scale, v_scale] (float32, on the device); a cache in the model's dtype ignores kv_scale."""
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the new query rows ([T, Hq, D]) over each sequence's cached context
         (which already includes this step's K/V). k/v are this step's rows, for backends that can use
-        them directly. Returns [T, Hq, D]."""
+        them directly (not with an FP8 cache: every key and value is read back from the cache, so a prompt
+        sees the same rounded K/V whether its prefix was cached or not). Returns [T, Hq, D]."""
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -24,10 +24,13 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # NOTE: an FP8 cache never gets here (the engine refuses --kv-cache-dtype fp8 with this backend); one
+        # would take the torch path below, whose dtype test it fails.
         if (q.dtype not in _KERNELS or kv_cache.dtype != q.dtype
                 or not self._lib.sluice_paged_attention_supports_head_dim(q.shape[2])):
-            return super().attend(q, k, v, kv_cache, meta, scale)
+            return super().attend(q, k, v, kv_cache, meta, scale, kv_scale)
         plan = meta.per_step.get("cpu_paged")
         if plan is None:  # once per step, shared by every layer
             starts = [0]

@@ -1,5 +1,10 @@
 """Reference attention over the paged KV cache in plain torch (the CPU path, and the oracle the
-Triton kernels are tested against)."""
+Triton kernels are tested against).
+
+An FP8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is handled as the Triton kernels handle it, so that it is
+their reference: writes store round(x / scale) saturated to +-448 (`quantize_kv`); reads dequantize in fp32
+(e4m3 * scale) and every key and value comes from the cache, this step's included. Indexing goes through the
+cache's bytes (uint8 views): torch's index ops do not all take float8 tensors."""
 
 from __future__ import annotations
 
@@ -16,39 +21,72 @@ SHORT_QUERY_LEN = 8
 # are grouped by context length so that padding each group to its longest costs little, and a group is
 # split off only when it saves more padding than this.
 GROUP_COST_ROWS = 256
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn magnitude
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in e4m3, saturated to +-448 (the bytes the Triton write kernel stores)."""
+    return (x.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.dtype == FP8 else x
+
+
+def _dequant(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows in `dtype`: an FP8 cache's e4m3 values times their scale, in fp32."""
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return (x.to(torch.float32) * scale).to(dtype)
+
+
+def _select(half: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """half.index_select(0, ids), for an FP8 cache too."""
+    return _as_bytes(half).index_select(0, ids).view(half.dtype)
 
 
 class TorchPagedAttention:
     name = "torch"
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 kv_scale: torch.Tensor | None = None) -> None:
         _, num_blocks, block_size, h, d = kv_cache.shape
-        kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        if kv_cache.dtype == FP8:
+            assert kv_scale is not None, "an FP8 KV cache needs its [k_scale, v_scale]"
+            k, v = quantize_kv(k, kv_scale[0]), quantize_kv(v, kv_scale[1])
+        else:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        rows = num_blocks * block_size
+        _as_bytes(kv_cache[0]).view(rows, h, d).index_copy_(0, meta.slot_mapping, _as_bytes(k))
+        _as_bytes(kv_cache[1]).view(rows, h, d).index_copy_(0, meta.slot_mapping, _as_bytes(v))
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         plan = meta.per_step.get("torch_paged")
         if plan is None:  # once per step, shared by every layer
             plan = meta.per_step["torch_paged"] = _plan(meta, q.device)
         starts, groups, long = plan
         if len(groups) == 1 and not long and groups[0][0] is None:
             _, tables, lens, qls, max_len = groups[0]
-            return _short_queries(q, kv_cache, tables, lens, qls, max_len, scale)
+            return _short_queries(q, kv_cache, tables, lens, qls, max_len, scale, kv_scale)
         out = torch.empty_like(q)
         for rows, tables, lens, qls, max_len in groups:
-            out[rows] = _short_queries(q[rows], kv_cache, tables, lens, qls, max_len, scale)
+            out[rows] = _short_queries(q[rows], kv_cache, tables, lens, qls, max_len, scale, kv_scale)
         for i in long:
-            out[starts[i] : starts[i + 1]] = long_query(q, k, v, kv_cache, meta, i, starts[i], starts[i + 1], scale)
+            out[starts[i] : starts[i + 1]] = long_query(q, k, v, kv_cache, meta, i, starts[i], starts[i + 1], scale,
+                                                        kv_scale)
         return out
 
 
 def long_query(q, k, v, kv_cache, meta: AttentionMetadata, i: int, start: int, end: int,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of sequence i's query rows start:end (a prompt chunk) over its context, [q_len, Hq, D]."""
     q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
     qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
-    if q_len == seq_len:
-        # No cached prefix: this step's K/V are the whole context; no gather needed.
+    if q_len == seq_len and kv_cache.dtype != FP8:
+        # No cached prefix: this step's K/V are the whole context; no gather needed (an FP8 cache's rounded
+        # K/V are read back instead, as the Triton kernel reads them).
         ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -56,8 +94,10 @@ def long_query(q, k, v, kv_cache, meta: AttentionMetadata, i: int, start: int, e
         # Query j sits at absolute position seq_len - q_len + j and sees keys up to there.
         pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
+        k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
         oi = F.scaled_dot_product_attention(
-            qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            qi, _dequant(ki, q.dtype, k_scale), _dequant(vi, q.dtype, v_scale), attn_mask=mask, scale=scale,
+            enable_gqa=True,
         )
     return oi.transpose(0, 1)
 
@@ -111,7 +151,7 @@ def _length_groups(members: list[int], seq_lens: list[int], block_size: int) -> 
 
 
 def _short_queries(q, kv_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens_cpu: list[int],
-                   max_seq_len: int, scale: float) -> torch.Tensor:
+                   max_seq_len: int, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Sequences with a few queries each (decode, speculative verification; q holds their rows in
     order): gather every sequence's blocks into a padded [B, Hkv, L, D] batch, pad the queries to
     [B, Hq, max_q, D], and mask both, so the whole batch is one SDPA call instead of a loop."""
@@ -121,13 +161,14 @@ def _short_queries(q, kv_cache, block_tables: torch.Tensor, seq_lens: torch.Tens
     # index_select with flat int64 ids is several times faster on CPU than tensor[int32 table].
     ids = block_tables[:, :max_blocks].reshape(-1).long()
     length = max_blocks * block_size
-    keys = kv_cache[0].index_select(0, ids).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
-    values = kv_cache[1].index_select(0, ids).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
+    k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+    keys = _dequant(_select(kv_cache[0], ids), q.dtype, k_scale).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
+    values = _dequant(_select(kv_cache[1], ids), q.dtype, v_scale).view(b, length, *kv_cache.shape[3:]).transpose(1, 2)
     key_pos = torch.arange(length, device=q.device)
     if max_q == 1:
         mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True,
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True,
         )
         return out.squeeze(2)
     q_lens = torch.tensor(q_lens_cpu, device=q.device)
@@ -142,7 +183,7 @@ def _short_queries(q, kv_cache, block_tables: torch.Tensor, seq_lens: torch.Tens
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
     out = F.scaled_dot_product_attention(
-        q_pad.view(b, max_q, *q.shape[1:]).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+        q_pad.view(b, max_q, *q.shape[1:]).transpose(1, 2), keys, values,
         attn_mask=mask[:, None], scale=scale, enable_gqa=True,
     )
     return out.transpose(1, 2).reshape(b * max_q, *q.shape[1:])[flat]
@@ -153,6 +194,6 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     block_size = kv_cache.shape[2]
     n = -(-seq_len // block_size)
     ids = block_table[:n].long()
-    k = kv_cache[0].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1)
-    v = kv_cache[1].index_select(0, ids).flatten(0, 1)[:seq_len].transpose(0, 1)
+    k = _select(kv_cache[0], ids).flatten(0, 1)[:seq_len].transpose(0, 1)
+    v = _select(kv_cache[1], ids).flatten(0, 1)[:seq_len].transpose(0, 1)
     return k, v

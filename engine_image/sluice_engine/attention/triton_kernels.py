@@ -14,6 +14,14 @@ and the pure-Python launch set (kernel_buckets.py), so it also runs in Triton's 
 (TRITON_INTERPRET=1) on CPU tensors -- where bf16 arithmetic is wrong, so there bf16 inputs are upcast to
 fp32 right after loading.
 
+FP8 KV cache (--kv-cache-dtype fp8): the cache holds float8_e4m3fn values with one float32 scale per tensor
+(a layer's K and its V): `store_kv` writes round(x / scale) saturated to +-448; `paged_attention` converts the
+tile it loads to the query's dtype (e4m3 values are exact in fp16/bf16/fp32) and applies the scales once per row:
+k_scale folded into the score scale, v_scale into the normalised output. The scales live on the device and are
+loaded by the kernels, so an FP8 step is capturable in a CUDA graph. Where Triton lacks the e4m3 type (GPUs
+below compute capability 8.9) the kernels convert the cache's bytes with integer arithmetic instead
+(quant/triton_gemm.py's e4m3 helpers; see `e4m3_bits`); either way they see the cache as bytes (uint8).
+
 Compiled variants: `paged_attention` launches only members of kernel_buckets' fixed set (AttentionLaunch:
 split count and tile sizes), and the one integer argument that changes from batch to batch (the block
 table's row stride: the widest table of the batch) is not specialized, so the variants of a model are
@@ -28,21 +36,25 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..kernel_buckets import AttentionLaunch, block_m_for
+from ..quant.triton_gemm import _e4m3_bits_to_f32, _e4m3_native, _f32_to_e4m3_bits
 
 LOG2E = 1.4426950408889634
 # Dots need every dimension >= 16 on tensor cores.
 MIN_DOT = 16
 # Elements per merge program (heads x splits x head_dim): all heads of a row when they fit.
 MERGE_TILE = 4096
+FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,  # cache: block, offset in block, head (head_dim is contiguous)
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is e4m3, passed as its bytes: quantize with kv_scale_ptr's [k_scale, v_scale]
+    E4M3_BITS: tl.constexpr,  # ... encoding with integer arithmetic rather than Triton's e4m3 type
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -55,8 +67,19 @@ def _store_kv_kernel(
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
     dst = block * stride_cb + offset * stride_co + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if KV_FP8:
+        # x / scale, saturated to e4m3's largest finite magnitude (448: an outlier clips rather than becoming NaN),
+        # rounded to nearest even. Division, not a multiply by the reciprocal: the torch reference's bytes.
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(kv_scale_ptr), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(kv_scale_ptr + 1), -448.0), 448.0)
+        if E4M3_BITS:
+            k = _f32_to_e4m3_bits(k)
+            v = _f32_to_e4m3_bits(v)
+        else:
+            k = k.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            v = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,6 +89,7 @@ def _store_kv_kernel(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     query_start_ptr, seq_lens_ptr, block_table_ptr,
+    kv_scale_ptr,  # FP8 cache: [k_scale, v_scale] float32 on the device (read here: no host sync)
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     stride_qt, stride_qh,
     stride_cb, stride_co, stride_ch,
@@ -80,6 +104,8 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,  # dots in fp32 (fp32 inputs, or bf16 in the interpreter)
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds e4m3 values, passed as its bytes; K = e4m3 * k_scale, V = e4m3 * v_scale
+    E4M3_BITS: tl.constexpr,  # ... decoded with integer arithmetic (GPUs below sm89) rather than Triton's e4m3 type
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +147,12 @@ def _paged_attention_kernel(
             tl.store(mid_lse_ptr + lse_off, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=row_ok)
             return
 
+    if KV_FP8:
+        # Per-tensor scales, folded where they cost one multiply per tile row instead of one per element:
+        # k_scale into the score scale (q . (k8 * ks) = (q . k8) * ks), v_scale into the output (it factors out
+        # of the softmax-weighted sum). The e4m3 values themselves are exact in fp16/bf16, so the dots see them
+        # unrounded.
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     # A finite floor for the running max keeps fully masked rows free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -133,9 +165,20 @@ def _paged_attention_kernel(
         page = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
+        # Masked lanes read 0 (an FP8 cache's bytes: e4m3 zero); garbage there could be NaN, which a zero
+        # weight in the dots would not cancel.
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        if KV_FP8:
+            if E4M3_BITS:
+                k = _e4m3_bits_to_f32(k)
+                v = _e4m3_bits_to_f32(v)
+            else:
+                k = k.to(tl.float8e4nv, bitcast=True)
+                v = v.to(tl.float8e4nv, bitcast=True)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -149,7 +192,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * (tl.load(kv_scale_ptr + 1) / l_safe)[:, None]
+    else:
+        acc = acc / l_safe[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -200,22 +246,51 @@ INTERPRETER_READY = INTERPRETED and isinstance(tl.sum, InterpretedFunction)
 
 
 # -- wrappers ----------------------------------------------------------------------------------------
+def e4m3_bits(device: torch.device, writing: bool) -> bool:
+    """Whether the kernels treat an FP8 cache as bytes, converted with integer arithmetic, rather than as Triton's
+    e4m3 type: both ways on GPUs without e4m3 conversions (compute capability below 8.9: A100, A10, ...), and
+    for writes in Triton's interpreter (its fp32 -> e4m3 cast rounds ties away from zero and flushes
+    subnormals to zero; its e4m3 -> fp32 is exact). Either way the cache holds the same bytes."""
+    if not _e4m3_native(device):
+        return True
+    return writing and INTERPRETED
+
+
+def _fp8_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scale: torch.Tensor | None, bits: bool | None,
+              writing: bool, unused: torch.Tensor):
+    """(k_cache, v_cache, kv_scale, KV_FP8, E4M3_BITS) as a kernel takes them: an FP8 cache as its bytes (masked
+    loads fill bytes with 0; the kernels bitcast them to e4m3 or decode them); `unused` stands in for the scales
+    of a cache in the model's dtype."""
+    if k_cache.dtype != FP8:
+        return k_cache, v_cache, unused, False, False
+    assert kv_scale is not None, "an FP8 KV cache needs its [k_scale, v_scale]"
+    assert kv_scale.dtype == torch.float32 and kv_scale.shape == (2,) and kv_scale.stride(0) == 1, (
+        kv_scale.dtype, kv_scale.shape)
+    if bits is None:
+        bits = e4m3_bits(k_cache.device, writing)
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scale, True, bits
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] (-1: skip)."""
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None, bits: bool | None = None) -> None:
+    """k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] (-1: skip).
+    An FP8 (float8_e4m3fn) cache stores round(x / scale) saturated to +-448, with kv_scale = [k_scale, v_scale]
+    (float32, on the device). bits: encode e4m3 with integer arithmetic (None: where `e4m3_bits` says)."""
     t, h, d = k.shape
     assert v.shape == k.shape and slot_mapping.shape == (t,), (k.shape, v.shape, slot_mapping.shape)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (h, d), (k_cache.shape, k.shape)
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.dtype == v_cache.dtype and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert k.stride(2) == 1 and v.stride(2) == 1
     if t == 0:
         return
+    k_cache, v_cache, kv_scale, fp8, bits = _fp8_args(k_cache, v_cache, kv_scale, bits, True, k)
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, kv_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+        KV_FP8=fp8, E4M3_BITS=bits,
     )
 
 
@@ -224,6 +299,7 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     max_query_len: int, scale: float, launch: AttentionLaunch | None = None,
     out: torch.Tensor | None = None, mid: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scale: torch.Tensor | None = None, bits: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of query rows over each sequence's paged context.
 
@@ -233,13 +309,16 @@ def paged_attention(
     fixed set (kernel_buckets.choose_attention_launch); None: unsplit. Returns [T, Hq, D] in q's dtype.
     out, mid: preallocated output [T, Hq, D] and split partials ([T, Hq, S, D], [T, Hq, S] float32), so
     that nothing is allocated here (inside a CUDA graph); by default they are allocated.
+    An FP8 (float8_e4m3fn) cache holds K / k_scale and V / v_scale: kv_scale = [k_scale, v_scale] (float32, on
+    the device, read by the kernel: capturable). bits: decode e4m3 with integer arithmetic (None: where
+    `e4m3_bits` says).
     """
     t, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     b = seq_lens.shape[0]
     assert hq % hkv == 0, f"{hq} query heads are not a multiple of {hkv} KV heads"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == d, (k_cache.shape, q.shape)
-    assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8), (q.dtype, k_cache.dtype, v_cache.dtype)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     assert query_start_loc.shape == (b + 1,) and block_tables.shape[0] == b
     assert block_size & (block_size - 1) == 0, f"block size {block_size} is not a power of two"
@@ -268,9 +347,10 @@ def paged_attention(
         mid_o = mid_lse = out
     upcast = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
     tiles = triton.cdiv(max_query_len, tokens_per_tile)
+    k_cache, v_cache, kv_scale, fp8, bits = _fp8_args(k_cache, v_cache, kv_scale, bits, False, q)
     _paged_attention_kernel[(b, hkv, tiles * num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_lse,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, kv_scale,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -280,7 +360,7 @@ def paged_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, TOKENS_PER_TILE=tokens_per_tile,
         HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", KV_FP8=fp8, E4M3_BITS=bits,
         num_warps=4 if block_m * block_d <= 64 * 64 else 8, num_stages=2,
     )
     if num_splits > 1:

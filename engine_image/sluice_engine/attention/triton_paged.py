@@ -30,8 +30,9 @@ class TritonPagedAttention:
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 1)
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        tk.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 kv_scale: torch.Tensor | None = None) -> None:
+        tk.store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, kv_scale)
 
     def launch(self, meta: AttentionMetadata, group: int, num_kv_heads: int) -> AttentionLaunch:
         """The step's launch, chosen once per step (every layer has the same batch and heads)."""
@@ -45,7 +46,8 @@ class TritonPagedAttention:
             meta.per_step["triton_launch"] = launch
         return launch
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         hkv = kv_cache.shape[3]
         group = q.shape[1] // hkv
         ws = meta.workspace
@@ -55,9 +57,10 @@ class TritonPagedAttention:
             return tk.paged_attention(
                 q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 meta.max_query_len, scale, launch=launch, out=ws.out[:t], mid=(ws.mid_o[:t], ws.mid_lse[:t]),
+                kv_scale=kv_scale,
             )
         launch = self.launch(meta, group, hkv)
         return tk.paged_attention(
             q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale, launch=launch,
+            meta.max_query_len, scale, launch=launch, kv_scale=kv_scale,
         )

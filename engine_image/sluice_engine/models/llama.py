@@ -74,6 +74,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
+        # [k_scale, v_scale] of an FP8 KV cache (--kv-cache-dtype fp8): the cache holds K / k_scale and
+        # V / v_scale in e4m3. The checkpoint's k_scale/v_scale tensors when it has them (models/loader.py),
+        # else 1.0. float32 on the device, read by the kernels (no host sync: capturable). Unused by a cache in
+        # the model's dtype.
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.kv_scale_source = "default"  # "checkpoint" once the loader sets them
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -90,8 +96,8 @@ class Attention(nn.Module):
             q, k = self.ops.rotary(q, cos_sin), self.ops.rotary(k, cos_sin)
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.cache_idx]
-        self.backend.write_kv(cache, k, v, ctx.attn)
-        out = self.backend.attend(q, k, v, cache, ctx.attn, self.scale)
+        self.backend.write_kv(cache, k, v, ctx.attn, self.kv_scale)
+        out = self.backend.attend(q, k, v, cache, ctx.attn, self.scale, self.kv_scale)
         return tp_all_reduce(self.o_proj(out.reshape(t, self.q_size)))  # row-parallel: partial sums
 
 

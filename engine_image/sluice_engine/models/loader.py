@@ -32,6 +32,17 @@ log = logging.getLogger("sluice.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# KV-cache scales of FP8 checkpoints, used by --kv-cache-dtype fp8 (the cache holds K / k_scale, V / v_scale):
+# the name after "layers.N.self_attn." -> which of the layer's [k_scale, v_scale] it sets. The spellings in use:
+# llm-compressor's `self_attn.k_scale`, AutoFP8/ModelOpt/Quark's `k_proj.k_scale`, compressed-tensors' older
+# `k_proj.output_scale`, `attn.k_scale`, and one `kv_scale` for both. Loaded whatever --kv-cache-dtype says
+# (they are two floats per layer); only an FP8 cache reads them.
+_KV_SCALES = {
+    "k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1),
+    "k_proj.k_scale": (0,), "v_proj.v_scale": (1,),
+    "k_proj.output_scale": (0,), "v_proj.output_scale": (1,),
+    "attn.k_scale": (0,), "attn.v_scale": (1,),
+}
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -185,6 +196,8 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     filled: dict[str, int] = {}
     with torch.no_grad():
         for name, get in _checkpoint_tensors(files):
+            if _load_kv_scale(model, name, get):
+                continue
             for param_name, rows, take in _targets(model, name):
                 if quantized and (param_name.rsplit(".", 1)[0] in quantized
                                   or param_name.rsplit(".", 1)[-1] in AUX_TENSORS):
@@ -211,6 +224,29 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
             missing.append(pname)
     if missing:
         raise ValueError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _load_kv_scale(model: LlamaForCausalLM, name: str, get) -> bool:
+    """Whether checkpoint tensor `name` is a layer's KV-cache scale (_KV_SCALES); if so it is set in that
+    layer's attention (when this rank holds the layer). A scale must be one positive finite number."""
+    m = _LAYER.match(name.removeprefix("model."))
+    if m is None or not m.group(2).startswith("self_attn."):
+        return False
+    which = _KV_SCALES.get(m.group(2).removeprefix("self_attn."))
+    if which is None:
+        return False
+    sh, layer = model.shard, int(m.group(1))
+    if not sh.first_layer <= layer < sh.end_layer:
+        return True
+    value = get[:].to(torch.float32).reshape(-1)
+    if value.numel() != 1 or not (torch.isfinite(value).all() and (value > 0).all()):
+        raise ValueError(f"KV-cache scale {name}: want one positive finite number (a per-tensor scale), got "
+                         f"{value.numel()} value(s): {value[:4].tolist()}")
+    attn = model.layers[layer - sh.first_layer].self_attn
+    for i in which:
+        attn.kv_scale[i] = value[0]
+    attn.kv_scale_source = "checkpoint"
+    return True
 
 
 def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, SafetensorsSlice]]:

@@ -44,6 +44,27 @@ def _e4m3_bits_to_f32(b):
 
 
 @triton.jit
+def _f32_to_e4m3_bits(x):
+    """fp32 values already within +-448 -> their e4m3fn bytes (uint8), rounded to nearest, ties to even: the
+    bytes torch's `.to(torch.float8_e4m3fn)` gives. The inverse of `_e4m3_bits_to_f32`, for writers (the FP8
+    KV cache) on GPUs without e4m3 conversions, and in Triton's interpreter, whose own fp32 -> e4m3 cast rounds
+    ties away from zero and flushes subnormals. NaN is not preserved (callers saturate first).
+    Normal (|x| >= 2^-6): the fp32 bits rounded at mantissa bit 20 (adding 0x7FFFF plus the kept lowest bit
+    rounds ties to even; a carry moves into the exponent, as it should), then the exponent rebiased from 127 to
+    7. Subnormal: m * 2^-9 with m = round(|x| * 512) in 0..8 (8 is the byte of 2^-6, the smallest normal)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    y = (a.to(tl.float32, bitcast=True)) * 512.0  # exact: a power of two
+    m = y.to(tl.int32)  # y >= 0: truncation is floor
+    frac = y - m.to(tl.float32)
+    m = m + ((frac > 0.5) | ((frac == 0.5) & ((m & 1) == 1))).to(tl.int32)
+    mag = tl.where(a >= (121 << 23), normal, m)
+    return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr,
     M, N, K,
