@@ -497,7 +497,11 @@ def main() -> int:
                     help="also (not gated): llama-server -fa off vs llama-server (llama.cpp against itself), and "
                          "llama-server on the GGUF dequantized to F32 vs sluice fp32 (~4 min more)")
     ap.add_argument("--log-dir", type=Path, help="server logs (default: a temporary directory)")
+    ap.add_argument("--llama-kv", choices=("f16", "f32"), default="f16",
+                    help="llama-server's KV cache type (-ctk/-ctv; its default f16); f32 is what sluice keeps on "
+                         "CPU, so with f32 the two differ only in their matmuls and summation orders")
     args = ap.parse_args()
+    kv = () if args.llama_kv == "f16" else ("-ctk", args.llama_kv, "-ctv", args.llama_kv)
 
     from sluice_engine.bench.machine import cpu_name
     from sluice_engine.model_fetch import gguf_source, resolve_model
@@ -523,7 +527,7 @@ def main() -> int:
         return generate_all(prompts, lambda ids: sluice_generate(client, model, ids), label)
 
     with ExitStack() as stack:
-        llama = start_llama_server(args.bin_dir, gguf, log_dir)
+        llama = start_llama_server(args.bin_dir, gguf, log_dir, kv)
         stack.callback(llama.stop)
         sq = start_sluice("q4_1", log_dir)
         stack.callback(sq.stop)
@@ -580,7 +584,7 @@ def main() -> int:
             sf.stop()
 
         if args.noise_floor:
-            fa = start_llama_server(args.bin_dir, gguf, log_dir, ("-fa", "off"), "-fa-off")
+            fa = start_llama_server(args.bin_dir, gguf, log_dir, (*kv, "-fa", "off"), "-fa-off")
             stack.callback(fa.stop)
             report.commands["llama-server -fa off"] = shlex.join(fa.cmd)
             fa.wait_ready(300)
@@ -589,7 +593,7 @@ def main() -> int:
             fa.stop()
             if "sluice_fp32" in gens:
                 f32 = dequantized_gguf(args.bin_dir, gguf, log_dir / "dequantized-f32.gguf")
-                lf = start_llama_server(args.bin_dir, f32, log_dir, (), "-f32")
+                lf = start_llama_server(args.bin_dir, f32, log_dir, kv, "-f32")
                 stack.callback(lf.stop)
                 report.commands["llama-server F32"] = shlex.join(lf.cmd)
                 lf.wait_ready(300)
