@@ -33,11 +33,12 @@
 //     and one vcvtph2ps makes 16 floats. Weights and scales in separate runs keep every weight vector on
 //     a 64-byte line.
 // The micro-kernel holds up to 4 rows of x x 2 groups (32 outputs): per block, int32 accumulators start
-// from the format's integer correction, take 8 (Q4) or 8 (Q8) vpdpbusd per row and group, and are then
-// scaled into float accumulators that run over K; each weight vector loaded and unpacked serves every
-// row of the tile. Threads take whole output groups; with many rows, x is quantized in chunks of rows
-// (in parallel) so a chunk of quantized x stays in L2 while a tile's weights (2 groups x K: 11 KB at
-// K = 576 in Q4_1) stay in L1 across the chunk's row tiles.
+// from the format's integer correction, take 8 vpdpbusd per row and group (4 vectors' low and high
+// nibbles, or Q8_0's 8 vectors), and are then scaled into float accumulators that run over K; each
+// weight vector loaded and unpacked serves every row of the tile. Threads take whole output groups;
+// with many rows, x is quantized in chunks of rows (in parallel) so a chunk of quantized x stays in L2
+// while a tile's weights (2 groups x K: 11 KB at K = 576 in Q4_1) stay in L1 across the chunk's row
+// tiles.
 //
 // Three implementations of the same layout and the same integer sums: AVX-512 VNNI (above), AVX2
 // (vpmaddubsw, which sums byte pairs into saturating int16: safe for nibbles, 8 of them summed in int16
