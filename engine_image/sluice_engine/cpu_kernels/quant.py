@@ -28,7 +28,8 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
 def dequantize_rows(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[..., K/32 * bytes] uint8 -> [..., K] fp32, in torch: the embedding's few rows per step."""
+    """[..., K/32 * bytes] uint8 -> [..., K] fp32, in torch, from GGUF-layout blocks (the loader's checks;
+    layers dequantize from their packed layout in C++: QuantLinear.rows)."""
     lead = blocks.shape[:-1]
     b = blocks.reshape(-1, BLOCK_BYTES[fmt])
     d = b[:, :2].contiguous().view(torch.float16).float()
