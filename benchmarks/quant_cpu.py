@@ -115,9 +115,11 @@ def main() -> None:
     if a.kernels:
         import torch
 
+        from sluice_engine import cpu_kernels
         from sluice_engine.bench.machine import cpu_name
 
-        print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
+        isa = {2: "AVX-512 VNNI", 1: "AVX2", 0: "plain loops"}[cpu_kernels.load().sluice_quant_isa()]
+        print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}, quant kernel path: {isa}")
         kernels([1, 4, 8, 9, 16, 64, 512])
         return
     if a.one:

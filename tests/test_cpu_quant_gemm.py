@@ -1,9 +1,13 @@
-"""The C++ GEMM over GGUF block-quantized weights (cpu_kernels/quant_gemm.cpp, cpu_kernels/quant.py)
-against dequantize-then-F.linear, with the gguf package's quantize/dequantize as the reference of
-each format; both the build for this CPU and the portable (plain loops) build."""
+"""The C++ GEMM over GGUF block-quantized weights (cpu_kernels/quant_gemm.cpp, cpu_kernels/quant.py): x
+quantized to 8 bits per block of 32 as GGUF's Q8_0/Q8_1 define it, integer dot products per block, over
+weights repacked into the kernel's interleaved layout. Checked against a torch reference built from the
+gguf package's own quantize/dequantize of the weights and the same activation quantization written out
+here; on the build for this CPU, the portable (plain loops) build and an AVX2 build."""
 
 import ctypes
+import platform
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +16,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, dequantize, quantize
 
 from sluice_engine import cpu_kernels
-from sluice_engine.cpu_kernels.quant import QuantLinear, dequantize_rows, quantize_weight
+from sluice_engine.cpu_kernels.quant import (
+    FORMAT_CODE,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize_rows,
+    quantize_weight,
+)
 
 FORMATS = ["q8_0", "q4_0", "q4_1"]
 
@@ -25,16 +35,38 @@ def lib():
     return lib
 
 
-@pytest.fixture(scope="module")
-def portable_lib(tmp_path_factory):
-    """The same sources without -march=native: the plain-loop paths every other CPU runs."""
+def _build(tmp_path_factory, name: str, extra: list[str]) -> ctypes.CDLL:
     compiler = cpu_kernels._compiler()
     if compiler is None:
         pytest.fail("no C++ compiler")
-    out = tmp_path_factory.mktemp("portable") / "kernels.so"
-    subprocess.run([compiler, *cpu_kernels.PORTABLE_FLAGS, *map(str, cpu_kernels.SOURCES), "-o", str(out)],
+    out = tmp_path_factory.mktemp(name) / "kernels.so"
+    subprocess.run([compiler, *cpu_kernels.PORTABLE_FLAGS, *extra, *map(str, cpu_kernels.SOURCES), "-o", str(out)],
                    check=True, capture_output=True)
     return cpu_kernels._bind(ctypes.CDLL(str(out)))
+
+
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    """The same sources without -march=native: the plain-loop paths every other CPU runs."""
+    lib = _build(tmp_path_factory, "portable", [])
+    assert lib.sluice_quant_isa() == 0
+    return lib
+
+
+@pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory):
+    """The AVX2 path (what an AVX2-only CPU such as an AMD EPYC of the Zen 2/3 kind runs), where this CPU runs it."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if platform.machine() not in ("x86_64", "AMD64") or not all(f in flags.split() for f in ("avx2", "fma", "f16c")):
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    lib = _build(tmp_path_factory, "avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert lib.sluice_quant_isa() == 1
+    return lib
+
+
+@pytest.fixture(scope="module", params=["native", "portable", "avx2"])
+def any_lib(request):
+    return request.getfixturevalue({"native": "lib", "portable": "portable_lib", "avx2": "avx2_lib"}[request.param])
 
 
 def reference(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -43,15 +75,66 @@ def reference(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(dequantize(blocks.numpy(), qtype)))
 
 
-def check(layer: QuantLinear, x: torch.Tensor, w: torch.Tensor) -> None:
-    # Tolerance: the kernel and F.linear add the same K products in different orders, so they differ by
-    # float rounding, which grows with the sum of |products|: 1e-5 of it per output (K <= 1536 terms at
-    # 2^-24 each is <= 1e-4 in the worst case; observed below 2e-6).
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] per row and block of 32 as GGUF's Q8_0/Q8_1 (llama.cpp's reference quantizer): d = max|x| / 127
+    in float32, q = round-half-even(x * (1 / d)) (0 where d == 0), stored d = fp16(d), s = fp16(d * sum q) with
+    the unrounded d. Returns q [M, K/32, 32] (float, integral), d and s [M, K/32], as floats."""
+    b = x.float().reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None])
+    return q, d.half().float(), (d * q.sum(-1)).half().float()
+
+
+def weight_parts(blocks: torch.Tensor, fmt: str, k: int):
+    """The integer weights and the scales of the GGUF blocks: q [N, K/32, 32] (Q8_0 signed, 4-bit the raw
+    nibble 0..15), d and m [N, K/32] (m zero but for Q4_1)."""
+    b = blocks.numpy().reshape(blocks.shape[0], k // 32, -1)
+    d = torch.from_numpy(b[..., :2].copy().view(np.float16)[..., 0].astype(np.float64))
+    m = torch.zeros_like(d)
+    if fmt == "q8_0":
+        q = torch.from_numpy(b[..., 2:].copy().view(np.int8).astype(np.float64))
+    else:
+        nib = torch.from_numpy(b[..., -16:].astype(np.int64))
+        q = torch.cat([nib & 0x0F, nib >> 4], -1).double()
+        if fmt == "q4_1":
+            m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+    return q, d, m
+
+
+def reference_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel computes, in float64 from the integer parts, per block: Q8_0 d_w d_x isum, Q4_0
+    d_w d_x (isum - 8 sum q_x), Q4_1 d_w d_x isum + m_w s_x, with the s the kernel uses; summed over the
+    blocks. Returns it [M, N] and the sum of the blocks' |terms| (what float rounding scales with)."""
+    q, d, s = quantize_x(x)
+    wq, dw, mw = weight_parts(blocks, fmt, x.shape[1])
+    isum = torch.einsum("mbk,nbk->mnb", q.double(), wq)
+    if fmt == "q4_0":
+        isum = isum - 8 * q.double().sum(-1)[:, None, :]
+    terms = isum * dw[None] * d.double()[:, None]  # [M, N, K/32]
+    scale = terms.abs().sum(-1)
+    if fmt == "q4_1":
+        m_terms = mw[None] * s.double()[:, None]
+        terms, scale = terms + m_terms, scale + m_terms.abs().sum(-1)
+    return terms.sum(-1), scale
+
+
+def check(layer: QuantLinear, x: torch.Tensor, blocks: torch.Tensor) -> float:
+    # Tolerance: the integer sums are exact, so the kernel and the float64 reference differ only by float
+    # rounding: d_w * d_x (1 rounding), that times isum (1), the m_w s_x term (1), and K/32 <= 48 block
+    # results added in float (<= 48): <= ~51 roundings of 2^-24 relative to the sum of the blocks' |terms|,
+    # ~3e-6 of it; 1e-5 of it per output leaves a margin (observed up to 2.8e-7, on every build).
     y = layer(x)
-    ref = F.linear(x, w)
-    bound = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+    ref, scale = reference_gemm(x, blocks, layer.fmt)
     assert y.shape == ref.shape
-    assert ((y - ref).abs() <= bound).all(), f"max error {(y - ref).abs().max().item()}"
+    err = (y.double() - ref).abs()
+    assert (err <= 1e-5 * scale + 1e-30).all(), f"max error {err.max().item()}, relative {(err / scale).max().item()}"
+    return (err / scale.clamp_min(1e-30)).max().item()
+
+
+def random_blocks(g: torch.Generator, n: int, k: int, fmt: str) -> torch.Tensor:
+    w = torch.randn(n, k, generator=g) * 0.1 + 0.02
+    return torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[fmt.upper()]))
 
 
 def test_dequantize_rows_matches_gguf():
@@ -62,24 +145,84 @@ def test_dequantize_rows_matches_gguf():
         assert torch.equal(dequantize_rows(blocks, fmt), reference(blocks, fmt))
 
 
-# Rows: 1 and 3 (the decode path), 17 and 64 (the prefill path); K: one block and the model's widths
-# (576 hidden, 1536 intermediate); N: ragged against the 2-row pairs, the 16-row ranges and 32-wide panels.
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
-@pytest.mark.parametrize("k,n", [(32, 5), (576, 193), (1536, 577), (96, 33)])
-def test_quant_gemm_matches_dequantized_f_linear(lib, fmt, m, k, n):
+@pytest.mark.parametrize("n", [1, 16, 33, 100])
+def test_packed_layout_unpacks_to_gguf_weights(any_lib, fmt, n):
+    """The repacked weights dequantize (C++, from the packed layout) to exactly gguf's dequantize of the
+    blocks, every row and any gather of rows (the tied embedding's path); the parameter is the packed
+    bytes only: as many as the blocks, plus the padding of a ragged last group of 16 rows."""
+    g = torch.Generator().manual_seed(n)
+    blocks = random_blocks(g, n, 96, fmt)
+    layer = QuantLinear(blocks, fmt, 96, None, any_lib)
+    w = reference(blocks, fmt)
+    assert torch.equal(layer.dequantized_weight(), w)
+    ids = torch.randint(0, n, (2, 3), generator=g)
+    assert torch.equal(QuantEmbedding(layer)(ids), w[ids])
+    assert [name for name, _ in layer.named_parameters()] == ["packed"]
+    assert layer.packed.dtype == torch.uint8
+    assert layer.packed.numel() == -(-n // 16) * 16 * blocks.shape[1]
+    with pytest.raises(IndexError):
+        layer.rows(torch.tensor([n]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_activation_quantization_matches_reference(any_lib, fmt):
+    """The kernel's int8 activations, bit for bit the reference's: magnitudes whose d is a normal, a
+    subnormal or a zero fp16, an all-zero block, and exact ties (x * (1/d) = k + 1/2: to even)."""
+    g = torch.Generator().manual_seed(3)
+    scales = torch.tensor([1e-9, 1e-7, 1e-5, 1e-3, 0.05, 1.0, 30.0, 1e4, 0.0])
+    x = torch.randn(5, scales.numel(), 32, generator=g) * scales[None, :, None]
+    ties = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5] * 4)  # d = 1: q = round(x)
+    x = torch.cat([x.reshape(5, -1), ties.expand(5, 32)], 1).contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32)
+    aux = torch.empty(m, k // 32, dtype=torch.int32)
+    any_lib.sluice_quant_activations(FORMAT_CODE[fmt], x.data_ptr(), k, m, k, q.data_ptr(), d.data_ptr(),
+                                     aux.data_ptr())
+    rq, rd, rs = quantize_x(x)
+    assert torch.equal(q.float(), rq.reshape(m, k))
+    assert torch.equal(d, rd)
+    assert (rd[:, :2] == 0).all() and (rq[:, :2] != 0).any()  # d below fp16's range: stored 0, q as computed
+    assert ((rd[:, 2:4] > 0) & (rd[:, 2:4] < 6.1e-5)).all()  # d a subnormal fp16
+    assert (rd[:, 8] == 0).all() and (rq[:, 8] == 0).all()  # an all-zero block
+    if fmt == "q4_1":
+        assert torch.equal(aux.view(torch.float32), rs)
+    else:
+        assert torch.equal(aux, (-8 if fmt == "q4_0" else -128) * rq.sum(-1).int())
+
+
+# Rows: the decode sizes (1..8: 1, 2, 3 and 5 rows leave ragged 4-row tiles), 9+ the prefill path (33 and
+# 130 ragged; 130 > the tile and, at K = 1536, two chunks of x); K: one block, two, and the model's widths
+# (576 hidden, 1536 intermediate); N: ragged against the 16-row groups and the 2-group tiles.
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 33, 64, 130])
+@pytest.mark.parametrize("k,n", [(32, 40), (64, 33), (576, 100), (1536, 33)])
+def test_quant_gemm_matches_reference(any_lib, fmt, m, k, n):
     g = torch.Generator().manual_seed(m * 7919 + k + n)
-    blocks = torch.from_numpy(quantize(torch.randn(n, k, generator=g).numpy(), GGMLQuantizationType[fmt.upper()]))
-    layer = QuantLinear(blocks, fmt, k, None, lib)
-    check(layer, torch.randn(m, k, generator=g), reference(blocks, fmt))
+    blocks = random_blocks(g, n, k, fmt)
+    check(QuantLinear(blocks, fmt, k, None, any_lib), torch.randn(m, k, generator=g), blocks)
+
+
+def test_big_prefill_chunks(lib):
+    """Rows past one chunk of quantized x (~256 KB: 455 rows at K = 576), unevenly split."""
+    g = torch.Generator().manual_seed(5)
+    blocks = random_blocks(g, 70, 576, "q4_1")
+    check(QuantLinear(blocks, "q4_1", 576, None, lib), torch.randn(1001, 576, generator=g), blocks)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 17])
-def test_portable_build_matches(portable_lib, fmt, m):
-    g = torch.Generator().manual_seed(m)
-    blocks = quantize_weight(torch.randn(45, 576, generator=g), fmt)
-    check(QuantLinear(blocks, fmt, 576, None, portable_lib), torch.randn(m, 576, generator=g), reference(blocks, fmt))
+def test_int8_activations_close_to_fp32(lib, fmt):
+    """int8 activations are sane: against F.linear of the same (dequantized) weights and the unquantized
+    x, each output is within 2% of sum |x| |w| (x's rounding is at most d / 2 = max|x| / 254 per element,
+    ~1% of a Gaussian block's mean |x| at worst; observed up to 0.7% at K = 32..64, less at larger K)."""
+    g = torch.Generator().manual_seed(4)
+    for k in (64, 576):
+        blocks = random_blocks(g, 50, k, fmt)
+        w = reference(blocks, fmt)
+        x = torch.randn(9, k, generator=g)
+        y = QuantLinear(blocks, fmt, k, None, lib)(x)
+        assert ((y - F.linear(x, w)).abs() <= 0.02 * (x.abs() @ w.abs().t())).all()
 
 
 def test_bias_strided_rows_leading_dims_empty(lib):
@@ -87,10 +230,13 @@ def test_bias_strided_rows_leading_dims_empty(lib):
     blocks = quantize_weight(torch.randn(70, 64, generator=g), "q4_1")
     bias = torch.randn(70, generator=g)
     layer = QuantLinear(blocks, "q4_1", 64, bias, lib)
-    w = reference(blocks, "q4_1")
     wide = torch.randn(2, 5, 80, generator=g)
     x = wide[..., 8:72]  # rows 80 apart, read in place
-    torch.testing.assert_close(layer(x), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+    ref, scale = reference_gemm(x.reshape(10, 64), blocks, "q4_1")
+    y = layer(x)
+    assert y.shape == (2, 5, 70)
+    # as check(), plus the bias add's rounding
+    assert ((y.reshape(10, 70).double() - (ref + bias.double())).abs() <= 1e-5 * (scale + bias.abs())).all()
     assert layer(torch.empty(0, 64)).shape == (0, 70)
 
 
@@ -109,9 +255,10 @@ def bundled_gguf(model_dir):
     return gguf_source(None)  # the Q4_1 file the fp32 model was converted from (fetched once if need be)
 
 
-def test_gguf_blocks_are_the_converted_weights(model_dir, bundled_gguf):
+def test_gguf_blocks_are_the_converted_weights(lib, model_dir, bundled_gguf):
     """Blocks read from the GGUF, rows un-permuted, dequantize to exactly the fp32 weights transformers
-    converted from the same file: the loader's names, row order and layout are right."""
+    converted from the same file: the loader's names, row order and layout are right. So do the layers
+    built from them (repacked), and the tied embedding gathers exactly the table's rows."""
     from safetensors import safe_open
 
     from sluice_engine.models.quant_loader import GGUFBlocks
@@ -127,8 +274,15 @@ def test_gguf_blocks_are_the_converted_weights(model_dir, bundled_gguf):
         for name, hf_name, heads in cases:
             fmt = gguf.format(name)
             assert fmt == ("q8_0" if name == "token_embd.weight" else "q4_1")
-            w = dequantize_rows(torch.from_numpy(np.array(gguf.rows(name, heads))), fmt)
+            blocks = torch.from_numpy(np.array(gguf.rows(name, heads)))
+            w = dequantize_rows(blocks, fmt)
             assert torch.equal(w, st.get_tensor(hf_name)), name
+            layer = QuantLinear(blocks, fmt, w.shape[1], None, lib)
+            if name == "token_embd.weight":
+                ids = torch.tensor([[0, 1, 2, 49151], [17, 4000, 31337, 5]])
+                assert torch.equal(QuantEmbedding(layer)(ids), w[ids])
+            else:
+                assert torch.equal(layer.dequantized_weight(), w), name
 
 
 def test_quantization_flag_refusals():
@@ -148,13 +302,24 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
 
 def test_bundled_model_served_q4_1_matches_fp32(model_dir, bundled_gguf):
     """LLM with --quantization q4_1 (the GGUF's Q4_1 layers and Q8_0 tied output layer, never
-    dequantized) against the default fp32 model (the same weights, dequantized at conversion): same
-    weights, different summation order, so greedy tokens should agree but for near-ties."""
+    dequantized) against the default fp32 model (the same weights, dequantized at conversion). The
+    weights are the same, but the q4_1 kernels round each activation block to 8 bits (as llama.cpp does),
+    which moves this small model's per-token log-probabilities by up to ~0.15 nats (measured, printed).
+    Rounding to a grid is also discontinuous: the kernel against its own float64 emulation (same int8
+    activations, sums in another order) moved them as much, so no two implementations agree closer
+    than that. Greedy sequences therefore split where the distribution is flat (observed: 2/5 prompts
+    identical for 24 tokens, the others splitting at tokens 5, 10, 10, where fp32 had the two
+    candidates 0.22, 0.02 and 0.10 nats apart). What is checked: (1) where the sequences agree (every
+    token before the first differing one), each token's log-probability within TOL = 0.3 nats (twice the
+    worst seen, for other CPUs' paths and summation orders); (2) where they split, the q4_1 choice is a near-tie under fp32: among its top 5,
+    within 2 TOL of fp32's own choice (if each token's log-probability moves by <= TOL, a split needs the
+    two candidates within 2 TOL); (3) every prompt agrees on at least its first token."""
     from sluice_engine.cpu_kernels.quant import QuantEmbedding
     from sluice_engine.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    tol = 0.3  # TOL
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
     fp32 = LLM(device="cpu", kv_cache_memory=64 << 20)
     expected = fp32.generate(PROMPTS, params)
     del fp32
@@ -164,12 +329,20 @@ def test_bundled_model_served_q4_1_matches_fp32(model_dir, bundled_gguf):
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no fp32 matrix left
     got = q.generate(PROMPTS, params)
-    same = [a.token_ids == b.token_ids for a, b in zip(expected, got, strict=True)]
-    print(f"greedy agreement q4_1 vs fp32: {sum(same)}/{len(same)} prompts")
-    assert sum(same) >= len(same) - 1
-    # Where the sequences agree, each token's log-probability agrees to float rounding.
-    for a, b, s in zip(expected, got, same, strict=True):
-        if s:
-            lp_a = torch.tensor([lp[0] for lp in a.logprobs])
-            lp_b = torch.tensor([lp[0] for lp in b.logprobs])
-            torch.testing.assert_close(lp_b, lp_a, atol=1e-3, rtol=0)
+    worst, agreed, splits = 0.0, [], []
+    for a, b in zip(expected, got, strict=True):
+        pairs = zip(a.token_ids, b.token_ids, strict=False)
+        n = next((i for i, (s, t) in enumerate(pairs) if s != t), len(a.token_ids))
+        agreed.append(n)
+        if n:
+            lp_a = torch.tensor([lp[0] for lp in a.logprobs[:n]])
+            lp_b = torch.tensor([lp[0] for lp in b.logprobs[:n]])
+            worst = max(worst, (lp_a - lp_b).abs().max().item())
+        if n < len(a.token_ids):
+            top = dict(a.logprobs[n][1])  # fp32's top 5 at the split
+            splits.append(a.logprobs[n][0] - top.get(b.token_ids[n], float("-inf")))
+    print(f"greedy agreement q4_1 vs fp32: {agreed.count(24)}/{len(agreed)} prompts identical, agreeing prefixes "
+          f"{agreed} tokens; max |logprob q4_1 - fp32| there {worst:.4f}; fp32's margin at the splits {splits}")
+    assert worst <= tol
+    assert all(margin <= 2 * tol for margin in splits)
+    assert min(agreed) >= 1

@@ -30,6 +30,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Where the compiler does not know -march=native for this CPU: the same without it (slower, still right).
 PORTABLE_FLAGS = [f for f in FLAGS if f != "-march=native"]
 ABI_VERSION = 2  # of paged_attention.cpp's entry points
+QUANT_ABI_VERSION = 2  # of quant_gemm.cpp's: its packed weight layout and int8 activations
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -102,6 +103,8 @@ def load() -> ctypes.CDLL | None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if lib.sluice_paged_attention_abi_version() != ABI_VERSION:
         raise RuntimeError("stale kernel library (ABI version mismatch)")
+    if not hasattr(lib, "sluice_quant_abi_version") or lib.sluice_quant_abi_version() != QUANT_ABI_VERSION:
+        raise RuntimeError("stale kernel library (quant ABI version mismatch)")
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     for name in ("sluice_paged_attention_f32", "sluice_paged_attention_bf16"):
         fn = getattr(lib, name)
@@ -113,7 +116,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sluice_quant_gemm_f32.argtypes = [i32, p, i64, p, i32, i32, i32, p, i64, i32]
     lib.sluice_quant_gemm_f32.restype = None
     lib.sluice_quant_block_bytes.argtypes, lib.sluice_quant_block_bytes.restype = [i32], i32
-    for name in ("sluice_gemm_available", "sluice_gemm_panel_width"):
+    lib.sluice_quant_packed_bytes.argtypes, lib.sluice_quant_packed_bytes.restype = [i32, i32, i32], i64
+    lib.sluice_quant_repack.argtypes, lib.sluice_quant_repack.restype = [i32, p, i32, i32, p], None
+    lib.sluice_quant_unpack_rows.argtypes = [i32, p, i32, i32, p, i32, p, i64]
+    lib.sluice_quant_unpack_rows.restype = None
+    lib.sluice_quant_activations.argtypes = [i32, p, i64, i32, i32, p, p, p]
+    lib.sluice_quant_activations.restype = None
+    for name in ("sluice_gemm_available", "sluice_gemm_panel_width", "sluice_quant_abi_version", "sluice_quant_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     _bind_layer_ops(lib)
     return lib

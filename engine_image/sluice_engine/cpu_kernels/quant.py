@@ -1,8 +1,10 @@
 """Linear layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1) on CPU, multiplied by
 cpu_kernels/quant_gemm.cpp, and the per-layer choice between them and the fp32 PackedLinear.
 
-The weight of a layer is a uint8 tensor [N, K / 32 * block bytes]: row n is output n's K weights as
-GGUF blocks, byte for byte as a GGUF file stores them (so a GGUF's tensors load without dequantizing).
+A layer is built from a uint8 tensor [N, K / 32 * block bytes]: row n is output n's K weights as GGUF
+blocks, byte for byte as a GGUF file stores them (so a GGUF's tensors load without dequantizing), and
+holds them repacked once into the kernel's interleaved layout (quant_gemm.cpp explains it). The kernel
+quantizes activations to 8 bits per block of 32 (as llama.cpp does) and takes integer dot products.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from ..quantization import CPU_FORMATS
 log = logging.getLogger("sluice.engine")
 
 BLOCK = 32  # weights per block in all three formats
+GROUP = 16  # output rows per group of the kernel's packed layout
 # The kernel's format codes (quant_gemm.cpp `Format`) and each format's bytes per block.
 FORMAT_CODE = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
 def dequantize_rows(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[..., K/32 * bytes] uint8 -> [..., K] fp32, in torch: the embedding's few rows per step."""
+    """[..., K/32 * bytes] uint8 -> [..., K] fp32, in torch, from GGUF-layout blocks (the loader's checks;
+    layers dequantize from their packed layout in C++: QuantLinear.rows)."""
     lead = blocks.shape[:-1]
     b = blocks.reshape(-1, BLOCK_BYTES[fmt])
     d = b[:, :2].contiguous().view(torch.float16).float()
@@ -51,7 +55,10 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b), W as GGUF blocks of format `fmt`."""
+    """y = x W^T (+ b), W given as GGUF blocks of format `fmt` ([N, K/32 * block bytes], byte for byte as
+    a GGUF file stores them) and held repacked for the kernel (quant_gemm.cpp's layout: 16 output rows
+    interleaved per group, fp16 scales apart; as many bytes as the blocks, plus a ragged last group's
+    padding). `packed` is the layer's only weight tensor; the blocks are not kept."""
 
     def __init__(self, blocks: torch.Tensor, fmt: str, in_features: int, bias: torch.Tensor | None, lib):
         super().__init__()
@@ -62,9 +69,16 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{fmt} weight of {in_features} inputs must be uint8 [N, {row_bytes}], "
                              f"got {blocks.dtype} {tuple(blocks.shape)}")
         self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
-        self.blocks = nn.Parameter(blocks.contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self._code = FORMAT_CODE[fmt]
+        self._lib = lib
+        n, k = self.out_features, in_features
+        groups = -(-n // GROUP)
+        packed = torch.empty(groups, lib.sluice_quant_packed_bytes(self._code, n, k) // max(groups, 1),
+                             dtype=torch.uint8)
+        blocks = blocks.contiguous()
+        lib.sluice_quant_repack(self._code, blocks.data_ptr(), n, k, packed.data_ptr())
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self._gemm = lib.sluice_quant_gemm_f32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,14 +90,27 @@ class QuantLinear(nn.Module):
         m = rows.shape[0]
         y = torch.empty(m, self.out_features, dtype=x.dtype)
         if m:
-            self._gemm(self._code, rows.data_ptr(), rows.stride(0), self.blocks.data_ptr(), m, self.in_features,
+            self._gemm(self._code, rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), m, self.in_features,
                        self.out_features, y.data_ptr(), self.out_features, torch.get_num_threads())
         if self.bias is not None:
             y += self.bias
         return y.view(*lead, self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of W as fp32, [*ids.shape, K], dequantized from the packed layout
+        exactly as the GGUF format defines them."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features})")
+        out = torch.empty(flat.numel(), self.in_features)
+        if flat.numel():
+            self._lib.sluice_quant_unpack_rows(self._code, self.packed.data_ptr(), self.out_features,
+                                               self.in_features, flat.data_ptr(), flat.numel(), out.data_ptr(),
+                                               self.in_features)
+        return out.view(*ids.shape, self.in_features)
+
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_rows(self.blocks, self.fmt)
+        return self.rows(torch.arange(self.out_features))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
@@ -91,14 +118,14 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """The input embedding of a tied model whose output layer is a QuantLinear: each id's row is
-    dequantized from the output layer's blocks, so the table is held once, quantized."""
+    dequantized from the output layer's packed weights, so the table is held once, quantized."""
 
     def __init__(self, head: QuantLinear):
         super().__init__()
         self.head = head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_rows(self.head.blocks[ids], self.head.fmt)
+        return self.head.rows(ids)
 
 
 # -- the per-layer quant method (vLLM's quant_method): what a linear layer becomes on load ------------

@@ -1,44 +1,104 @@
-// y[M, N] = x[M, K] . W^T with W kept in a GGUF block format, row n of W being K/32 blocks of 32 weights:
+// y[M, N] = x[M, K] . W^T with W held in a GGUF block format, and x quantized to 8 bits per block of
+// 32 inside the call, so that each block's dot product is an integer one (what llama.cpp does: its
+// numerics, and 4x the multiply-adds per instruction of fp32 FMAs).
+//
+// Weight formats (GGUF; a row of W is K/32 blocks of 32 weights):
 //   Q8_0: fp16 d, 32 int8 q               (34 bytes)  w = q * d
 //   Q4_0: fp16 d, 16 bytes of nibbles     (18 bytes)  w = (q - 8) * d
 //   Q4_1: fp16 d, fp16 m, 16 bytes        (20 bytes)  w = q * d + m
 // where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one.
-// Why: a decode step is these matmuls at a few rows, and reading the weights from memory is its cost;
-// 4-bit blocks are 5-6x fewer bytes than fp32 (what the engine held before, dequantized at load).
 //
-// Two paths:
-// - decode (M <= kDecodeRows): each thread takes a range of output rows n; a block is widened to 32
-//   floats in registers and multiplies every row of x (which stays in L1), so each weight byte is read
-//   from memory once per call and never written out as floats.
-// - prefill (more rows): the same tiles, 8 rows of x at a time, over a range of 16 output rows whose
-//   blocks stay in L1 (below). Tried first and dropped: dequantizing a 32-column panel into gemm.cpp's
-//   packed fp32 layout and running its tiles; the strided stores cost more than the tiles saved (5-7x
-//   slower than this at 9-16 rows, 1.1x at 512; docs/BENCHMARKS.md).
-// AVX-512 intrinsics for the decode path where the compiler targets it; elsewhere plain loops (which
-// -O3 -march=native vectorizes for AVX2/NEON) that compute the same sums. Sums run in a different
-// order from F.linear's: results differ by float rounding.
+// Activations (per row, per block of 32, GGUF's Q8_0/Q8_1 as llama.cpp's reference quantizer makes them):
+//   d = max|x| / 127, q = round-half-even(x * (1/d)) (0 where d == 0), stored d = fp16(d),
+//   s = fp16(d * sum q) (Q8_1's s field, used with Q4_1 weights); d and s unrounded are float32.
+// Per block the dot product is then (isum = sum of the 32 integer products, exact in int32):
+//   Q8_0: d_w d_x isum(q_w, q_x)
+//   Q4_0: d_w d_x (isum(q_w, q_x) - 8 sum q_x)         q_w the raw nibble 0..15
+//   Q4_1: d_w d_x isum(q_w, q_x) + m_w s_x
+// and the blocks' float results are added over K in float.
+//
+// Packed weight layout (sluice_quant_repack, once at load; built for AVX-512 VNNI's vpdpbusd, which
+// multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products into each int32 lane):
+//   16 output rows per group (a ragged last group zero-padded); per group, first every block's weights,
+//   then every block's scales: [group][block][weights] then [group][block][scales].
+//   - 4-bit: a group-block's weights are 4 vectors of 64 bytes; byte 4 r + t of vector v is byte 4 v + t
+//     of output row r's GGUF nibbles, so its low nibble is weight k = 4 v + t and its high nibble weight
+//     k = 16 + 4 v + t. Masking the low nibbles of vector v gives 16 rows x 4 k as unsigned bytes, and one
+//     vpdpbusd with x's bytes 4v..4v+3 broadcast to every lane adds 16 outputs x 4 products; the high
+//     nibbles (shift, mask) go with x's bytes 16+4v..16+4v+3. 256 bytes per group-block.
+//   - Q8_0: 8 vectors of 64 bytes, vector v = k 4v..4v+3, stored q + 128 (vpdpbusd needs one unsigned
+//     operand); the block's integer sum then has 128 sum q_x too much, taken off in int32. 512 bytes.
+//   - Scales: the 16 rows' d (then for Q4_1 their 16 m) as fp16, 32 (64) bytes per group-block: half the
+//     bytes of fp32 (a decode step is reading the weights: 20 bytes per 32 Q4_1 weights, as in the GGUF),
+//     and one vcvtph2ps makes 16 floats. Weights and scales in separate runs keep every weight vector on
+//     a 64-byte line.
+// The micro-kernel holds up to 4 rows of x x 2 groups (32 outputs): per block, int32 accumulators start
+// from the format's integer correction, take 8 vpdpbusd per row and group (4 vectors' low and high
+// nibbles, or Q8_0's 8 vectors), and are then scaled into float accumulators that run over K; each
+// weight vector loaded and unpacked serves every row of the tile. Threads take whole output groups;
+// with many rows, x is quantized in chunks of rows (in parallel) so a chunk of quantized x stays in L2
+// while a tile's weights (2 groups x K: 11 KB at K = 576 in Q4_1) stay in L1 across the chunk's row
+// tiles.
+//
+// Three implementations of the same layout and the same integer sums: AVX-512 VNNI (above), AVX2
+// (vpmaddubsw, which sums byte pairs into saturating int16: safe for nibbles, 8 of them summed in int16
+// stay under 32767; Q8_0 uses |w| x sign(x, w), as +128 would saturate), and plain loops everywhere else
+// (the build without -march=native). The integer sums are identical; the float scaling and the adds over
+// K differ by rounding only (FMA or not).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define SLUICE_QUANT_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__F16C__)
+#define SLUICE_QUANT_AVX2 1
+#include <immintrin.h>
+#elif defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 enum Format { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-constexpr int kBlock = 32;
-constexpr int kDecodeRows = 8;
-constexpr int64_t kChunkBytes = 512 << 10;  // rows of x per pass over the weights in the prefill path (as gemm.cpp)
+constexpr int kBlock = 32;  // weights per block, all formats
+constexpr int kGroup = 16;  // output rows per packed group: the 16 int32 lanes of a 512-bit vector
+constexpr int kDecodeRows = 8;  // up to this many rows, x is quantized by the calling thread alone
+constexpr int64_t kChunkBytes = 256 << 10;  // quantized x per pass over the weights (kept in L2)
 
-constexpr int block_bytes(int fmt) { return fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20; }
+#if defined(SLUICE_QUANT_AVX512)
+constexpr int kMR = 4, kNG = 2;  // tile: rows of x x groups of 16 outputs
+constexpr int kIsa = 2;
+#elif defined(SLUICE_QUANT_AVX2)
+constexpr int kMR = 4, kNG = 1;  // 16 ymm registers: 4 rows x 16 outputs (two halves of 8)
+constexpr int kIsa = 1;
+#else
+constexpr int kMR = 4, kNG = 1;
+constexpr int kIsa = 0;
+#endif
 
-// IEEE half -> float by bit manipulation: right on every CPU, no F16C needed.
-inline float half_to_float(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
+constexpr int gguf_block_bytes(int fmt) { return fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20; }
+constexpr int qs_bytes(int fmt) { return fmt == kQ8_0 ? kGroup * kBlock : kGroup * kBlock / 2; }  // a group-block's weights
+constexpr int sc_bytes(int fmt) { return fmt == kQ4_1 ? 4 * kGroup : 2 * kGroup; }  // its d's (and m's), fp16
+constexpr int64_t group_bytes(int fmt, int nb) { return static_cast<int64_t>(nb) * (qs_bytes(fmt) + sc_bytes(fmt)); }
+
+inline int32_t load32(const void* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// IEEE half <-> float. With F16C the instructions; elsewhere bit manipulation that gives the same
+// results (round to nearest even, subnormals, inf), so every build quantizes x identically.
+#if defined(__F16C__)
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+inline float half_to_float(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
     if (exp == 0x1F) {
@@ -59,181 +119,503 @@ inline float half_to_float(const uint8_t* p) {
     return f;
 }
 
+inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00;  // nan
+    if (ax >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 (halfway past the largest half, 65504): inf
+    if (ax >= 0x38800000u) {  // normal in half: rebias the exponent, round the 13 dropped bits
+        uint32_t h = (ax - 0x38000000u) >> 13;
+        const uint32_t rem = ax & 0x1FFF;
+        if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) ++h;  // a carry into the exponent is right
+        return sign | static_cast<uint16_t>(h);
+    }
+    const int e = static_cast<int>(ax >> 23);  // subnormal in half: the value in units of 2^-24, rounded
+    if (e < 102) return sign;  // below 2^-25
+    const uint32_t mant = (ax & 0x7FFFFF) | 0x800000;
+    const int shift = 126 - e;  // 14..24
+    uint32_t h = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1))) ++h;
+    return sign | static_cast<uint16_t>(h);
+}
+#endif
+
+inline float half_at(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+inline float round_to_half(float f) { return half_to_float(float_to_half(f)); }
+
+// -- activations ----------------------------------------------------------------------------------------
+// A chunk of x's rows quantized: q [rows][K] int8, d [rows][nb] (fp16-rounded, as float), aux [rows][nb]:
+// Q4_1: s's bits as a float; Q4_0: -8 sum q; Q8_0: -128 sum q (the integer correction of the block sum).
+struct XQ {
+    int8_t* q;
+    float* d;
+    int32_t* aux;
+    int K, nb;
+};
+
 template <int F>
-inline void dequant_block(const uint8_t* b, float* out) {
-    const float d = half_to_float(b);
-    if constexpr (F == kQ8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-        for (int i = 0; i < kBlock; ++i) out[i] = static_cast<float>(q[i]) * d;
-    } else if constexpr (F == kQ4_0) {
-        const uint8_t* q = b + 2;
-        for (int i = 0; i < 16; ++i) {
-            out[i] = static_cast<float>((q[i] & 0x0F) - 8) * d;
-            out[i + 16] = static_cast<float>((q[i] >> 4) - 8) * d;
-        }
+inline void finish_block(XQ& xq, int64_t i, float d, int32_t sum) {
+    xq.d[i] = round_to_half(d);
+    if constexpr (F == kQ4_1) {
+        const float s = round_to_half(d * static_cast<float>(sum));
+        std::memcpy(&xq.aux[i], &s, 4);
     } else {
-        const float m = half_to_float(b + 2);
-        const uint8_t* q = b + 4;
-        for (int i = 0; i < 16; ++i) {
-            out[i] = static_cast<float>(q[i] & 0x0F) * d + m;
-            out[i + 16] = static_cast<float>(q[i] >> 4) * d + m;
-        }
+        xq.aux[i] = (F == kQ4_0 ? -8 : -128) * sum;
     }
 }
 
-#if defined(__AVX512F__)
-// A block as two 16-float vectors (weights 0..15, 16..31), widened from bytes in registers.
 template <int F>
-inline void widen_block(const uint8_t* b, __m512& w0, __m512& w1) {
-    const __m512 d = _mm512_set1_ps(half_to_float(b));
-    if constexpr (F == kQ8_0) {
-        const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-        const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-    } else {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_1 ? 4 : 2))));
-        __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(q, 4);
-        if constexpr (F == kQ4_0) {
-            lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-            hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d);
-            w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d);
-        } else {
-            const __m512 m = _mm512_set1_ps(half_to_float(b + 2));
-            w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m);
-            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m);
-        }
-    }
-}
-
-// Two output rows at a time: two independent dequantize-and-FMA chains keep the FMA units busy at M = 1.
-template <int F, int MR>
-void decode_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int nb, float* y, int64_t ldy,
-                 int n0, int n1) {
-    int n = n0;
-    for (; n + 2 <= n1; n += 2) {
-        const uint8_t* ra = w + n * row_bytes;
-        const uint8_t* rb = ra + row_bytes;
-        __m512 acc_a[MR], acc_b[MR];
-        for (int m = 0; m < MR; ++m) acc_a[m] = acc_b[m] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-            _mm_prefetch(reinterpret_cast<const char*>(ra + (b + 8) * block_bytes(F)), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(rb + (b + 8) * block_bytes(F)), _MM_HINT_T0);
-            __m512 a0, a1, b0, b1;
-            widen_block<F>(ra + b * block_bytes(F), a0, a1);
-            widen_block<F>(rb + b * block_bytes(F), b0, b1);
-            for (int m = 0; m < MR; ++m) {
-                const float* xb = x + m * ldx + b * kBlock;
-                const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-                acc_a[m] = _mm512_fmadd_ps(a1, x1, _mm512_fmadd_ps(a0, x0, acc_a[m]));
-                acc_b[m] = _mm512_fmadd_ps(b1, x1, _mm512_fmadd_ps(b0, x0, acc_b[m]));
-            }
-        }
-        for (int m = 0; m < MR; ++m) {
-            y[m * ldy + n] = _mm512_reduce_add_ps(acc_a[m]);
-            y[m * ldy + n + 1] = _mm512_reduce_add_ps(acc_b[m]);
-        }
-    }
-    for (; n < n1; ++n) {  // an odd last row
-        const uint8_t* r = w + n * row_bytes;
-        __m512 acc[MR];
-        for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-            __m512 w0, w1;
-            widen_block<F>(r + b * block_bytes(F), w0, w1);
-            for (int m = 0; m < MR; ++m) {
-                const float* xb = x + m * ldx + b * kBlock;
-                acc[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[m]));
-            }
-        }
-        for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
-    }
-}
+void quantize_row(const float* x, XQ& xq, int row) {
+    const int K = xq.K, nb = xq.nb;
+    int8_t* q = xq.q + static_cast<int64_t>(row) * K;
+    for (int b = 0; b < nb; ++b) {
+        const float* xb = x + b * kBlock;
+#if defined(SLUICE_QUANT_AVX512)
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const __m512 vid = _mm512_set1_ps(id);
+        // vcvtps2dq rounds as MXCSR says: to nearest even unless someone changed it (nobody here does)
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
-template <int F, int MR>
-void decode_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int nb, float* y, int64_t ldy,
-                 int n0, int n1) {
-    float wb[kBlock];
-    for (int n = n0; n < n1; ++n) {
-        const uint8_t* r = w + n * row_bytes;
-        float acc[MR][kBlock] = {};  // per-lane partial sums: a shape the compiler vectorizes
-        for (int b = 0; b < nb; ++b) {
-            dequant_block<F>(r + b * block_bytes(F), wb);
-            for (int m = 0; m < MR; ++m) {
-                const float* xb = x + m * ldx + b * kBlock;
-                for (int i = 0; i < kBlock; ++i) acc[m][i] += wb[i] * xb[i];
+        float amax = 0.f;
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < kBlock; ++i) {
+            const int v = static_cast<int>(std::nearbyint(xb[i] * id));  // current rounding mode: nearest even
+            q[b * kBlock + i] = static_cast<int8_t>(v);
+            sum += v;
+        }
+#endif
+        finish_block<F>(xq, static_cast<int64_t>(row) * nb + b, d, sum);
+    }
+}
+
+// -- the micro-kernel: MR rows of x (from row m of the chunk) x NG groups (from group g) ----------------
+// w: group g's start; y: row m's start (column 0); writes columns 16 g .. min(N, 16 (g + NG)).
+using TileFn = void (*)(const XQ&, int, const uint8_t*, int64_t, float*, int64_t, int, int);
+
+inline int group_cols(int g, int N) { return std::min(kGroup, N - g * kGroup); }
+
+#if defined(SLUICE_QUANT_AVX512)
+template <int F, int MR, int NG>
+void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
+    constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
+    const int nb = xq.nb, K = xq.K;
+    const uint8_t* qs[NG];
+    const uint8_t* sc[NG];
+    for (int j = 0; j < NG; ++j) {
+        qs[j] = w + j * gbytes;
+        sc[j] = qs[j] + static_cast<int64_t>(nb) * QS;
+    }
+    const int8_t* xr[MR];
+    const float* dx[MR];
+    const int32_t* ax[MR];
+    for (int i = 0; i < MR; ++i) {
+        xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
+        dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
+        ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
+    }
+    __m512 acc[MR][NG];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NG; ++j) acc[i][j] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; ++b) {
+        __m512i is[MR][NG];
+        for (int i = 0; i < MR; ++i) {
+            const __m512i init = F == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(ax[i][b]);
+            for (int j = 0; j < NG; ++j) is[i][j] = init;
+        }
+        if constexpr (F == kQ8_0) {
+            for (int v = 0; v < 8; ++v) {
+                __m512i wv[NG];
+                for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_si512(qs[j] + b * QS + v * 64);
+                for (int i = 0; i < MR; ++i) {
+                    const __m512i xv = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
+                    for (int j = 0; j < NG; ++j) is[i][j] = _mm512_dpbusd_epi32(is[i][j], wv[j], xv);
+                }
+            }
+        } else {
+            for (int v = 0; v < 4; ++v) {
+                __m512i lo[NG], hi[NG];
+                for (int j = 0; j < NG; ++j) {
+                    const __m512i raw = _mm512_loadu_si512(qs[j] + b * QS + v * 64);
+                    lo[j] = _mm512_and_si512(raw, nib);
+                    hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                }
+                for (int i = 0; i < MR; ++i) {
+                    const __m512i xl = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
+                    const __m512i xh = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
+                    for (int j = 0; j < NG; ++j) {
+                        is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo[j], xl);
+                        is[i][j] = _mm512_dpbusd_epi32(is[i][j], hi[j], xh);
+                    }
+                }
             }
         }
-        for (int m = 0; m < MR; ++m) {
-            float s = 0.f;
-            for (int i = 0; i < kBlock; ++i) s += acc[m][i];
-            y[m * ldy + n] = s;
+        for (int j = 0; j < NG; ++j) {
+            const uint8_t* s = sc[j] + b * SC;
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+            for (int i = 0; i < MR; ++i)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][j]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[i][b])),
+                                            acc[i][j]);
+            if constexpr (F == kQ4_1) {
+                const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+                for (int i = 0; i < MR; ++i) {
+                    float sx;
+                    std::memcpy(&sx, &ax[i][b], 4);
+                    acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), acc[i][j]);
+                }
+            }
         }
+    }
+    for (int j = 0; j < NG; ++j) {
+        const int cols = group_cols(g + j, N);
+        const __mmask16 mask = cols >= kGroup ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+        for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy + (g + j) * kGroup, mask, acc[i][j]);
+    }
+}
+
+#elif defined(SLUICE_QUANT_AVX2)
+// The 16 lanes as two halves of 8 rows (bytes 0..31 and 32..63 of each vector), one half at a time.
+template <int F, int MR, int NG>
+void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
+    constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
+    const int nb = xq.nb, K = xq.K;
+    const int8_t* xr[MR];
+    const float* dx[MR];
+    const int32_t* ax[MR];
+    for (int i = 0; i < MR; ++i) {
+        xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
+        dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
+        ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
+    }
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < NG; ++j) {
+        const uint8_t* qs = w + j * gbytes;
+        const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
+        __m256 acc[MR][2];
+        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const uint8_t* wb = qs + b * QS;
+            for (int h = 0; h < 2; ++h) {
+                __m256i is[MR];
+                if constexpr (F == kQ8_0) {
+                    for (int i = 0; i < MR; ++i) is[i] = _mm256_setzero_si256();  // the sign trick needs no correction
+                    for (int v = 0; v < 8; ++v) {
+                        const __m256i ws = _mm256_xor_si256(
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64 + h * 32)), _mm256_set1_epi8(-128));
+                        const __m256i aw = _mm256_abs_epi8(ws);  // |q| <= 128 as unsigned
+                        for (int i = 0; i < MR; ++i) {
+                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v)), ws);
+                            // pairs: |q_w q_x| <= 128 * 127, two of them < 32767: no saturation
+                            is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+                        }
+                    }
+                } else {
+                    __m256i p16[MR];
+                    for (int i = 0; i < MR; ++i) p16[i] = _mm256_setzero_si256();
+                    for (int v = 0; v < 4; ++v) {
+                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64 + h * 32));
+                        const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        for (int i = 0; i < MR; ++i) {
+                            const __m256i xl = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
+                            const __m256i xh = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
+                            // each int16 lane: 2 products <= 15 * 127 each; 8 such sums <= 30480 < 32767
+                            p16[i] = _mm256_add_epi16(p16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                               _mm256_maddubs_epi16(hi, xh)));
+                        }
+                    }
+                    for (int i = 0; i < MR; ++i) {
+                        is[i] = _mm256_madd_epi16(p16[i], ones);
+                        if constexpr (F == kQ4_0) is[i] = _mm256_add_epi32(is[i], _mm256_set1_epi32(ax[i][b]));
+                    }
+                }
+                const uint8_t* s = sc + b * SC + h * 16;
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+                for (int i = 0; i < MR; ++i)
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[i][b])),
+                                                acc[i][h]);
+                if constexpr (F == kQ4_1) {
+                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
+                    for (int i = 0; i < MR; ++i) {
+                        float sx;
+                        std::memcpy(&sx, &ax[i][b], 4);
+                        acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), acc[i][h]);
+                    }
+                }
+            }
+        }
+        const int cols = group_cols(g + j, N);
+        for (int i = 0; i < MR; ++i) {
+            float* yr = y + i * ldy + (g + j) * kGroup;
+            if (cols >= kGroup) {
+                _mm256_storeu_ps(yr, acc[i][0]);
+                _mm256_storeu_ps(yr + 8, acc[i][1]);
+            } else {
+                alignas(32) float tmp[kGroup];
+                _mm256_store_ps(tmp, acc[i][0]);
+                _mm256_store_ps(tmp + 8, acc[i][1]);
+                std::memcpy(yr, tmp, sizeof(float) * cols);
+            }
+        }
+    }
+}
+
+#else
+// Plain loops: the same integer sums, in int32, over the same layout.
+template <int F, int MR, int NG>
+void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
+    constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
+    const int nb = xq.nb, K = xq.K;
+    for (int j = 0; j < NG; ++j) {
+        const uint8_t* qs = w + j * gbytes;
+        const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
+        float acc[MR][kGroup] = {};
+        for (int b = 0; b < nb; ++b) {
+            const uint8_t* wb = qs + b * QS;
+            const uint8_t* s = sc + b * SC;
+            float dw[kGroup], mw[kGroup];
+            for (int r = 0; r < kGroup; ++r) {
+                dw[r] = half_at(s + 2 * r);
+                mw[r] = F == kQ4_1 ? half_at(s + 32 + 2 * r) : 0.f;
+            }
+            for (int i = 0; i < MR; ++i) {
+                const int8_t* xb = xq.q + static_cast<int64_t>(m + i) * K + b * kBlock;
+                const int64_t xi = static_cast<int64_t>(m + i) * nb + b;
+                const float dx = xq.d[xi];
+                int32_t is[kGroup];
+                for (int r = 0; r < kGroup; ++r) is[r] = F == kQ4_1 ? 0 : xq.aux[xi];
+                if constexpr (F == kQ8_0) {
+                    for (int v = 0; v < 8; ++v)
+                        for (int r = 0; r < kGroup; ++r)
+                            for (int t = 0; t < 4; ++t) is[r] += wb[v * 64 + 4 * r + t] * xb[4 * v + t];
+                } else {
+                    for (int v = 0; v < 4; ++v)
+                        for (int r = 0; r < kGroup; ++r)
+                            for (int t = 0; t < 4; ++t) {
+                                const int byte = wb[v * 64 + 4 * r + t];
+                                is[r] += (byte & 0x0F) * xb[4 * v + t] + (byte >> 4) * xb[16 + 4 * v + t];
+                            }
+                }
+                float sx = 0.f;
+                if constexpr (F == kQ4_1) std::memcpy(&sx, &xq.aux[xi], 4);
+                for (int r = 0; r < kGroup; ++r) {
+                    acc[i][r] += static_cast<float>(is[r]) * (dw[r] * dx);
+                    if constexpr (F == kQ4_1) acc[i][r] += mw[r] * sx;
+                }
+            }
+        }
+        const int cols = group_cols(g + j, N);
+        for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy + (g + j) * kGroup, acc[i], sizeof(float) * cols);
     }
 }
 #endif
 
-using DecodeFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int, float*, int64_t, int, int);
+template <int F, int NG>
+TileFn tile_for(int mr) {
+    switch (mr) {
+        case 1: return tile<F, 1, NG>;
+        case 2: return tile<F, 2, NG>;
+        case 3: return tile<F, 3, NG>;
+        default: return tile<F, 4, NG>;
+    }
+}
+static_assert(kMR == 4, "tile_for dispatches 1..4 rows");
 
 template <int F>
-constexpr DecodeFn kDecode[kDecodeRows + 1] = {nullptr,           decode_rows<F, 1>, decode_rows<F, 2>,
-                                              decode_rows<F, 3>, decode_rows<F, 4>, decode_rows<F, 5>,
-                                              decode_rows<F, 6>, decode_rows<F, 7>, decode_rows<F, 8>};
-
-template <int F>
-void decode(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy, int threads) {
-    const int nb = K / kBlock;
-    const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(F);
-    // Ranges of 16 output rows (even, for the pairs): enough per thread to stream, many for balance.
-    constexpr int kRange = 16;
-    const int ranges = (N + kRange - 1) / kRange;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < ranges; ++r)
-        kDecode<F>[M](x, ldx, w, row_bytes, nb, y, ldy, r * kRange, std::min(N, (r + 1) * kRange));
+TileFn tile_fn(int mr, int ng) {
+    if constexpr (kNG >= 2) {
+        if (ng == 2) return tile_for<F, 2>(mr);
+    }
+    return tile_for<F, 1>(mr);
 }
 
-// Many rows: the decode tiles over each 8-row tile of x in turn, for one range of 16 output rows at a
-// time. The range's blocks (16 x K/32 blocks: 6 KB at K = 576 in Q4_1) stay in L1 across the row tiles
-// and the chunk of x in L2, so weights come from memory once per chunk; each block is widened once per
-// 8 rows of x instead of once per row.
+// Every row tile of the chunk's `rows` rows against groups g .. g + ng - 1.
 template <int F>
-void prefill(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy,
-                   int threads) {
-    const int nb = K / kBlock;
-    const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(F);
-    constexpr int kRange = 16;
-    const int ranges = (N + kRange - 1) / kRange;
-    const int chunk = std::max(kDecodeRows, static_cast<int>(kChunkBytes / (static_cast<int64_t>(K) * sizeof(float))));
+void run_unit(const XQ& xq, int rows, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int ng, int N) {
+    const uint8_t* wg = w + g * gbytes;
+    for (int m = 0; m < rows; m += kMR) {
+        const int mr = std::min(kMR, rows - m);
+        tile_fn<F>(mr, ng)(xq, m, wg, gbytes, y + m * ldy, ldy, g, N);
+    }
+}
+
+// The calling thread's scratch for quantized x: grown as needed, kept for the next call.
+uint8_t* scratch(size_t bytes) {
+    thread_local std::vector<uint8_t> buf;
+    if (buf.size() < bytes) buf.resize(bytes);
+    return buf.data();
+}
+
+template <int F>
+void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy, int threads) {
+    const int nb = K / kBlock, groups = (N + kGroup - 1) / kGroup, units = (groups + kNG - 1) / kNG;
+    const int64_t gbytes = group_bytes(F, nb);
+    // Rows per chunk: about kChunkBytes of quantized x, the chunks of one call evened out.
+    const int max_rows = std::max(kDecodeRows, static_cast<int>(kChunkBytes / K));
+    const int chunks = (M + max_rows - 1) / max_rows;
+    const int chunk = (M + chunks - 1) / chunks;
+    // q, then d and aux (4-byte aligned: K is a multiple of 32)
+    uint8_t* buf = scratch(static_cast<size_t>(chunk) * (K + 8 * static_cast<size_t>(nb)));
+    XQ xq{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + static_cast<size_t>(chunk) * K),
+          reinterpret_cast<int32_t*>(buf + static_cast<size_t>(chunk) * (K + 4 * nb)), K, nb};
+    if (M <= kDecodeRows) {  // decode: quantizing a few rows costs less than a barrier
+        for (int r = 0; r < M; ++r) quantize_row<F>(x + r * ldx, xq, r);
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int u = 0; u < units; ++u)
+            run_unit<F>(xq, M, w, gbytes, y, ldy, u * kNG, std::min(kNG, groups - u * kNG), N);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
     for (int m0 = 0; m0 < M; m0 += chunk) {
         const int rows = std::min(chunk, M - m0);
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int r = 0; r < ranges; ++r) {
-            const int n0 = r * kRange, n1 = std::min(N, n0 + kRange);
-            for (int m = m0; m < m0 + rows; m += kDecodeRows) {
-                const int mr = std::min(kDecodeRows, m0 + rows - m);
-                kDecode<F>[mr](x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, n0, n1);
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; ++r) quantize_row<F>(x + (m0 + r) * ldx, xq, r);
+        // (the implicit barriers: x quantized before any tile reads it; every tile done before the next
+        // chunk overwrites it)
+#pragma omp for schedule(static)
+        for (int u = 0; u < units; ++u)
+            run_unit<F>(xq, rows, w, gbytes, y + m0 * ldy, ldy, u * kNG, std::min(kNG, groups - u * kNG), N);
+    }
+}
+
+// -- repacking ------------------------------------------------------------------------------------------
+template <int F>
+void repack(const uint8_t* blocks, int N, int K, uint8_t* out) {
+    constexpr int QS = qs_bytes(F), SC = sc_bytes(F), BB = gguf_block_bytes(F);
+    const int nb = K / kBlock, groups = (N + kGroup - 1) / kGroup;
+    const int64_t gbytes = group_bytes(F, nb);
+    std::memset(out, 0, static_cast<size_t>(groups * gbytes));  // padded rows: d = 0 (and q = -128 in Q8_0)
+    for (int n = 0; n < N; ++n) {
+        const int g = n / kGroup, r = n % kGroup;
+        uint8_t* qs = out + g * gbytes;
+        uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
+        for (int b = 0; b < nb; ++b) {
+            const uint8_t* src = blocks + (static_cast<int64_t>(n) * nb + b) * BB;
+            uint8_t* wb = qs + b * QS;
+            uint8_t* s = sc + b * SC;
+            std::memcpy(s + 2 * r, src, 2);  // d
+            if constexpr (F == kQ8_0) {
+                for (int k = 0; k < kBlock; ++k) wb[(k / 4) * 64 + 4 * r + k % 4] = static_cast<uint8_t>(src[2 + k] ^ 0x80);
+            } else {
+                const uint8_t* nibs = src + (F == kQ4_1 ? 4 : 2);
+                if constexpr (F == kQ4_1) std::memcpy(s + 32 + 2 * r, src + 2, 2);  // m
+                for (int j = 0; j < 16; ++j) wb[(j / 4) * 64 + 4 * r + j % 4] = nibs[j];
             }
         }
     }
 }
 
+// Rows of W back to fp32 from the packed layout, exactly as the GGUF formats define them (as gguf's
+// dequantize computes them: q * d, then + m, each rounded to float).
 template <int F>
-void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy, int threads) {
-    if (M <= kDecodeRows)
-        decode<F>(x, ldx, w, M, K, N, y, ldy, threads);
-    else
-        prefill<F>(x, ldx, w, M, K, N, y, ldy, threads);
+void unpack_rows(const uint8_t* packed, int N, int K, const int64_t* rows, int nrows, float* out, int64_t ldo) {
+    constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
+    const int nb = K / kBlock;
+    const int64_t gbytes = group_bytes(F, nb);
+    (void)N;
+    for (int i = 0; i < nrows; ++i) {
+        const int64_t n = rows[i];
+        const int g = static_cast<int>(n / kGroup), r = static_cast<int>(n % kGroup);
+        const uint8_t* qs = packed + g * gbytes;
+        const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
+        float* o = out + i * ldo;
+        for (int b = 0; b < nb; ++b) {
+            const uint8_t* wb = qs + b * QS;
+            const float d = half_at(sc + b * SC + 2 * r);
+            float* ob = o + b * kBlock;
+            if constexpr (F == kQ8_0) {
+                for (int k = 0; k < kBlock; ++k)
+                    ob[k] = static_cast<float>(static_cast<int8_t>(wb[(k / 4) * 64 + 4 * r + k % 4] ^ 0x80)) * d;
+            } else {
+                const float mw = F == kQ4_1 ? half_at(sc + b * SC + 32 + 2 * r) : 0.f;
+                for (int j = 0; j < 16; ++j) {
+                    const int byte = wb[(j / 4) * 64 + 4 * r + j % 4];
+                    if constexpr (F == kQ4_0) {
+                        ob[j] = static_cast<float>((byte & 0x0F) - 8) * d;
+                        ob[j + 16] = static_cast<float>((byte >> 4) - 8) * d;
+                    } else {
+                        // The product is rounded to float before m is added (no FMA): as a double, the
+                        // float product is exact and the compiler cannot contract across the conversion;
+                        // the double sum of two floats rounds to the same float as a float sum would.
+                        const float p0 = static_cast<float>(byte & 0x0F) * d, p1 = static_cast<float>(byte >> 4) * d;
+                        ob[j] = static_cast<float>(static_cast<double>(p0) + static_cast<double>(mw));
+                        ob[j + 16] = static_cast<float>(static_cast<double>(p1) + static_cast<double>(mw));
+                    }
+                }
+            }
+        }
+    }
 }
 
 }  // namespace
 
 extern "C" {
 
-int sluice_quant_block_bytes(int fmt) { return fmt >= kQ8_0 && fmt <= kQ4_1 ? block_bytes(fmt) : 0; }
+// 2: the packed layout (sluice_quant_repack) and int8 activations.
+int sluice_quant_abi_version() { return 2; }
 
-// x: [M, K] fp32, rows ldx apart; w: [N, K / 32 blocks] in format `fmt`; y: [M, N], rows ldy apart.
-// K must be a multiple of 32 (the caller checks). Rows 1..8 take the decode path.
+// Which implementation this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 plain loops.
+int sluice_quant_isa() { return kIsa; }
+
+int sluice_quant_block_bytes(int fmt) { return fmt >= kQ8_0 && fmt <= kQ4_1 ? gguf_block_bytes(fmt) : 0; }
+
+// Bytes of the packed layout of an [N, K] weight (0 for an unknown format or K not a multiple of 32).
+int64_t sluice_quant_packed_bytes(int fmt, int N, int K) {
+    if (fmt < kQ8_0 || fmt > kQ4_1 || K % kBlock || N < 0) return 0;
+    return static_cast<int64_t>((N + kGroup - 1) / kGroup) * group_bytes(fmt, K / kBlock);
+}
+
+// blocks: [N, K / 32] GGUF blocks of format `fmt`, rows contiguous; out: sluice_quant_packed_bytes bytes.
+void sluice_quant_repack(int fmt, const uint8_t* blocks, int N, int K, uint8_t* out) {
+    switch (fmt) {
+        case kQ8_0: repack<kQ8_0>(blocks, N, K, out); break;
+        case kQ4_0: repack<kQ4_0>(blocks, N, K, out); break;
+        case kQ4_1: repack<kQ4_1>(blocks, N, K, out); break;
+        default: break;
+    }
+}
+
+// out[i, :] = row rows[i] of W (each in 0..N-1: the caller checks), dequantized; out rows ldo apart.
+void sluice_quant_unpack_rows(int fmt, const uint8_t* packed, int N, int K, const int64_t* rows, int nrows, float* out,
+                              int64_t ldo) {
+    switch (fmt) {
+        case kQ8_0: unpack_rows<kQ8_0>(packed, N, K, rows, nrows, out, ldo); break;
+        case kQ4_0: unpack_rows<kQ4_0>(packed, N, K, rows, nrows, out, ldo); break;
+        case kQ4_1: unpack_rows<kQ4_1>(packed, N, K, rows, nrows, out, ldo); break;
+        default: break;
+    }
+}
+
+// The activation quantization the GEMM does, exposed for tests: q [M, K] int8, d [M, K / 32] (fp16-rounded),
+// aux [M, K / 32] int32 (Q4_1: the bits of the fp16-rounded s; Q4_0: -8 sum q; Q8_0: -128 sum q).
+void sluice_quant_activations(int fmt, const float* x, int64_t ldx, int M, int K, int8_t* q, float* d, int32_t* aux) {
+    XQ xq{q, d, aux, K, K / kBlock};
+    for (int r = 0; r < M; ++r) {
+        switch (fmt) {
+            case kQ8_0: quantize_row<kQ8_0>(x + r * ldx, xq, r); break;
+            case kQ4_0: quantize_row<kQ4_0>(x + r * ldx, xq, r); break;
+            case kQ4_1: quantize_row<kQ4_1>(x + r * ldx, xq, r); break;
+            default: break;
+        }
+    }
+}
+
+// x: [M, K] fp32, rows ldx apart; w: the packed layout of an [N, K] weight in format `fmt`
+// (sluice_quant_repack); y: [M, N], rows ldy apart. K must be a multiple of 32 (the caller checks).
 void sluice_quant_gemm_f32(int fmt, const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y,
                            int64_t ldy, int num_threads) {
     if (M <= 0 || N <= 0) return;
