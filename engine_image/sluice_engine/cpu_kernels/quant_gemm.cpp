@@ -8,8 +8,9 @@
 //   Q4_1: fp16 d, fp16 m, 16 bytes        (20 bytes)  w = q * d + m
 // where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one.
 //
-// Activations (per row, per block of 32, GGUF's Q8_0/Q8_1 as llama.cpp's reference quantizer makes them):
-//   d = max|x| / 127, q = round-half-even(x * (1/d)) (0 where d == 0), stored d = fp16(d),
+// Activations (per row, per block of 32, GGUF's Q8_0/Q8_1 as llama.cpp's x86 quantizer makes them, so that
+// a GGUF served here rounds its activations as llama.cpp rounds them on the same CPU):
+//   d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 where max|x| == 0), stored d = fp16(d),
 //   s = fp16(d * sum q) (Q8_1's s field, used with Q4_1 weights); d and s unrounded are float32.
 // Per block the dot product is then (isum = sum of the 32 integer products, exact in int32):
 //   Q8_0: d_w d_x isum(q_w, q_x)
@@ -181,7 +182,7 @@ void quantize_row(const float* x, XQ& xq, int row) {
 #if defined(SLUICE_QUANT_AVX512)
         const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
         const __m512 vid = _mm512_set1_ps(id);
         // vcvtps2dq rounds as MXCSR says: to nearest even unless someone changed it (nobody here does)
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
@@ -191,7 +192,7 @@ void quantize_row(const float* x, XQ& xq, int row) {
 #else
         float amax = 0.f;
         for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
         int32_t sum = 0;
         for (int i = 0; i < kBlock; ++i) {
             const int v = static_cast<int>(std::nearbyint(xb[i] * id));  // current rounding mode: nearest even
