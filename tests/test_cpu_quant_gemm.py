@@ -298,6 +298,39 @@ def test_quantization_flag_refusals():
         EngineConfig(quantization="int3")
 
 
+def test_auto_serves_a_ggufs_own_blocks_on_the_cpu_path(bundled_gguf, tmp_path):
+    """--quantization auto (the default): a GGUF's own CPU-format blocks on the C++ CPU path (fp32, the cpu
+    backend, one rank); the dtype's weights for an HF directory, on other backends or dtypes, and sharded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sluice_engine.models.loader import resolve_quantization
+
+    cpu, torch_backend, cpu_backend = torch.device("cpu"), SimpleNamespace(name="torch"), SimpleNamespace(name="cpu")
+    auto = SimpleNamespace(quantization="auto")
+    assert resolve_quantization(auto, cpu, torch.float32, cpu_backend, None, bundled_gguf) == "auto"
+    assert resolve_quantization(auto, cpu, torch.float32, cpu_backend, None, None) == "none"  # an HF directory
+    assert resolve_quantization(auto, cpu, torch.float32, torch_backend, None, bundled_gguf) == "none"
+    assert resolve_quantization(auto, cpu, torch.bfloat16, cpu_backend, None, bundled_gguf) == "none"
+    assert resolve_quantization(auto, cpu, torch.float32, cpu_backend, None, bundled_gguf, unsharded=False) == "none"
+    none = SimpleNamespace(quantization="none")
+    assert resolve_quantization(none, cpu, torch.float32, cpu_backend, None, bundled_gguf) == "none"
+
+
+@pytest.mark.slow
+def test_the_bundled_model_is_served_in_its_q4_1_blocks_by_default(bundled_gguf):
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    llm = LLM(device="cpu", kv_cache_memory=16 << 20, warmup="off")
+    model = llm.engine.runner.model
+    assert llm.engine.runner.quantization == "auto"
+    assert model.layers[0].mlp.down_proj.fmt == "q4_1" and model.lm_head.fmt == "q8_0"
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].token_ids) == 4
+
+
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "Explain photosynthesis in one sentence.", "List three colors:"]
 
@@ -322,7 +355,7 @@ def test_bundled_model_served_q4_1_matches_fp32(model_dir, bundled_gguf):
 
     tol = 0.3  # TOL
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
-    fp32 = LLM(device="cpu", kv_cache_memory=64 << 20)
+    fp32 = LLM(device="cpu", kv_cache_memory=64 << 20, quantization="none")
     expected = fp32.generate(PROMPTS, params)
     del fp32
     q = LLM(device="cpu", kv_cache_memory=64 << 20, quantization="q4_1")

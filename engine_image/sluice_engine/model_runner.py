@@ -20,7 +20,7 @@ from .distributed import parallel_state as ps
 from .distributed.layout import RankShard, rank_shard
 from .forward_context import ForwardContext, forward_context
 from .input_buffers import InputBuffers
-from .model_fetch import gguf_source
+from .model_fetch import OfflineError, gguf_source
 from .model_input import ModelInput
 from .models.loader import (
     checkpoint_quantization,
@@ -61,11 +61,13 @@ class ModelRunner:
         # NOTE: a draft model's cache stays in the model dtype (spec_decode/draft_model.py): it is small, and
         # its drafts are verified by the target anyway.
         self.kv_cache_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
+        gguf = self._gguf(cfg)
         self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend,
-                                                 checkpoint_quantization(model_dir))
+                                                 checkpoint_quantization(model_dir), gguf,
+                                                 unsharded=self.shard.tp * self.shard.pp == 1)
         self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
                                 quantization=self.quantization,
-                                gguf_path=gguf_source(cfg.model) if self.quantization in CPU_FORMATS else None)
+                                gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)
         if cfg.kv_cache_dtype == "fp8":
             self._log_kv_scales()
         self.kv_caches: list[torch.Tensor] = []
@@ -97,6 +99,18 @@ class ModelRunner:
                  num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20,
                  "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}")
         self._setup_step_inputs()
+
+    @staticmethod
+    def _gguf(cfg: EngineConfig) -> Path | None:
+        """The GGUF behind --model (quantization auto serves its own blocks on CPU); for auto, None rather than
+        a failed start where the bundled model's GGUF is not kept and cannot be fetched (offline)."""
+        try:
+            return gguf_source(cfg.model)
+        except OfflineError:
+            if cfg.quantization != "auto":
+                raise
+            log.warning("the bundled model's GGUF is not here (offline): serving its fp32 weights")
+            return None
 
     @contextmanager
     def scratch_kv_cache(self, num_blocks: int) -> Iterator[None]:

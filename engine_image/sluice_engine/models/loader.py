@@ -79,9 +79,11 @@ def checkpoint_quantization(model_dir: Path) -> str | None:
 
 
 def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend,
-                         checkpoint: str | None = None) -> str:
-    """--quantization as this rank runs it: none, a CPU block format, or a GPU format (quantization.py).
-    checkpoint: the checkpoint's own quantization (`checkpoint_quantization`), None for a dense one."""
+                         checkpoint: str | None = None, gguf: Path | None = None, unsharded: bool = True) -> str:
+    """--quantization as this rank runs it: none, a CPU block format, `auto` (a GGUF's own CPU-format
+    blocks, layer by layer: models/quant_loader.py), or a GPU format (quantization.py).
+    checkpoint: the checkpoint's own quantization (`checkpoint_quantization`), None for a dense one;
+    gguf: the GGUF file the model came from (`gguf_source`), None for an HF directory."""
     q = cfg.quantization
     check_quant_device(q, device.type, backend.name)
     if checkpoint is not None:
@@ -100,8 +102,15 @@ def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend,
                              "quantize its weights at load)")
         return q  # fp8 on a dense checkpoint: quantized at load (models/gpu_quant_loader.py)
     if q == "auto":
-        # NOTE: auto keeps the dtype's weights for now; keeping a GGUF's own blocks (the Q4_1 of the
-        # bundled model) becomes the CPU default once perplexity and the llama-server comparison say so.
+        # On the C++ CPU path a GGUF is served in its own blocks (the bundled model: its Q4_1 layers and its
+        # Q8_0 output layer): 5x fewer bytes per decode step than fp32, and int8 activations make its prefill
+        # faster too (docs/BENCHMARKS.md). Anywhere else, and for an HF directory, the dtype's weights.
+        if (gguf is not None and device.type == "cpu" and dtype == torch.float32 and backend.name == "cpu"
+                and unsharded):
+            from ..cpu_kernels import load as load_kernels
+
+            if load_kernels() is not None:
+                return "auto"
         return "none"
     if q != "none" and (dtype != torch.float32 or backend.name != "cpu"):
         raise ValueError(f"--quantization {q} runs with the C++ CPU path: --dtype float32 and --attention-backend "
