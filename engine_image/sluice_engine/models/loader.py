@@ -152,11 +152,22 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
             raise ValueError(f"{model_dir} is {own}-quantized (config.json quantization_config); it loads with "
                              f"--quantization {own} (or auto), not {quantization}")
         quantization = own
-    linear, quant_linears = dense_linear, None
+    linear, quant_linears, blocks, lib = dense_linear, None, None, None
     if own is not None:
         from .gpu_quant_loader import QuantLinears
 
         linear = quant_linears = QuantLinears(model_dir, mc, shard, dtype, device)
+    elif quantization in CPU_FORMATS or quantization == "auto":
+        from ..cpu_kernels import load as load_kernels
+        from .quant_loader import GGUFBlocks, GGUFLinears
+
+        lib = load_kernels()
+        if lib is None:
+            raise ValueError(f"--quantization {quantization}: the C++ CPU kernels did not build (see the log)")
+        blocks = GGUFBlocks(gguf_path) if gguf_path else None
+        if blocks is not None and shard.tp * shard.pp == 1:
+            # The GGUF's own blocks become the layers as the model is built: their fp32 weights never exist.
+            linear = GGUFLinears(quantization, blocks, mc, lib)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -177,13 +188,11 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
              shard.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, where, device,
              time.perf_counter() - t0)
     if quantization in CPU_FORMATS or quantization == "auto":
-        from ..cpu_kernels import load as load_kernels
-        from .quant_loader import GGUFBlocks, quantize_linears
+        from .quant_loader import quantize_linears
 
-        lib = load_kernels()
-        if lib is None:
-            raise ValueError(f"--quantization {quantization}: the C++ CPU kernels did not build (see the log)")
-        quantize_linears(model, quantization, GGUFBlocks(gguf_path) if gguf_path else None, lib)
+        # The layers left: quantized from their loaded fp32 weights where the format asks for it, and the
+        # output layer (with a tied embedding reading its blocks) where the GGUF ships it quantized.
+        quantize_linears(model, quantization, blocks, lib)
     if backend.name == "cpu" and dtype == torch.float32:  # the C++ CPU path: linear layers too
         from ..cpu_kernels.linear import pack_linears
 
@@ -197,10 +206,12 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     tensor the model does not know, a shape that does not fit, or a parameter left unfilled. The layers
     already built from a quantized checkpoint's packed tensors (gpu_quant_loader.py) are passed over, with
     the tensors of them and the auxiliary scales weight-only serving does not use."""
-    from .gpu_quant_loader import AUX_TENSORS, quantized_module_names
+    from ..cpu_kernels.quant import QuantLinear as BlockQuantLinear
+    from .gpu_quant_loader import AUX_TENSORS, QUANT_MODULES
 
     params = dict(model.named_parameters())
-    quantized = quantized_module_names(model)
+    # Layers built before loading: from a quantized checkpoint's packed tensors, or from a GGUF's blocks.
+    quantized = {name for name, m in model.named_modules() if isinstance(m, (*QUANT_MODULES, BlockQuantLinear))}
     # parameter name -> the rows of it filled so far (fused projections fill in parts)
     filled: dict[str, int] = {}
     with torch.no_grad():

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..cpu_kernels.quant import LinearMethod, QuantEmbedding, QuantLinear
 from ..quantization import CPU_FORMATS
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, dense_linear
 
 log = logging.getLogger("sluice.engine")
 
@@ -64,6 +64,44 @@ class GGUFBlocks:
         return _unpermute_rows(data, n_head) if n_head else data
 
 
+def _own_format(gguf: GGUFBlocks, names: list[str]) -> str | None:
+    """The CPU format every one of the tensors is in, or None (mixed, absent, or another type)."""
+    fmts = {gguf.format(n) for n in names}
+    return fmts.pop() if len(fmts) == 1 else None
+
+
+def _stacked_blocks(gguf: GGUFBlocks, mc, i: int, parts: tuple[str, ...]) -> torch.Tensor:
+    """Layer i's tensors `parts`, their block rows stacked as the fused projection's output rows."""
+    heads = {"attn_q": mc.num_heads, "attn_k": mc.num_kv_heads}
+    return torch.from_numpy(np.concatenate([gguf.rows(f"blk.{i}.{p}.weight", heads.get(p)) for p in parts]))
+
+
+class GGUFLinears:
+    """A LinearFactory (models/llama.py) for an unsharded model: each decoder projection whose GGUF tensors
+    are all in the CPU format `quantization` keeps (auto: whichever of them the file uses) is built
+    straight from the file's blocks as the model is built, so its fp32 weight is never allocated (the
+    loading peak stays near the steady state); any other (another format, or a bias) is a dense
+    nn.Linear, loaded and then left to quantize_linears."""
+
+    def __init__(self, quantization: str, gguf: GGUFBlocks, mc, lib):
+        self.quantization, self.gguf, self.mc, self.lib = quantization, gguf, mc, lib
+
+    def __call__(self, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        layer, _, module_name = name.partition(".")[2].partition(".")
+        parts = _LAYER_PARTS.get(module_name)
+        if parts is None or bias or not layer.isdigit():
+            return dense_linear(name, in_features, out_features, bias)
+        i = int(layer)
+        own = _own_format(self.gguf, [f"blk.{i}.{p}.weight" for p in parts])
+        if own is None or self.quantization not in ("auto", own):
+            return dense_linear(name, in_features, out_features, bias)
+        new = QuantLinear(_stacked_blocks(self.gguf, self.mc, i, parts), own, in_features, None, self.lib)
+        if new.out_features != out_features:
+            raise ValueError(f"{self.gguf.path}: layer {i} {module_name}: {new.out_features} rows, the model "
+                             f"has {out_features}")
+        return new
+
+
 def quantize_linears(model: LlamaForCausalLM, quantization: str, gguf: GGUFBlocks | None, lib) -> dict[str, int]:
     """Replace the model's linear layers as `quantization` says: `auto` keeps every layer the GGUF holds
     in a CPU format in that format (others stay fp32); q8_0/q4_0/q4_1 holds every decoder linear in that
@@ -75,22 +113,20 @@ def quantize_linears(model: LlamaForCausalLM, quantization: str, gguf: GGUFBlock
         raise ValueError("--quantization q8_0/q4_0/q4_1 runs unsharded only (--tensor-parallel-size and "
                          "--pipeline-parallel-size 1)")
     counts: dict[str, int] = {}
-    heads = {"attn_q": mc.num_heads, "attn_k": mc.num_kv_heads}
     for i, layer in enumerate(model.layers):
         for module_name, parts in _LAYER_PARTS.items():
-            names = [f"blk.{i}.{p}.weight" for p in parts]
-            fmts = {gguf.format(n) for n in names} if gguf is not None else {None}
-            own = fmts.pop() if len(fmts) == 1 else None  # one format shared by every part, or None
+            parent_name, _, child = module_name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, child)
+            if isinstance(linear, QuantLinear):  # built from the GGUF's blocks with the model (GGUFLinears)
+                counts[linear.fmt] = counts.get(linear.fmt, 0) + 1
+                continue
+            own = _own_format(gguf, [f"blk.{i}.{p}.weight" for p in parts]) if gguf is not None else None
             fmt = own if quantization == "auto" else quantization
             if fmt is None:
                 continue
-            parent_name, _, child = module_name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            linear: nn.Linear = getattr(parent, child)
-            blocks = None
-            if own == fmt:  # the file's own blocks, stacked like the fused projection's rows
-                blocks = torch.from_numpy(np.concatenate(
-                    [gguf.rows(n, heads.get(p)) for n, p in zip(names, parts, strict=True)]))
+            # The file's own blocks where it holds the layer in the format, else quantized from the fp32 weight.
+            blocks = _stacked_blocks(gguf, mc, i, parts) if own == fmt else None
             new = LinearMethod(fmt).create(linear.weight, linear.bias, lib, blocks)
             if blocks is not None and new.out_features != linear.out_features:
                 raise ValueError(f"{gguf.path}: layer {i} {module_name}: {new.out_features} rows, the model "
