@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,15 +13,10 @@ import time
 from pathlib import Path
 
 import httpx
+from server_process import free_port
 
 SERVED_NAME = "smollm2"
 ENDPOINT = "default/smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

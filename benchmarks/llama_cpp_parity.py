@@ -67,14 +67,14 @@ import math
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from server_process import Server, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS_BIN = REPO / ".tools" / "bin"
@@ -225,49 +225,7 @@ class Report:
     passed: dict = field(default_factory=dict)
 
 
-# -- servers -----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess with its log file; stop() terminates it (kill after 20 s)."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, url: str, ready_path: str):
-        self.name, self.cmd, self.url, self.log_path, self.ready_path = name, cmd, url, log_path, ready_path
-        print(f"starting {name}: {shlex.join(cmd)}  (log: {log_path})", flush=True)
-        with open(log_path, "w") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before ready:\n"
-                                   f"{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name}: {self.url}{self.ready_path} not 200 within {timeout:.0f}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
+# -- servers ---------------------------------------------------------------------------------------
 def start_llama_server(bin_dir: Path, gguf: Path, log_dir: Path, extra: tuple[str, ...] = (),
                        tag: str = "") -> Server:
     port = free_port()

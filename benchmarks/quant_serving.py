@@ -23,27 +23,11 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from server_process import Server
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: the server exited ({proc.returncode}); its log: {log}")
-        for path in ("/ready", "/health"):
-            try:
-                with urllib.request.urlopen(url + path, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-        time.sleep(1)
-    raise SystemExit(f"{url}: not ready after {timeout_s:.0f} s; its log: {log}")
 
 
 def main() -> None:
@@ -81,16 +65,14 @@ def main() -> None:
     }
     print(f"CPU: {cpu_name()}, {a.threads} threads per server; GGUF {gguf}")
     with contextlib.ExitStack() as stack:
-        procs = {}
-        for name, cmd in servers.items():
-            log = logs / f"{name}.log"
-            f = stack.enter_context(open(log, "w"))
-            procs[name] = proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-            stack.callback(proc.wait, 30)
-            stack.callback(proc.terminate)
         urls = {name: f"http://127.0.0.1:{a.port + i}" for i, name in enumerate(servers)}
-        for name, url in urls.items():
-            _wait_ready(url, procs[name], logs / f"{name}.log")
+        procs = []
+        for name, cmd in servers.items():
+            procs.append(server := Server(name, cmd, env, logs / f"{name}.log", urls[name],
+                                          "/health" if name.startswith("llama") else "/ready"))
+            stack.callback(server.stop)
+        for server in procs:
+            server.wait_ready(600)
         bench = [sys.executable, "-m", "sluice_engine.cli", "bench", "--compare",
                  *(f"{n}={u}" for n, u in urls.items()), "--max-concurrency", a.concurrency,
                  "--num-requests", str(a.num_requests), "--seed", str(a.seed), "--slo-ttft-ms", "2000",

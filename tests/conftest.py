@@ -118,3 +118,15 @@ def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): small tensors and
+    the Triton interpreter's numpy tiles, where extra threads only add overhead and thrash a shared CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

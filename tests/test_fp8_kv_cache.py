@@ -18,7 +18,6 @@ byte conversions older GPUs use.
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from tiny_llama import VOCAB, write_tiny_llama
 from triton_interpreter import import_kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -46,13 +46,7 @@ WRITE_PATHS = [True] + ([False] if NATIVE_WRITE else [])
 READ_PATHS = [True] + ([False] if NATIVE_READ else [])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The interpreter runs numpy on tiny tiles: extra threads only add overhead on a shared CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -254,53 +248,13 @@ def test_flag_parses_into_the_config():
 
 
 # -- the engine ------------------------------------------------------------------------------------
-VOCAB = 96
-
-
 def _tiny_llama(root, kv_scales: dict[str, float] | None = None):
-    """A 2-layer Llama (6 query heads over 2 KV heads, head_dim 16) with random weights, as an HF directory;
-    kv_scales: checkpoint KV-cache scale tensors to add (name -> value)."""
+    """The tests' tiny Llama (tests/tiny_llama.py) as an HF directory; kv_scales: checkpoint KV-cache scale
+    tensors to add (name -> value)."""
     pytest.importorskip("safetensors")  # the engine tests: on a bare GPU machine (benchmarks/gpu_check.sh)
     pytest.importorskip("tokenizers")  # the kernel tests above need neither
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    root.mkdir(parents=True, exist_ok=True)
-    hidden, inter, heads, kv_heads, head_dim, layers = 96, 128, 6, 2, 16, 2
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=hidden,
-                  intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-    (root / "config.json").write_text(json.dumps(config))
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape, std=0.2):
-        return torch.randn(*shape, generator=g) * std
-
-    tensors = {"model.embed_tokens.weight": w(VOCAB, hidden), "lm_head.weight": w(VOCAB, hidden),
-               "model.norm.weight": 1 + w(hidden, std=0.1)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-            p + "input_layernorm.weight": 1 + w(hidden, std=0.1),
-            p + "post_attention_layernorm.weight": 1 + w(hidden, std=0.1),
-        }
-    for name, value in (kv_scales or {}).items():
-        tensors[name] = torch.tensor(value, dtype=torch.float32)
-    save_file(tensors, str(root / "model.safetensors"))
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    tok.save(str(root / "tokenizer.json"))
-    return root
+    return write_tiny_llama(root, {name: torch.tensor(value, dtype=torch.float32)
+                                   for name, value in (kv_scales or {}).items()})
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,7 @@ from sluice_engine.models.llama import LlamaForCausalLM  # noqa: E402
 from sluice_engine.models.loader import checkpoint_files, load_weights  # noqa: E402
 from sluice_engine.models.model_config import ModelConfig  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- tiny models, whole and in pipeline stages ---------------------------------------------------------------

@@ -36,13 +36,7 @@ from sluice_engine.models.rotary import RotaryEmbedding  # noqa: E402
 REF = TorchLayerOps()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The interpreter runs numpy on small tiles: extra threads only add overhead on a shared CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):

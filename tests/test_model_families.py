@@ -117,13 +117,7 @@ def build_family(name: str, root: Path, **overrides) -> Family:
     return Family(name, root, hf)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls: extra threads only add overhead (and thrash when other jobs share the CPU).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

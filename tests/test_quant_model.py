@@ -66,12 +66,7 @@ CASES = {
 DENSE_LAYER = ("fp8-per-channel", 1, "mlp.down_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(arch: str) -> dict:

@@ -42,12 +42,7 @@ from sluice_engine.quant.registry import check_quant_config  # noqa: E402
 SHAPES = [(1, 256, 64, 128), (5, 128, 192, 32), (33, 384, 256, 128)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

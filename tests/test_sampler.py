@@ -18,13 +18,7 @@ CPU = torch.device("cpu")
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Small tensors: extra threads only add overhead (and thrash when other jobs share the CPU).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_req(rid="r", prompt=(1, 2, 3), output=(), processors=(), seed=None, **params) -> Request:

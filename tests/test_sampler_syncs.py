@@ -29,12 +29,7 @@ V = 128
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # small tensors: threads only add overhead on a shared CPU
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class BanToken:

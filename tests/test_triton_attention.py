@@ -25,6 +25,7 @@ from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for, choose_at
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from tiny_llama import VOCAB, write_tiny_llama
 from triton_interpreter import import_kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -34,14 +35,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}  # bf16: 
 tk = import_kernels("sluice_engine.attention.triton_kernels")
 from sluice_engine.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The interpreter runs numpy on tiny tiles: extra threads only add overhead on a shared CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a ragged batch over a paged cache -------------------------------------------------------------
@@ -230,49 +224,10 @@ def test_triton_off_cuda_without_the_interpreter_names_the_flag(monkeypatch):
 
 
 # -- end to end: the engine's greedy tokens do not depend on the backend ------------------------------------
-VOCAB = 96
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
     """A 2-layer Llama (6 query heads over 2 KV heads) with random weights, as an HF directory."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    root = tmp_path_factory.mktemp("tiny-llama")
-    hidden, inter, heads, kv_heads, head_dim, layers = 96, 128, 6, 2, 16, 2
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=hidden,
-                  intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-    (root / "config.json").write_text(json.dumps(config))
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape, std=0.2):  # wide enough that a random model does not repeat one token
-        return torch.randn(*shape, generator=g) * std
-
-    tensors = {"model.embed_tokens.weight": w(VOCAB, hidden), "lm_head.weight": w(VOCAB, hidden),
-               "model.norm.weight": 1 + w(hidden, std=0.1)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-            p + "input_layernorm.weight": 1 + w(hidden, std=0.1),
-            p + "post_attention_layernorm.weight": 1 + w(hidden, std=0.1),
-        }
-    save_file(tensors, str(root / "model.safetensors"))
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    tok.save(str(root / "tokenizer.json"))
-    return root
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.mark.slow

@@ -1,0 +1,51 @@
+"""A server under benchmark as a subprocess: started with its output in a log file, waited on until its
+readiness path answers 200 (or it exits, with its log's tail in the error), and stopped (terminate, then kill
+after 20 s). Shared by the benchmark scripts that start sluice and its peers (llama-server) themselves."""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, url: str, ready_path: str):
+        self.name, self.cmd, self.url, self.log_path, self.ready_path = name, cmd, url, log_path, ready_path
+        print(f"starting {name}: {shlex.join(cmd)}  (log: {log_path})", flush=True)
+        with open(log_path, "w") as logf:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before ready:\n"
+                                   f"{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name}: {self.url}{self.ready_path} not 200 within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
