@@ -6,6 +6,7 @@ same plain data; pipeline stages pass hidden states on, and the logits reach ran
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -241,7 +242,4 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros in memory the OS maps on first write: numpy's zeros is calloc, which for a large size is a fresh
     anonymous mapping left untouched, where torch.zeros writes every byte. So on CPU a KV cache's blocks count
     in the process's resident memory once used, not all at startup (1 GiB by default on CPU)."""
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)

@@ -35,7 +35,8 @@ from .rotary import RotaryEmbedding
 
 # (module name as in the model, e.g. "layers.3.self_attn.qkv_proj", in_features, out_features, bias) -> the
 # layer. Dense: nn.Linear, loaded afterwards by models/loader.py; a quantized checkpoint's loader builds its
-# decoder projections from the packed tensors instead (models/gpu_quant_loader.py).
+# decoder projections from the packed tensors instead (models/gpu_quant_loader.py), and on CPU a GGUF's
+# loader from the file's blocks (models/quant_loader.py GGUFLinears).
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
 
