@@ -66,6 +66,14 @@ class ModelRunner:
         self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend,
                                                  checkpoint_quantization(model_dir), gguf,
                                                  unsharded=self.shard.tp * self.shard.pp == 1)
+        if self.quantization in (*CPU_FORMATS, "auto") and self.backend.name == "cpu":
+            # A GGUF served in its own blocks on CPU computes as llama.cpp does, bit for bit (attention/ggml_cpu.py:
+            # int8 activations make any other rounding a different answer at near-ties), in an fp16 cache.
+            from .attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention
+            from .cpu_kernels import load as load_kernels
+
+            self.backend = GgmlCpuAttention(load_kernels())
+            self.kv_cache_dtype = KV_DTYPE
         self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
                                 quantization=self.quantization,
                                 gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)

@@ -25,7 +25,7 @@ from ..model_fetch import cache_root
 log = logging.getLogger("sluice.engine")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
-                                                              "layer_ops.cpp")]
+                                                              "layer_ops.cpp", "ggml_attention.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Where the compiler does not know -march=native for this CPU: the same without it (slower, still right).
 PORTABLE_FLAGS = [f for f in FLAGS if f != "-march=native"]
@@ -125,7 +125,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("sluice_gemm_available", "sluice_gemm_panel_width", "sluice_quant_abi_version", "sluice_quant_isa"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     _bind_layer_ops(lib)
+    _bind_ggml_attention(lib)
     return lib
+
+
+def _bind_ggml_attention(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.sluice_ggml_attention_supports_head_dim.argtypes = [i32]
+    lib.sluice_ggml_attention_supports_head_dim.restype = i32
+    lib.sluice_ggml_write_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i32]
+    lib.sluice_ggml_write_kv.restype = None
+    lib.sluice_ggml_attention.argtypes = [p, i64, p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
+    lib.sluice_ggml_attention.restype = None
 
 
 def _bind_layer_ops(lib: ctypes.CDLL) -> None:

@@ -49,7 +49,7 @@ def select_layer_ops(attention_backend: str) -> LayerOps:
         from .triton_ops import TritonLayerOps
 
         return TritonLayerOps()
-    if attention_backend == "cpu":
+    if attention_backend in ("cpu", "ggml"):
         from .. import cpu_kernels
 
         lib = cpu_kernels.load()

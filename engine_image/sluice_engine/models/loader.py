@@ -193,7 +193,7 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
         # The layers left: quantized from their loaded fp32 weights where the format asks for it, and the
         # output layer (with a tied embedding reading its blocks) where the GGUF ships it quantized.
         quantize_linears(model, quantization, blocks, lib)
-    if backend.name == "cpu" and dtype == torch.float32:  # the C++ CPU path: linear layers too
+    if backend.name in ("cpu", "ggml") and dtype == torch.float32:  # the C++ CPU path: linear layers too
         from ..cpu_kernels.linear import pack_linears
 
         pack_linears(model)

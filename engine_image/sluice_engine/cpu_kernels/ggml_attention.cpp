@@ -1,0 +1,280 @@
+// Paged causal attention over an fp16 KV cache with llama.cpp's CPU arithmetic, bit for bit
+// (attention/ggml_cpu.py; the numerics of llama.cpp as vendored by llama-cpp-python 0.3.36, built for x86 with
+// AVX-512 as llama-server is on such a CPU).
+//
+// Why bit for bit: a GGUF served in its blocks quantizes every matmul's activations to 8 bits per block, as
+// llama.cpp does. Such rounding turns any difference, however small, into a whole quantization step in some
+// element, and 30 layers later into a different token wherever two candidates were close. So a user who
+// moves a GGUF from llama.cpp to sluice gets llama.cpp's answers only if every op rounds as llama.cpp's does.
+// This file is the attention op; layer_ops.cpp (sluice_ggml_*) and quant_gemm.cpp do the others.
+//
+// llama.cpp's CPU flash attention (ggml_compute_forward_flash_attn_ext_f16) takes one of two paths per
+// micro-batch, with different rounding, and we take the same one per sequence:
+// - "vec" (fewer than 64 query rows: decode and short prompts). Q is rounded to fp16; each key's score is an
+//   fp16 x fp16 dot product (exact products, summed in float in the AVX-512 reduction order below, then
+//   through a double); online softmax over keys in order with libm's expf; the output accumulates in fp16:
+//   acc = fp16(acc * ms) on a new maximum, then acc = fp16(acc + v * vs) per key; out = float(acc) * (1 / S).
+// - "tiled" (64 or more query rows: longer prompts). Q stays fp32; keys in tiles of 64: scores are FMA
+//   chains over the head dim, times the scale, masked; per tile a running max, exp(x - max) by ggml's
+//   vector expf polynomial, the tile's sum added through a double; the output accumulates in fp32 as FMA
+//   chains over the tile's keys; out = acc * (1 / S).
+// The dimension order matters for the sums: llama.cpp's K (and Q) hold each rotary pair side by side
+// (GGUF's layout), ours holds the two halves of a head apart (HF's), so the cache keeps K in llama.cpp's
+// order (sluice_ggml_write_kv permutes it) and Q is permuted on read. V is not permuted anywhere.
+// Not reproduced: llama.cpp's split-KV decode (one query row with 512 or more KV cells), which llama-server
+// takes once a sequence passes ~256 tokens; there the rounding differs slightly.
+//
+// Floating-point contraction is off in this file: every FMA below is written as one, every other product
+// is rounded on its own, as llama.cpp's build computes them.
+#pragma GCC optimize("fp-contract=off")
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 64;      // llama.cpp's GGML_FA_TILE_Q and GGML_FA_TILE_KV
+constexpr int kMaxDim = 256;   // head dims up to this
+
+#if defined(__F16C__)
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else  // the portable build: the compiler's half type (round to nearest even, as F16C)
+inline float h2f(uint16_t h) {
+    _Float16 x;
+    std::memcpy(&x, &h, 2);
+    return static_cast<float>(x);
+}
+inline uint16_t f2h(float f) {
+    const _Float16 x = static_cast<_Float16>(f);
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    return h;
+}
+#endif
+
+// GGUF pair order <-> HF halves: element e of a head in llama.cpp's order is element (e / 2) + (e % 2) * d / 2
+// of ours.
+inline int hf_index(int e, int d) { return (e >> 1) + (e & 1) * (d >> 1); }
+
+// Sum of 16 floats in the order of GCC's _mm512_reduce_add_ps (halves, quarters, then pairs).
+inline float reduce16(const float* x) {
+    float t3[8], t6[4];
+    for (int i = 0; i < 8; ++i) t3[i] = x[i + 8] + x[i];
+    for (int i = 0; i < 4; ++i) t6[i] = t3[i + 4] + t3[i];
+    const float a = t6[0] + t6[2], b = t6[1] + t6[3];
+    return a + b;
+}
+
+// ggml's AVX-512 vector expf (vec.h: a range reduction by ln 2 in two parts and a degree-5 polynomial,
+// after ARM's optimized-routines), one lane at a time.
+inline float ggml_expf(float x) {
+    const float r = 0x1.8p23f;
+    const float z = std::fma(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                      std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                             u, std::fma(0x1.ffffecp-1f, b, 1.0f));
+    if (!(std::fabs(n) > 192.f)) return std::ldexp(j, static_cast<int>(n));  // vscalefps: j * 2^n, one rounding
+    return n <= 0.f ? 0.f : INFINITY;
+}
+
+struct Geometry {
+    const uint16_t* k_cache;  // [slots, kv_heads, d] fp16, K in pair order
+    const uint16_t* v_cache;
+    const int32_t* table;     // this sequence's block table
+    int kv_heads, d, block_size;
+    const uint16_t* k_at(int pos, int kvh) const { return k_cache + slot(pos) * kv_heads * d + kvh * d; }
+    const uint16_t* v_at(int pos, int kvh) const { return v_cache + slot(pos) * kv_heads * d + kvh * d; }
+    int64_t slot(int pos) const { return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size; }
+};
+
+// The "vec" path for one query row of one head: keys 0..pos.
+void attend_vec(const Geometry& g, const float* q_hf, int kvh, int pos, float scale, float* out) {
+    const int d = g.d;
+    float qh[kMaxDim];  // Q rounded to fp16, in pair order
+    for (int e = 0; e < d; ++e) qh[e] = h2f(f2h(q_hf[hf_index(e, d)]));
+    uint16_t acc[kMaxDim];
+    std::memset(acc, 0, sizeof(acc));
+    float S = 0.f, M = -INFINITY;
+    const int groups = d / 64, rest = d % 64;  // ggml_vec_dot_f16: blocks of 64 (4 x 16 lanes), then a tail
+    for (int p = 0; p <= pos; ++p) {
+        const uint16_t* k = g.k_at(p, kvh);
+        double sumf = 0.0;
+        if (groups == 1) {  // the only case a 64-dim head has (the reduction of a single block of 64)
+            float lane[16];
+            for (int l = 0; l < 16; ++l) {
+                const float a = qh[l] * h2f(k[l]) + qh[32 + l] * h2f(k[32 + l]);
+                const float b = qh[16 + l] * h2f(k[16 + l]) + qh[48 + l] * h2f(k[48 + l]);
+                lane[l] = a + b;
+            }
+            sumf = reduce16(lane);
+        } else {
+            float sum[4][16] = {};
+            for (int gi = 0; gi < groups; ++gi)
+                for (int j = 0; j < 4; ++j)
+                    for (int l = 0; l < 16; ++l) {
+                        const int e = gi * 64 + j * 16 + l;
+                        sum[j][l] = std::fma(qh[e], h2f(k[e]), sum[j][l]);
+                    }
+            float lane[16];
+            for (int l = 0; l < 16; ++l) lane[l] = (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]);
+            sumf = reduce16(lane);
+        }
+        for (int e = groups * 64; e < groups * 64 + rest; ++e)
+            sumf += static_cast<double>(qh[e] * h2f(k[e]));
+        float s = static_cast<float>(sumf);
+        s = s * scale;
+        const float Mold = M;
+        float ms = 1.f, vs = 1.f;
+        if (s > M) {
+            M = s;
+            ms = std::exp(Mold - M);
+            for (int i = 0; i < d; ++i) acc[i] = f2h(h2f(acc[i]) * ms);
+        } else {
+            vs = std::exp(s - M);
+        }
+        const uint16_t* v = g.v_at(p, kvh);
+        for (int i = 0; i < d; ++i) acc[i] = f2h(std::fma(h2f(v[i]), vs, h2f(acc[i])));
+        S = std::fma(S, ms, vs);
+    }
+    const float inv = S == 0.f ? 0.f : 1.f / S;
+    for (int i = 0; i < d; ++i) out[i] = h2f(acc[i]) * inv;
+}
+
+// The "tiled" path for one sequence: rows [0, rows) at positions first_pos + r, heads [0, heads).
+void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, int64_t ldo, int rows, int first_pos,
+                  int heads, float scale, int threads) {
+    const int d = g.d, kvh_n = g.kv_heads, group = heads / kvh_n;
+    const int ctx = first_pos + rows, tiles = (ctx + kTile - 1) / kTile;
+    // K transposed ([kv head][tile][dim][key]) and V ([kv head][key][dim]) in fp32, zero-padded to whole tiles.
+    std::vector<float> kt(static_cast<size_t>(kvh_n) * tiles * d * kTile, 0.f);
+    std::vector<float> vf(static_cast<size_t>(kvh_n) * tiles * kTile * d, 0.f);
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int h = 0; h < kvh_n; ++h)
+        for (int p = 0; p < ctx; ++p) {
+            const uint16_t* k = g.k_at(p, h);
+            const uint16_t* v = g.v_at(p, h);
+            float* ktile = &kt[(static_cast<size_t>(h) * tiles + p / kTile) * d * kTile];
+            for (int e = 0; e < d; ++e) ktile[e * kTile + p % kTile] = h2f(k[e]);
+            float* vrow = &vf[(static_cast<size_t>(h) * tiles * kTile + p) * d];
+            for (int i = 0; i < d; ++i) vrow[i] = h2f(v[i]);
+        }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) collapse(2)
+    for (int r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h) {
+            const int kvh = h / group, pos = first_pos + r;
+            const float* qr = q + r * ldq + h * d;
+            float qp[kMaxDim], acc[kMaxDim], kq[kTile];
+            for (int e = 0; e < d; ++e) qp[e] = qr[hf_index(e, d)];
+            for (int i = 0; i < d; ++i) acc[i] = 0.f;
+            float S = 0.f, M = -INFINITY;
+            for (int t = 0; t * kTile <= pos; ++t) {
+                const float* ktile = &kt[(static_cast<size_t>(kvh) * tiles + t) * d * kTile];
+                for (int c = 0; c < kTile; ++c) kq[c] = 0.f;
+                for (int e = 0; e < d; ++e) {
+                    const float a = qp[e];
+                    const float* krow = ktile + e * kTile;
+                    for (int c = 0; c < kTile; ++c) kq[c] = std::fma(a, krow[c], kq[c]);
+                }
+                float tile_max = -INFINITY;
+                for (int c = 0; c < kTile; ++c) {
+                    kq[c] = t * kTile + c <= pos ? kq[c] * scale : -INFINITY;  // masked: x + -inf
+                    tile_max = std::max(tile_max, kq[c]);
+                }
+                const float Mnew = std::fmax(M, tile_max);
+                if (Mnew > M) {
+                    const float ms = std::exp(M - Mnew);
+                    for (int i = 0; i < d; ++i) acc[i] = acc[i] * ms;
+                    S = S * ms;
+                }
+                M = Mnew;
+                double sum = 0.0;
+                for (int c0 = 0; c0 < kTile; c0 += 16) {
+                    for (int c = c0; c < c0 + 16; ++c) kq[c] = ggml_expf(kq[c] - Mnew);
+                    sum += static_cast<double>(reduce16(kq + c0));
+                }
+                S = static_cast<float>(static_cast<double>(S) + sum);
+                const float* vt = &vf[(static_cast<size_t>(kvh) * tiles + t) * kTile * d];
+                for (int c = 0; c < kTile; ++c) {
+                    const float pc = kq[c];
+                    const float* vrow = vt + c * d;
+                    for (int i = 0; i < d; ++i) acc[i] = std::fma(vrow[i], pc, acc[i]);
+                }
+            }
+            const float inv = S == 0.f ? 0.f : 1.f / S;
+            float* o = out + r * ldo + h * d;
+            for (int i = 0; i < d; ++i) o[i] = acc[i] * inv;
+        }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sluice_ggml_attention_supports_head_dim(int d) { return d > 0 && d % 2 == 0 && d <= kMaxDim && d % 16 == 0; }
+
+// K and V rows [T, kv_heads, d] (fp32; row stride ldk/ldv, heads contiguous) into the fp16 caches at their slots;
+// K permuted into pair order.
+void sluice_ggml_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, uint16_t* k_cache,
+                          uint16_t* v_cache, const int64_t* slots, int tokens, int kv_heads, int d) {
+    for (int t = 0; t < tokens; ++t) {
+        const int64_t base = slots[t] * kv_heads * d;
+        for (int h = 0; h < kv_heads; ++h) {
+            const float* kr = k + t * ldk + h * d;
+            const float* vr = v + t * ldv + h * d;
+            uint16_t* kc = k_cache + base + h * d;
+            uint16_t* vc = v_cache + base + h * d;
+            for (int e = 0; e < d; ++e) kc[e] = f2h(kr[hf_index(e, d)]);
+            for (int i = 0; i < d; ++i) vc[i] = f2h(vr[i]);
+        }
+    }
+}
+
+// out[T, heads, d] = causal attention of q[T, heads, d] (fp32, HF layout; rows ldq apart, heads contiguous) over
+// each sequence's cached context. Sequence i owns rows query_start[i]..query_start[i+1] and has seq_lens[i]
+// tokens after this step; its cache slots come from block_tables (row i, ldt apart).
+void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq, const uint16_t* k_cache,
+                           const uint16_t* v_cache, const int32_t* block_tables, int64_t ldt, const int32_t* seq_lens,
+                           const int32_t* query_start, int num_seqs, int heads, int kv_heads, int d, int block_size,
+                           float scale, int threads) {
+    const int group = heads / kv_heads;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int q0 = query_start[s], rows = query_start[s + 1] - q0, first = seq_lens[s] - rows;
+        if (rows >= kTile) {
+            const Geometry g{k_cache, v_cache, block_tables + s * ldt, kv_heads, d, block_size};
+            attend_tiled(g, q + q0 * ldq, ldq, out + q0 * ldo, ldo, rows, first, heads, scale, threads);
+        }
+    }
+    // Every short sequence's rows x heads in one parallel loop (a decode batch is many sequences of one row).
+    std::vector<int> row_seq;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int rows = query_start[s + 1] - query_start[s];
+        if (rows < kTile)
+            for (int r = 0; r < rows; ++r) row_seq.push_back(s);
+    }
+    std::vector<int> row_idx;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int rows = query_start[s + 1] - query_start[s];
+        if (rows < kTile)
+            for (int r = 0; r < rows; ++r) row_idx.push_back(query_start[s] + r);
+    }
+    const int64_t n = static_cast<int64_t>(row_idx.size()) * heads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (n > 4)
+    for (int64_t w = 0; w < n; ++w) {
+        const int i = static_cast<int>(w / heads), h = static_cast<int>(w % heads), s = row_seq[i], row = row_idx[i];
+        const int rows = query_start[s + 1] - query_start[s];
+        const int pos = seq_lens[s] - rows + (row - query_start[s]);
+        const Geometry g{k_cache, v_cache, block_tables + s * ldt, kv_heads, d, block_size};
+        attend_vec(g, q + row * ldq + h * d, h / group, pos, scale, out + row * ldo + h * d);
+    }
+}
+
+}  // extern "C"
