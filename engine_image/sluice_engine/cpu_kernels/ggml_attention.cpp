@@ -96,6 +96,47 @@ struct Geometry {
     int64_t slot(int pos) const { return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size; }
 };
 
+#if defined(__AVX512F__) && defined(__F16C__)
+// The "vec" path for a 64-dim head with AVX-512: the same operations as attend_vec below, 16 lanes at a time.
+void attend_vec64(const Geometry& g, const float* q_hf, int kvh, int pos, float scale, float* out) {
+    alignas(64) float qh[64];
+    for (int e = 0; e < 64; ++e) qh[e] = h2f(f2h(q_hf[hf_index(e, 64)]));
+    __m512 q4[4];
+    for (int j = 0; j < 4; ++j) q4[j] = _mm512_load_ps(qh + 16 * j);
+    __m512 acc[4];  // the fp16 accumulator, held widened (every update rounds it back to fp16)
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+    const auto round16 = [](__m512 x) { return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); };
+    const auto load16 = [](const uint16_t* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    float S = 0.f, M = -INFINITY;
+    for (int p = 0; p <= pos; ++p) {
+        const uint16_t* k = g.k_at(p, kvh);
+        __m512 prod[4];
+        for (int j = 0; j < 4; ++j) prod[j] = _mm512_mul_ps(q4[j], load16(k + 16 * j));  // exact: fp16 x fp16
+        const __m512 lanes = _mm512_add_ps(_mm512_add_ps(prod[0], prod[2]), _mm512_add_ps(prod[1], prod[3]));
+        float s = static_cast<float>(static_cast<double>(_mm512_reduce_add_ps(lanes)));
+        s = s * scale;
+        const float Mold = M;
+        float ms = 1.f, vs = 1.f;
+        if (s > M) {
+            M = s;
+            ms = std::exp(Mold - M);
+            const __m512 vms = _mm512_set1_ps(ms);
+            for (int j = 0; j < 4; ++j) acc[j] = round16(_mm512_mul_ps(acc[j], vms));
+        } else {
+            vs = std::exp(s - M);
+        }
+        const uint16_t* v = g.v_at(p, kvh);
+        const __m512 vvs = _mm512_set1_ps(vs);
+        for (int j = 0; j < 4; ++j) acc[j] = round16(_mm512_fmadd_ps(load16(v + 16 * j), vvs, acc[j]));
+        S = std::fma(S, ms, vs);
+    }
+    const __m512 inv = _mm512_set1_ps(S == 0.f ? 0.f : 1.f / S);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], inv));
+}
+#endif
+
 // The "vec" path for one query row of one head: keys 0..pos.
 void attend_vec(const Geometry& g, const float* q_hf, int kvh, int pos, float scale, float* out) {
     const int d = g.d;
@@ -273,6 +314,12 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
         const int rows = query_start[s + 1] - query_start[s];
         const int pos = seq_lens[s] - rows + (row - query_start[s]);
         const Geometry g{k_cache, v_cache, block_tables + s * ldt, kv_heads, d, block_size};
+#if defined(__AVX512F__) && defined(__F16C__)
+        if (d == 64) {
+            attend_vec64(g, q + row * ldq + h * d, h / group, pos, scale, out + row * ldo + h * d);
+            continue;
+        }
+#endif
         attend_vec(g, q + row * ldq + h * d, h / group, pos, scale, out + row * ldo + h * d);
     }
 }
