@@ -1,16 +1,21 @@
 """The C++ CPU layer ops (cpu_kernels/layer_ops.cpp via layer_ops/cpu_ops.py) against the torch reference
 (layer_ops/torch_ops.py): RMSNorm, residual add + RMSNorm, rotary in place, SiLU-and-multiply, over the
 shapes the decoder gives them (decode's few rows on one thread, prefill's many in parallel, the strided
-Q/K view of a fused QKV output), and the bundled model through the engine with them."""
+Q/K view of a fused QKV output), and the bundled model through the engine with them. Then the ggml-exact
+ops (layer_ops/ggml_ops.py): the same checks against the torch reference, determinism, and their rope table's
+iterated angles (their bit-exactness against llama.cpp itself is benchmarks/ggml_check/layer_ops_check.cpp,
+which needs llama.cpp built)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from sluice_engine import cpu_kernels
 from sluice_engine.layer_ops import select_layer_ops
 from sluice_engine.layer_ops.cpu_ops import CpuLayerOps
+from sluice_engine.layer_ops.ggml_ops import GgmlLayerOps
 from sluice_engine.layer_ops.torch_ops import TorchLayerOps
 from sluice_engine.models.rotary import RotaryEmbedding
 
@@ -85,6 +90,121 @@ def test_other_dtypes_and_empty_batches_take_the_reference(ops):
 def test_the_cpu_backend_selects_them():
     assert select_layer_ops("cpu").name == "cpu"
     assert select_layer_ops("torch").name == "torch"
+
+
+# -- the ggml-exact ops ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ggml_ops():
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.fail("the CPU kernels did not build (is g++ installed?); see the log")
+    return GgmlLayerOps(lib)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_ggml_norms(ggml_ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 576, generator=g) * 3, torch.randn(rows, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    torch.testing.assert_close(ggml_ops.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), **TOL)
+    got, got_sum = ggml_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    want, want_sum = REF.fused_add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got_sum, want_sum)
+    heads = torch.randn(rows, 4, 64, generator=g)
+    torch.testing.assert_close(ggml_ops.rms_norm(heads, w[:64], 1e-6), REF.rms_norm(heads, w[:64], 1e-6), **TOL)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_ggml_rotary_in_place_on_the_fused_qkv_view(ggml_ops, rows):
+    q_heads, kv_heads, d = 9, 3, 64
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=g)
+    before = qkv.clone()
+    positions = torch.randint(0, 4000, (rows,), generator=g)
+    cos_sin = ggml_ops.rotary_embedding(d, 4096, 100000.0, {})(positions)
+    view = qkv[:, : (q_heads + kv_heads) * d].view(rows, -1, d)
+    want = REF.rotary(view.clone(), cos_sin)  # the same angles, rotated by torch
+    got = ggml_ops.rotary(view, cos_sin)
+    assert got.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * d :], before[:, (q_heads + kv_heads) * d :])
+    # Against torch's own table: the angles round differently (by up to ~1e-3 rad at position 4000).
+    torch.testing.assert_close(got, REF.rotary(before[:, : (q_heads + kv_heads) * d].view(rows, -1, d),
+                                               RotaryEmbedding(d, 4096, 100000.0, {})(positions)),
+                               atol=1e-2, rtol=0)
+
+
+def _ggml_angles(positions: np.ndarray, head_dim: int, base: float) -> np.ndarray:
+    """ggml_rope_cache_init's angles, emulated in float32: theta starts at the position and is multiplied by
+    powf(base, -2/head_dim) after each pair."""
+    theta_scale = np.float32(np.power(np.float64(np.float32(base)), np.float64(np.float32(-2.0 / head_dim))))
+    theta = positions.astype(np.float32)
+    angles = np.empty((len(positions), head_dim // 2), dtype=np.float32)
+    for i in range(head_dim // 2):
+        angles[:, i] = theta
+        theta = theta * theta_scale  # float32 * float32: one rounding, as ggml's
+    return angles
+
+
+@pytest.mark.parametrize("base", [100000.0, 10000.0])
+def test_ggml_rope_table_iterates_theta(ggml_ops, base):
+    d, positions = 64, np.array([0, 1, 2, 3, 7, 100, 1000, 2047, 4000, 4095])
+    rope = ggml_ops.rotary_embedding(d, 4096, base, {})
+    cos, sin = (t.squeeze(1).double().numpy() for t in rope(torch.from_numpy(positions)))
+    angles = _ggml_angles(positions, d, base).astype(np.float64)
+    # cos/sin of exactly the emulated float32 angles (sincosf: within an ulp of the true values)
+    np.testing.assert_allclose(cos, np.cos(angles), rtol=0, atol=1.2e-7)
+    np.testing.assert_allclose(sin, np.sin(angles), rtol=0, atol=1.2e-7)
+    # ... which are not torch's position * inv_freq: far from 0 they differ by much more than an ulp.
+    torch_cos = RotaryEmbedding(d, 4096, base, {})(torch.from_numpy(positions))[0].squeeze(1).double().numpy()
+    assert np.abs(cos[-3:] - torch_cos[-3:]).max() > 1e-5
+    assert np.array_equal(cos[0], np.ones(d // 2)) and np.array_equal(sin[0], np.zeros(d // 2))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", [1536, 1547])  # 1547: an 11-float tail per row (libm's expf)
+def test_ggml_silu_and_mul(ggml_ops, rows, inter):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    gate_up[0, :8] = torch.tensor([0.0, -100.0, 100.0, -87.5, 88.5, 1e-30, -200.0, 200.0])
+    gate_up[0, inter - 3 : inter] = torch.tensor([-100.0, 100.0, 1e-30])
+    torch.testing.assert_close(ggml_ops.silu_and_mul(gate_up), REF.silu_and_mul(gate_up), **TOL)
+
+
+def test_ggml_ops_are_deterministic(ggml_ops):
+    """The same input gives the same bits, run twice and whatever rows share its batch (a prefill's many
+    rows run on several threads; a decode row alone runs on one)."""
+    g = torch.Generator().manual_seed(7)
+    x, res = torch.randn(40, 576, generator=g) * 3, torch.randn(40, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    qk = torch.randn(40, 12, 64, generator=g)
+    gate_up = torch.randn(40, 2 * 1536, generator=g) * 4
+    rope = ggml_ops.rotary_embedding(64, 4096, 100000.0, {})
+    cos_sin = rope(torch.randint(0, 4096, (40,), generator=g))
+
+    def run(rows: slice):
+        cs = (cos_sin[0][rows].contiguous(), cos_sin[1][rows].contiguous())
+        return (ggml_ops.rms_norm(x[rows], w, 1e-5), *ggml_ops.fused_add_rms_norm(x[rows], res[rows], w, 1e-5),
+                ggml_ops.rotary(qk[rows].clone(), cs), ggml_ops.silu_and_mul(gate_up[rows]))
+
+    first, second, alone = run(slice(None)), run(slice(None)), run(slice(17, 18))
+    for a, b, c in zip(first, second, alone, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a[17:18], c)
+
+
+def test_ggml_rope_scaling(ggml_ops):
+    positions = torch.arange(0, 4096, 12)
+    linear = ggml_ops.rotary_embedding(64, 4096, 10000.0, {"rope_type": "linear", "factor": 4.0})(positions)
+    plain = ggml_ops.rotary_embedding(64, 4096, 10000.0, {})(positions // 4)
+    # freq_scale 1/4: a quarter of each angle, exactly the angles of position p / 4 (scaling by a power of two
+    # commutes with rounding)
+    assert torch.equal(linear[0], plain[0]) and torch.equal(linear[1], plain[1])
+    with pytest.raises(ValueError):
+        ggml_ops.rotary_embedding(64, 4096, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
 @pytest.mark.slow

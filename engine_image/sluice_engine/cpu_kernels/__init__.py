@@ -146,6 +146,12 @@ def _bind_layer_ops(lib: ctypes.CDLL) -> None:
         "sluice_add_rms_norm_f32": [p, i64, p, i64, p, p, i64, p, i64, i32, i32, f32, i32],
         "sluice_rotary_f32": [p, i64, i64, i32, i32, i32, p, p, i64, i32],
         "sluice_silu_mul_f32": [p, i64, p, i64, i32, i32, i32],
+        # llama.cpp's arithmetic bit for bit (layer_ops/ggml_ops.py): the same shapes as the four above.
+        "sluice_ggml_rms_norm_f32": [p, i64, p, p, i64, i32, i32, f32, i32],
+        "sluice_ggml_add_rms_norm_f32": [p, i64, p, i64, p, p, i64, p, i64, i32, i32, f32, i32],
+        "sluice_ggml_rotary_f32": [p, i64, i64, i32, i32, i32, p, p, i64, i32],
+        "sluice_ggml_swiglu_f32": [p, i64, p, i64, i32, i32, i32],
+        "sluice_ggml_rope_cache_f32": [p, i32, i32, f32, f32, p, p],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

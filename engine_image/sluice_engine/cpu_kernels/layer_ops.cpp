@@ -6,10 +6,14 @@
 // for the OpenMP fork to pay (prefill); a decode step's few rows run on the calling thread.
 // Arithmetic as torch's reference (layer_ops/torch_ops.py) in fp32; sums and exp are vectorized, so
 // results differ from it by float rounding.
+//
+// The sluice_ggml_* entry points further down (layer_ops/ggml_ops.py) are the same ops done with llama.cpp's
+// CPU arithmetic, bit for bit: see the comment above them.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -104,6 +108,166 @@ void sluice_silu_mul_f32(const float* gate_up, int64_t ldg, float* out, int64_t 
         float* o = out + r * ldo;
 #pragma omp simd
         for (int i = 0; i < inter; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+}
+
+}  // extern "C"
+
+// ---- llama.cpp's CPU arithmetic, bit for bit ------------------------------------------------------------------
+// The same four ops with the IEEE operations of ggml's CPU backend (llama-cpp-python 0.3.36's vendored
+// llama.cpp, built -O3 -march=native by GCC 12, i.e. with its default -ffp-contract=fast, on an AVX-512
+// CPU), in the same order, so that an engine quantizing activations to 8 bits as llama.cpp does reaches
+// the same tokens. Where GCC fused a multiply-add in that build, std::fma says so here; where it did not,
+// either no multiply feeds an add or the products go through a volatile, so no compiler can contract
+// them differently (the results are the same at -O0, -O3 and -ffp-contract=off/on/fast). Each result
+// depends on its own row only: threads do not change it. benchmarks/ggml_check/layer_ops_check.cpp
+// compares every op with ggml itself (0 differing floats).
+
+namespace {
+
+// ggml_compute_forward_rms_norm_f32 (ggml-cpu/ops.cpp) and the ggml_mul by the norm weight: squares
+// rounded to float and summed in double in order, the mean rounded to float, then x * scale * w.
+inline void ggml_norm_row(const float* x, const float* w, float* out, int n, float eps) {
+    double sum = 0.0;
+    for (int i = 0; i < n; ++i) {
+        const float sq = x[i] * x[i];
+        sum += static_cast<double>(sq);
+    }
+    const float mean = static_cast<float>(sum / static_cast<double>(n));
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    for (int i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
+}
+
+inline float pow2f(int e) {  // 2^e for e in [-126, 127]
+    const int32_t bits = (e + 127) << 23;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// ggml_v_expf's AVX-512 form (ggml-cpu/vec.h), one lane at a time: n = round(x / ln2) by the 1.5 * 2^23
+// trick, b = x - n ln2 (ln2 in two parts), e^b by a degree-5 polynomial in Estrin form, then scaled by 2^n
+// with one rounding as vscalefps does: j * 2^(n/2) is exact (|n| <= 192, j in [0.7, 1.5]), and the second
+// factor's multiply rounds once, subnormal results included. |n| > 192: 0 below, +inf above. Branch-free,
+// so that the loop over a row vectorizes.
+inline float ggml_v_expf_lane(float x) {
+    const float r = 0x1.8p23f;
+    const float z = std::fma(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                      std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                             u, std::fma(0x1.ffffecp-1f, b, 1.0f));
+    const float size = std::fabs(n);
+    const int e = static_cast<int>(size <= 192.0f ? n : 0.0f);  // (a NaN n: 0; j is NaN then)
+    const int e1 = e >> 1;
+    const float scaled = j * pow2f(e1) * pow2f(e - e1);
+    const float limit = n <= 0.0f ? 0.0f : std::numeric_limits<float>::infinity();
+    return size > 192.0f ? limit : scaled;
+}
+
+// Positions' rotary angles as ggml_rope_cache_init makes them (ggml-cpu/ops.cpp), rope type NORM with no
+// frequency factors, ext_factor 0 and attn_factor 1 (llama.cpp's values without YaRN): theta starts at the
+// position as a float and is multiplied by powf(base, -2 / n_dims) after each pair; the angle is
+// freq_scale * theta; cos and sin from glibc's sincosf (GCC merged the cosf/sinf pair into that call).
+inline void ggml_rope_row(int64_t pos, int pairs, float theta_scale, float freq_scale, float* cos, float* sin) {
+    float theta = static_cast<float>(pos);
+    for (int i = 0; i < pairs; ++i) {
+        const float angle = freq_scale * theta;
+#if defined(__GLIBC__)
+        sincosf(angle, &sin[i], &cos[i]);
+#else
+        cos[i] = std::cos(angle);
+        sin[i] = std::sin(angle);
+#endif
+        theta *= theta_scale;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// As sluice_rms_norm_f32, with ggml's arithmetic.
+void sluice_ggml_rms_norm_f32(const float* x, int64_t ldx, const float* w, float* out, int64_t ldo, int rows,
+                              int n, float eps, int threads) {
+#pragma omp parallel for if (rows >= kParallelRows) num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) ggml_norm_row(x + r * ldx, w, out + r * ldo, n, eps);
+}
+
+// As sluice_add_rms_norm_f32, with ggml's arithmetic (the add is ggml_add's: one float add).
+void sluice_ggml_add_rms_norm_f32(const float* x, int64_t ldx, const float* res, int64_t ldr, const float* w,
+                                  float* out, int64_t ldo, float* sum, int64_t lds, int rows, int n, float eps,
+                                  int threads) {
+#pragma omp parallel for if (rows >= kParallelRows) num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        const float* rr = res + r * ldr;
+        float* sr = sum + r * lds;
+        for (int i = 0; i < n; ++i) sr[i] = xr[i] + rr[i];
+        ggml_norm_row(sr, w, out + r * ldo, n, eps);
+    }
+}
+
+// cos/sin [count, n_dims / 2] (rows n_dims / 2 apart) for positions[count], as ggml's rope cache: the rows
+// sluice_ggml_rotary_f32 takes. Built once for a table of positions 0..max-1 (a row depends on its
+// position only), or per call.
+void sluice_ggml_rope_cache_f32(const int64_t* positions, int count, int n_dims, float freq_base, float freq_scale,
+                                float* cos, float* sin) {
+    const int pairs = n_dims / 2;
+    const float theta_scale = std::pow(freq_base, -2.0f / static_cast<float>(n_dims));
+    for (int t = 0; t < count; ++t)
+        ggml_rope_row(positions[t], pairs, theta_scale, freq_scale, cos + static_cast<int64_t>(t) * pairs,
+                      sin + static_cast<int64_t>(t) * pairs);
+}
+
+// As sluice_rotary_f32 (rotate-half layout, in place), with the arithmetic of ggml's rope (type NORM, over
+// GGUF's permuted Q/K rows, where our pair (i, i + dim / 2) is its adjacent pair i). GCC vectorized
+// rotate_pairs four pairs at a time with vfmaddsub, two at a time in the remainder:
+// x0' = fma(x0, cos, -(x1 sin)), x1' = fma(x0, sin, x1 cos), x1's products rounded first. A last single pair
+// (dim / 2 odd) it does unfused: x0 cos - x1 sin, x0 sin + x1 cos, each product rounded.
+void sluice_ggml_rotary_f32(float* x, int64_t ldt, int64_t ldh, int tokens, int heads, int dim, const float* cos,
+                            const float* sin, int64_t ldc, int threads) {
+    const int half = dim / 2, fused = half / 2 * 2;
+#pragma omp parallel for if (tokens >= kParallelRows) num_threads(threads) schedule(static)
+    for (int t = 0; t < tokens; ++t) {
+        const float* c = cos + t * ldc;
+        const float* s = sin + t * ldc;
+        for (int h = 0; h < heads; ++h) {
+            float* x0 = x + t * ldt + h * ldh;
+            float* x1 = x0 + half;
+            for (int i = 0; i < fused; ++i) {
+                const float a = x0[i], b = x1[i];
+                const float bs = b * s[i], bc = b * c[i];
+                x0[i] = std::fma(a, c[i], -bs);
+                x1[i] = std::fma(a, s[i], bc);
+            }
+            if (fused < half) {
+                const int i = fused;
+                const float a = x0[i], b = x1[i];
+                // volatile: products stored, so that no compiler contracts them into an FMA here.
+                const volatile float ac = a * c[i], as = a * s[i], bs = b * s[i], bc = b * c[i];
+                x0[i] = ac - bs;
+                x1[i] = as + bc;
+            }
+        }
+    }
+}
+
+// As sluice_silu_mul_f32, with ggml_vec_swiglu_f32's arithmetic (ggml-cpu/vec.cpp, its AVX-512 branch):
+// silu(g) = g / (1 + e^(0 - g)) with ggml_v_expf for each full 16-float block of a row, then times up; the
+// row's last inter % 16 floats with libm's expf (ggml_silu_f32).
+void sluice_ggml_swiglu_f32(const float* gate_up, int64_t ldg, float* out, int64_t ldo, int rows, int inter,
+                            int threads) {
+    const int blocked = inter / 16 * 16;
+#pragma omp parallel for if (rows >= kParallelRows) num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * ldg;
+        const float* u = g + inter;
+        float* o = out + r * ldo;
+        for (int i = 0; i < blocked; ++i) o[i] = g[i] / (1.0f + ggml_v_expf_lane(0.0f - g[i])) * u[i];
+        for (int i = blocked; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
 }
 

@@ -10,6 +10,9 @@ square, mean, add, rsqrt, multiply, downcast, weight), which at decode sizes cos
   backend (the engine's C++ CPU path).
 - `triton_ops.TritonLayerOps`: one Triton kernel per op (`triton_kernels.py`); the model uses it with the
   Triton attention backend, i.e. on CUDA (or in Triton's interpreter, for tests).
+- `ggml_ops.GgmlLayerOps`: the C++ ops with llama.cpp's CPU arithmetic, bit for bit (for greedy parity with
+  llama-server on GGUF models). Its `rotary` is exact given ggml's cos/sin rows: the model builds its
+  rotary table with `GgmlLayerOps.rotary_embedding` in place of `RotaryEmbedding`.
 
 The residual stream is carried beside each layer's output rather than added in place of it (as vLLM's
 `fused_add_rms_norm`): a norm that follows a residual add takes both and returns the normed output and
