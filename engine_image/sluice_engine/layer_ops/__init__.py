@@ -43,11 +43,15 @@ class LayerOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (a merged gate/up projection: gate columns first) -> silu(gate) * up, [T, I]."""
 
+    def rotary_embedding(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> torch.nn.Module:
+        """The model's table of rotary angles for these ops' `rotary` (`models.rotary.RotaryEmbedding`, except
+        where the ops reproduce another implementation's angles too)."""
+
 
 def select_layer_ops(attention_backend: str) -> LayerOps:
     """The Triton kernels beside the Triton attention backend (which has already checked that Triton can
-    run here); the C++ ops beside the C++ `cpu` backend (whose library has loaded); the torch reference
-    with every other backend."""
+    run here); the C++ ops beside the C++ `cpu` backend (whose library has loaded), and their llama.cpp-exact
+    twins beside the `ggml` one (attention/ggml_cpu.py); the torch reference with every other backend."""
     if attention_backend == "triton":
         from .triton_ops import TritonLayerOps
 
@@ -57,6 +61,10 @@ def select_layer_ops(attention_backend: str) -> LayerOps:
 
         lib = cpu_kernels.load()
         if lib is not None:
+            if attention_backend == "ggml":  # a GGUF in its blocks: llama.cpp's arithmetic throughout
+                from .ggml_ops import GgmlLayerOps
+
+                return GgmlLayerOps(lib)
             from .cpu_ops import CpuLayerOps
 
             return CpuLayerOps(lib)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.rotary import rotate
+from ..models.rotary import RotaryEmbedding, rotate
 
 
 class TorchLayerOps:
@@ -34,3 +34,6 @@ class TorchLayerOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def rotary_embedding(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> torch.nn.Module:
+        return RotaryEmbedding(head_dim, max_positions, theta, scaling)

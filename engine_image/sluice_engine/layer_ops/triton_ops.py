@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.rotary import RotaryEmbedding
 from . import triton_kernels as tk
 
 
@@ -28,3 +29,6 @@ class TritonLayerOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return tk.silu_and_mul(gate_up)
+
+    def rotary_embedding(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> torch.nn.Module:
+        return RotaryEmbedding(head_dim, max_positions, theta, scaling)

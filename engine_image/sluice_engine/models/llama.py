@@ -31,7 +31,6 @@ from ..distributed.parallel_state import tp_all_reduce, tp_gather_last_dim
 from ..forward_context import get_forward_context
 from ..layer_ops import LayerOps, select_layer_ops
 from .model_config import ModelConfig
-from .rotary import RotaryEmbedding
 
 # (module name as in the model, e.g. "layers.3.self_attn.qkv_proj", in_features, out_features, bias) -> the
 # layer. Dense: nn.Linear, loaded afterwards by models/loader.py; a quantized checkpoint's loader builds its
@@ -147,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.shard = shard = shard or single_shard(cfg)
         self.ops = ops = ops or select_layer_ops(backend.name)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = ops.rotary_embedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         local_vocab = shard.vocab_end - shard.vocab_start
         # The stage's slice of the vocabulary; rows past the real vocabulary (padding) stay zero.
         self.embed_tokens = nn.Embedding(local_vocab, cfg.hidden_size) if shard.is_first_stage else None
