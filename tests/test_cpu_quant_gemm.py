@@ -107,14 +107,16 @@ def weight_parts(blocks: torch.Tensor, fmt: str, k: int):
 def reference_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes, in float64 from the integer parts, per block: Q8_0 d_w d_x isum, Q4_0
     d_w d_x (isum - 8 sum q_x), Q4_1 d_w d_x isum + m_w s_x, with the s the kernel uses; summed over the
-    blocks. Returns it [M, N] and the sum of the blocks' |terms| (what float rounding scales with)."""
+    blocks. Returns it [M, N] and the sum of |terms| (what float rounding scales with), the terms per block
+    and lane of 4 products as the kernel rounds them (see q41_llama_order)."""
     q, d, s = quantize_x(x)
     wq, dw, mw = weight_parts(blocks, fmt, x.shape[1])
-    isum = torch.einsum("mbk,nbk->mnb", q.double(), wq)
+    qx = q.double().reshape(*q.shape[:2], 8, 4)  # [M, K/32, lane, 4]
+    isum = torch.einsum("mblt,nblt->mnbl", qx, wq.reshape(*wq.shape[:2], 8, 4))
     if fmt == "q4_0":
-        isum = isum - 8 * q.double().sum(-1)[:, None, :]
-    terms = isum * dw[None] * d.double()[:, None]  # [M, N, K/32]
-    scale = terms.abs().sum(-1)
+        isum = isum - 8 * qx.sum(-1)[:, None]
+    terms = isum * dw[None, :, :, None] * d.double()[:, None, :, None]  # [M, N, K/32, lane]
+    terms, scale = terms.sum(-1), terms.abs().sum((-2, -1))
     if fmt == "q4_1":
         m_terms = mw[None] * s.double()[:, None]
         terms, scale = terms + m_terms, scale + m_terms.abs().sum(-1)
@@ -123,9 +125,9 @@ def reference_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> tuple[tor
 
 def check(layer: QuantLinear, x: torch.Tensor, blocks: torch.Tensor) -> float:
     # Tolerance: the integer sums are exact, so the kernel and the float64 reference differ only by float
-    # rounding: d_w * d_x (1 rounding), that times isum (1), the m_w s_x term (1), and K/32 <= 48 block
-    # results added in float (<= 48): <= ~51 roundings of 2^-24 relative to the sum of the blocks' |terms|,
-    # ~3e-6 of it; 1e-5 of it per output leaves a margin (observed up to 2.8e-7, on every build).
+    # rounding: d_w * d_x (1 rounding), each lane's FMA over K/32 <= 48 blocks (<= 48), the lanes' 7 adds
+    # and Q4_1's m_w s_x FMAs and final add (<= 49): <= ~100 roundings of 2^-24 relative to the sum of the
+    # lanes' |terms|, ~6e-6 of it; 1e-5 of it per output leaves a margin (observed up to 1.3e-7).
     y = layer(x)
     ref, scale = reference_gemm(x, blocks, layer.fmt)
     assert y.shape == ref.shape
@@ -204,6 +206,69 @@ def test_quant_gemm_matches_reference(any_lib, fmt, m, k, n):
     g = torch.Generator().manual_seed(m * 7919 + k + n)
     blocks = random_blocks(g, n, k, fmt)
     check(QuantLinear(blocks, fmt, k, None, any_lib), torch.randn(m, k, generator=g), blocks)
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fma(a, b, c), correctly rounded (Python 3.11 has no math.fma): a * b is exact in float64
+    (24 + 24 bits); TwoSum gives the float64 sum's rounding error, with which the sum is rounded to odd
+    instead (the neighbour with an odd last bit when inexact), and a round-to-odd value with >= 24 + 2 bits
+    rounds to float32 as the exact value would: no double rounding."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
+    s = p + c
+    t = s - p
+    err = (p - (s - t)) + (c - t)  # exactly (p + c) - s
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def llama_order(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> np.ndarray:
+    """llama.cpp's x86 dot products (ggml_vec_dot_q4_1_q8_1, _q4_0_q8_0, _q8_0_q8_0: quants.c, as GCC
+    -O3 -march=native builds them) in float32, per output: a block's 32 products in 8 lanes of 4
+    (lane l: k = 4l..4l+3), each lane's integer sum FMA'd with float(d_w) * float(d_x) (rounded) into its
+    own accumulator over the blocks; Q4_1's m_w s_x FMA'd into one more (GCC contracts `summs += m * s`);
+    at the end hsum_float_8's order, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs."""
+    q, d, s = quantize_x(x)
+    wq, dw, mw = weight_parts(blocks, fmt, x.shape[1])
+    qx = q.double().reshape(*q.shape[:2], 8, 4)
+    lanes = torch.einsum("mblt,nblt->mnbl", qx, wq.reshape(*wq.shape[:2], 8, 4))
+    if fmt == "q4_0":
+        lanes = lanes - 8 * qx.sum(-1)[:, None]
+    lanes = lanes.numpy().astype(np.float32)  # |lane| <= 4 * 128 * 127: exact
+    dd = dw.numpy().astype(np.float32)[None] * d.numpy()[:, None]  # [M, N, K/32], float32 products
+    m32, s32 = mw.numpy().astype(np.float32), s.numpy()
+    acc = np.zeros(lanes.shape[:2] + (8,), np.float32)
+    summs = np.zeros(lanes.shape[:2], np.float32)
+    for b in range(lanes.shape[2]):
+        acc = fma32(dd[:, :, b, None], lanes[:, :, b], acc)
+        if fmt == "q4_1":
+            summs = fma32(m32[None, :, b], s32[:, None, b], summs)
+    a = [acc[..., i] for i in range(8)]
+    y = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+    return y + summs if fmt == "q4_1" else y
+
+
+def test_fma32_rounds_once():
+    """The emulation is a true FMA where rounding the float64 result to float32 is not: exact
+    1 + 2^-23 + 2^-24 - 2^-70 is just under a float32 midpoint, but its float64 rounding is the midpoint."""
+    a, b, c = (np.array([v], np.float32) for v in (2.0**-24 * (1 + 2.0**-23), 1 - 2.0**-23, 1 + 2.0**-23))
+    assert fma32(a, b, c)[0] == np.float32(1 + 2.0**-23)
+    assert np.float32(a.astype(np.float64) * b + c.astype(np.float64))[0] == np.float32(1 + 2.0**-22)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float_order_is_llama_cpps(any_lib, fmt):
+    """The kernel's outputs are bit for bit llama.cpp's x86 dot product's (llama_order), every build:
+    rows of several magnitudes with an all-zero block, K of 1 block and the model's two widths, 2- and
+    1-row tiles, a ragged group (benchmarks/ggml_check/quant_gemm_check.cpp checks against ggml itself)."""
+    g = torch.Generator().manual_seed(11)
+    for k in (32, 576, 1536):
+        blocks = random_blocks(g, 21, k, fmt)
+        x = torch.randn(3, k, generator=g) * torch.tensor([[0.01], [1.0], [40.0]])
+        x[1, 32:64] = 0
+        y = QuantLinear(blocks, fmt, k, None, any_lib)(x).numpy()
+        assert np.array_equal(y.view(np.uint32), llama_order(x, blocks, fmt).view(np.uint32))
 
 
 def test_big_prefill_chunks(lib):

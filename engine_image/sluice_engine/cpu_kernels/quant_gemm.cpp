@@ -8,15 +8,33 @@
 //   Q4_1: fp16 d, fp16 m, 16 bytes        (20 bytes)  w = q * d + m
 // where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high one.
 //
-// Activations (per row, per block of 32, GGUF's Q8_0/Q8_1 as llama.cpp's x86 quantizer makes them, so that
-// a GGUF served here rounds its activations as llama.cpp rounds them on the same CPU):
+// Activations (per row, per block of 32, GGUF's Q8_0/Q8_1 as llama.cpp's x86 quantize_row_q8_0/_q8_1
+// make them, bit for bit):
 //   d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 where max|x| == 0), stored d = fp16(d),
-//   s = fp16(d * sum q) (Q8_1's s field, used with Q4_1 weights); d and s unrounded are float32.
-// Per block the dot product is then (isum = sum of the 32 integer products, exact in int32):
-//   Q8_0: d_w d_x isum(q_w, q_x)
-//   Q4_0: d_w d_x (isum(q_w, q_x) - 8 sum q_x)         q_w the raw nibble 0..15
-//   Q4_1: d_w d_x isum(q_w, q_x) + m_w s_x
-// and the blocks' float results are added over K in float.
+//   s = fp16(d * float(sum q)) (Q8_1's s field, used with Q4_1 weights); d and s unrounded are float32,
+//   and fp16 rounding is to nearest even (what ggml's software fp32->fp16 also gives).
+//
+// The float arithmetic reproduces llama.cpp's x86 dot products bit for bit (ggml_vec_dot_q4_1_q8_1,
+// _q4_0_q8_0, _q8_0_q8_0, as GCC -O3 -march=native builds them for an AVX2/AVX-512 CPU; llamafile's
+// tinyBLAS_Q0_AVX, which llama.cpp uses for Q8_0 and Q4_0 at 2+ rows, does the same arithmetic). Those
+// split a block's 32 products into 8 "lanes" of 4 consecutive ones (lane l: weights 4l..4l+3, so for the
+// 4-bit formats lanes 0..3 are low nibbles and 4..7 high nibbles), each lane with its own float
+// accumulator over K. Per output, per block b in order:
+//   isum_l = the lane's integer sum (exact in int32; Q4_0 with (q - 8), Q8_0 with the signed q)
+//   dd = float(d_w) * float(d_x)                               rounded to float
+//   acc_l = fma(dd, float(isum_l), acc_l)                      l = 0..7, one rounding each
+//   summs = fma(m_w, s_x, summs)                               Q4_1 only (GCC contracts llama.cpp's
+//                                                              `summs += m * s` into an FMA)
+// and at the end, hsum_float_8's order: y = ((acc_0 + acc_4) + (acc_2 + acc_6)) + ((acc_1 + acc_5) +
+// (acc_3 + acc_7)), then y + summs for Q4_1. Each output is that sequence whatever M, the tile or the
+// thread count. Near-ties in greedy decoding are why: both engines round activations to 8 bits per block
+// again at every matmul, so one ulp of difference anywhere can grow through the layers into another token.
+// benchmarks/ggml_check/quant_gemm_check.cpp compares every build with ggml itself (0 bits differ), and
+// tests/test_cpu_quant_gemm.py pins the sequence with a float32 emulation. It costs about twice the vector
+// instructions of one int32 sum per block (8 conversions and 8 FMAs per block where 1 and 1 would do): ~2x
+// the time when compute-bound (prefill, batched decode), little at one row (reading the weights).
+// (Caveat: llama.cpp repacks Q4_0 weights to its own 8x8 layout on AVX2 CPUs when N % 8 == 0, by default,
+// whose kernels add differently; its Q4_1 and Q8_0 have no such repack on x86.)
 //
 // Packed weight layout (sluice_quant_repack, once at load; built for AVX-512 VNNI's vpdpbusd, which
 // multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products into each int32 lane):
@@ -25,27 +43,29 @@
 //   - 4-bit: a group-block's weights are 4 vectors of 64 bytes; byte 4 r + t of vector v is byte 4 v + t
 //     of output row r's GGUF nibbles, so its low nibble is weight k = 4 v + t and its high nibble weight
 //     k = 16 + 4 v + t. Masking the low nibbles of vector v gives 16 rows x 4 k as unsigned bytes, and one
-//     vpdpbusd with x's bytes 4v..4v+3 broadcast to every lane adds 16 outputs x 4 products; the high
-//     nibbles (shift, mask) go with x's bytes 16+4v..16+4v+3. 256 bytes per group-block.
-//   - Q8_0: 8 vectors of 64 bytes, vector v = k 4v..4v+3, stored q + 128 (vpdpbusd needs one unsigned
-//     operand); the block's integer sum then has 128 sum q_x too much, taken off in int32. 512 bytes.
+//     vpdpbusd with x's bytes 4v..4v+3 broadcast to every lane gives lane v of 16 outputs; the high
+//     nibbles (shift, mask; or one vgf2p8affineqb where GFNI is) with x's bytes 16+4v..16+4v+3 give lane
+//     4 + v. 256 bytes per group-block.
+//   - Q8_0: 8 vectors of 64 bytes, vector v = k 4v..4v+3 (lane v), stored q + 128 (vpdpbusd needs one
+//     unsigned operand); the lane's integer sum then has 128 (x's 4 q) too much, taken off in int32.
 //   - Scales: the 16 rows' d (then for Q4_1 their 16 m) as fp16, 32 (64) bytes per group-block: half the
 //     bytes of fp32 (a decode step is reading the weights: 20 bytes per 32 Q4_1 weights, as in the GGUF),
 //     and one vcvtph2ps makes 16 floats. Weights and scales in separate runs keep every weight vector on
 //     a 64-byte line.
-// The micro-kernel holds up to 4 rows of x x 2 groups (32 outputs): per block, int32 accumulators start
-// from the format's integer correction, take 8 vpdpbusd per row and group (4 vectors' low and high
-// nibbles, or Q8_0's 8 vectors), and are then scaled into float accumulators that run over K; each
-// weight vector loaded and unpacked serves every row of the tile. Threads take whole output groups;
-// with many rows, x is quantized in chunks of rows (in parallel) so a chunk of quantized x stays in L2
-// while a tile's weights (2 groups x K: 11 KB at K = 576 in Q4_1) stay in L1 across the chunk's row
-// tiles.
+// The quantized x carries, per block, each lane's integer correction (Q8_0: -128 x the lane's 4 q; Q4_0:
+// -8 x them), so a lane's vpdpbusd starts from it. The micro-kernel holds 2 rows of x x 1 group (16
+// outputs): per block 8 vpdpbusd per row (4 vectors' low and high nibbles, or Q8_0's 8 vectors), each
+// converted and FMA'd into its lane's float accumulator (8 zmm per row, + Q4_1's summs: 18 of the 32
+// registers), the weight vectors loaded and unpacked once for both rows. Threads take whole output
+// groups; with many rows, x is quantized in chunks of rows (in parallel) so a chunk of quantized x stays
+// in L2 while a group's weights (1 group x K: 5.6 KB at K = 576 in Q4_1) stay in L1 across the chunk's
+// row tiles.
 //
-// Three implementations of the same layout and the same integer sums: AVX-512 VNNI (above), AVX2
-// (vpmaddubsw, which sums byte pairs into saturating int16: safe for nibbles, 8 of them summed in int16
-// stay under 32767; Q8_0 uses |w| x sign(x, w), as +128 would saturate), and plain loops everywhere else
-// (the build without -march=native). The integer sums are identical; the float scaling and the adds over
-// K differ by rounding only (FMA or not).
+// Three implementations of the same layout, the same integer lane sums and the same float sequence:
+// AVX-512 VNNI (above), AVX2 (vpmaddubsw then vpmaddwd by ones gives each lane's sum of 4 products, as
+// llama.cpp's AVX2 build does; nibble pairs cannot saturate int16, Q8_0 uses |w| x sign(x, w) as llama.cpp
+// does, as +128 could saturate; one row x 8 outputs at a time: 9 accumulators in 16 ymm registers), and
+// plain loops with std::fma everywhere else (the build without -march=native).
 
 #include <algorithm>
 #include <cmath>
@@ -72,10 +92,10 @@ constexpr int kDecodeRows = 8;  // up to this many rows, x is quantized by the c
 constexpr int64_t kChunkBytes = 256 << 10;  // quantized x per pass over the weights (kept in L2)
 
 #if defined(SLUICE_QUANT_AVX512)
-constexpr int kMR = 4, kNG = 2;  // tile: rows of x x groups of 16 outputs
+constexpr int kMR = 2, kNG = 1;  // tile: rows of x x groups of 16 outputs (9 float accumulators per row)
 constexpr int kIsa = 2;
 #elif defined(SLUICE_QUANT_AVX2)
-constexpr int kMR = 4, kNG = 1;  // 16 ymm registers: 4 rows x 16 outputs (two halves of 8)
+constexpr int kMR = 1, kNG = 1;  // 16 ymm registers: 1 row x 8 outputs (9 accumulators) at a time
 constexpr int kIsa = 1;
 #else
 constexpr int kMR = 4, kNG = 1;
@@ -154,22 +174,35 @@ inline float round_to_half(float f) { return half_to_float(float_to_half(f)); }
 
 // -- activations ----------------------------------------------------------------------------------------
 // A chunk of x's rows quantized: q [rows][K] int8, d [rows][nb] (fp16-rounded, as float), aux [rows][nb]:
-// Q4_1: s's bits as a float; Q4_0: -8 sum q; Q8_0: -128 sum q (the integer correction of the block sum).
+// Q4_1: s's bits as a float; Q4_0: -8 sum q; Q8_0: -128 sum q (the integer correction of the block sum,
+// for sluice_quant_activations); corr [rows][nb][8]: Q4_0/Q8_0 that correction per lane (-8 or -128 x the
+// lane's 4 q: what the kernels use), Q4_1 unused.
+constexpr int kLanes = 8;  // llama.cpp's lanes per block: 4 consecutive products each
+
 struct XQ {
     int8_t* q;
     float* d;
     int32_t* aux;
+    int32_t* corr;
     int K, nb;
 };
 
+// Block i's scales and corrections from its (already stored) q and its unrounded d.
 template <int F>
-inline void finish_block(XQ& xq, int64_t i, float d, int32_t sum) {
+inline void finish_block(XQ& xq, int64_t i, const int8_t* q, float d) {
+    int32_t lane[kLanes], sum = 0;
+    for (int l = 0; l < kLanes; ++l) {
+        lane[l] = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+        sum += lane[l];
+    }
     xq.d[i] = round_to_half(d);
     if constexpr (F == kQ4_1) {
-        const float s = round_to_half(d * static_cast<float>(sum));
+        const float s = round_to_half(d * static_cast<float>(sum));  // llama.cpp: d * (float)sum, then fp16
         std::memcpy(&xq.aux[i], &s, 4);
     } else {
-        xq.aux[i] = (F == kQ4_0 ? -8 : -128) * sum;
+        constexpr int32_t c = F == kQ4_0 ? -8 : -128;
+        xq.aux[i] = c * sum;
+        for (int l = 0; l < kLanes; ++l) xq.corr[i * kLanes + l] = c * lane[l];
     }
 }
 
@@ -179,28 +212,25 @@ void quantize_row(const float* x, XQ& xq, int row) {
     int8_t* q = xq.q + static_cast<int64_t>(row) * K;
     for (int b = 0; b < nb; ++b) {
         const float* xb = x + b * kBlock;
+        int8_t* qb = q + b * kBlock;
 #if defined(SLUICE_QUANT_AVX512)
         const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
         const __m512 vid = _mm512_set1_ps(id);
-        // vcvtps2dq rounds as MXCSR says: to nearest even unless someone changed it (nobody here does)
+        // vcvtps2dq rounds as MXCSR says: to nearest even unless someone changed it (nobody here does);
+        // llama.cpp rounds with vroundps(nearest) first, the same
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
 #else
         float amax = 0.f;
         for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
         const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < kBlock; ++i) {
-            const int v = static_cast<int>(std::nearbyint(xb[i] * id));  // current rounding mode: nearest even
-            q[b * kBlock + i] = static_cast<int8_t>(v);
-            sum += v;
-        }
+        for (int i = 0; i < kBlock; ++i)
+            qb[i] = static_cast<int8_t>(static_cast<int>(std::nearbyint(xb[i] * id)));  // rounding mode: nearest even
 #endif
-        finish_block<F>(xq, static_cast<int64_t>(row) * nb + b, d, sum);
+        finish_block<F>(xq, static_cast<int64_t>(row) * nb + b, qb, d);
     }
 }
 
@@ -211,6 +241,18 @@ using TileFn = void (*)(const XQ&, int, const uint8_t*, int64_t, float*, int64_t
 inline int group_cols(int g, int N) { return std::min(kGroup, N - g * kGroup); }
 
 #if defined(SLUICE_QUANT_AVX512)
+// One lane of 16 outputs: its integer sum (from init: the lane's correction, or 0), then
+// acc = fma(dd, float(sum), acc), as llama.cpp's _mm256_fmadd_ps(d, q, acc).
+inline __m512 lane_fma(__m512 acc, __m512 dd, __m512i init, __m512i w, __m512i x) {
+    return _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, w, x)), acc);
+}
+
+// hsum_float_8's order over the 8 lanes, for 16 outputs at once.
+inline __m512 hsum_lanes(const __m512* a) {
+    return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                         _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+}
+
 template <int F, int MR, int NG>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
@@ -224,28 +266,42 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
     const int8_t* xr[MR];
     const float* dx[MR];
     const int32_t* ax[MR];
+    const int32_t* cr[MR];
     for (int i = 0; i < MR; ++i) {
         xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
         dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
         ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
+        cr[i] = xq.corr + static_cast<int64_t>(m + i) * nb * kLanes;
     }
-    __m512 acc[MR][NG];
+    __m512 acc[MR][NG][kLanes], ms[MR][NG];
     for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NG; ++j) acc[i][j] = _mm512_setzero_ps();
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    for (int b = 0; b < nb; ++b) {
-        __m512i is[MR][NG];
-        for (int i = 0; i < MR; ++i) {
-            const __m512i init = F == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(ax[i][b]);
-            for (int j = 0; j < NG; ++j) is[i][j] = init;
+        for (int j = 0; j < NG; ++j) {
+            for (int l = 0; l < kLanes; ++l) acc[i][j][l] = _mm512_setzero_ps();
+            ms[i][j] = _mm512_setzero_ps();
         }
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+#if defined(__GFNI__)
+    // vgf2p8affineqb's bit matrix for byte >> 4: output bit i is the parity of (input & byte 7 - i of the
+    // qword), so bytes 7..4 select input bits 4..7 and bytes 3..0 nothing
+    const __m512i hi_nib = _mm512_set1_epi64(0x1020408000000000LL);
+#endif
+    for (int b = 0; b < nb; ++b) {
+        __m512 dd[MR][NG];
+        for (int j = 0; j < NG; ++j) {
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc[j] + b * SC)));
+            for (int i = 0; i < MR; ++i) dd[i][j] = _mm512_mul_ps(dw, _mm512_set1_ps(dx[i][b]));
+        }
+        // lane l's starting integer: the format's correction (Q4_1: none)
+        auto init = [&](int i, int l) {
+            return F == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(cr[i][b * kLanes + l]);
+        };
         if constexpr (F == kQ8_0) {
             for (int v = 0; v < 8; ++v) {
                 __m512i wv[NG];
                 for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_si512(qs[j] + b * QS + v * 64);
                 for (int i = 0; i < MR; ++i) {
                     const __m512i xv = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
-                    for (int j = 0; j < NG; ++j) is[i][j] = _mm512_dpbusd_epi32(is[i][j], wv[j], xv);
+                    for (int j = 0; j < NG; ++j) acc[i][j][v] = lane_fma(acc[i][j][v], dd[i][j], init(i, v), wv[j], xv);
                 }
             }
         } else {
@@ -254,30 +310,29 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                 for (int j = 0; j < NG; ++j) {
                     const __m512i raw = _mm512_loadu_si512(qs[j] + b * QS + v * 64);
                     lo[j] = _mm512_and_si512(raw, nib);
+#if defined(__GFNI__)
+                    hi[j] = _mm512_gf2p8affine_epi64_epi8(raw, hi_nib, 0);  // each byte >> 4: one instruction
+#else
                     hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+#endif
                 }
                 for (int i = 0; i < MR; ++i) {
                     const __m512i xl = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
                     const __m512i xh = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
                     for (int j = 0; j < NG; ++j) {
-                        is[i][j] = _mm512_dpbusd_epi32(is[i][j], lo[j], xl);
-                        is[i][j] = _mm512_dpbusd_epi32(is[i][j], hi[j], xh);
+                        acc[i][j][v] = lane_fma(acc[i][j][v], dd[i][j], init(i, v), lo[j], xl);
+                        acc[i][j][4 + v] = lane_fma(acc[i][j][4 + v], dd[i][j], init(i, 4 + v), hi[j], xh);
                     }
                 }
             }
         }
-        for (int j = 0; j < NG; ++j) {
-            const uint8_t* s = sc[j] + b * SC;
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-            for (int i = 0; i < MR; ++i)
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i][j]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[i][b])),
-                                            acc[i][j]);
-            if constexpr (F == kQ4_1) {
-                const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32)));
+        if constexpr (F == kQ4_1) {
+            for (int j = 0; j < NG; ++j) {
+                const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc[j] + b * SC + 32)));
                 for (int i = 0; i < MR; ++i) {
                     float sx;
                     std::memcpy(&sx, &ax[i][b], 4);
-                    acc[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), acc[i][j]);
+                    ms[i][j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), ms[i][j]);
                 }
             }
         }
@@ -285,98 +340,88 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
     for (int j = 0; j < NG; ++j) {
         const int cols = group_cols(g + j, N);
         const __mmask16 mask = cols >= kGroup ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-        for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy + (g + j) * kGroup, mask, acc[i][j]);
+        for (int i = 0; i < MR; ++i) {
+            __m512 r = hsum_lanes(acc[i][j]);
+            if constexpr (F == kQ4_1) r = _mm512_add_ps(r, ms[i][j]);
+            _mm512_mask_storeu_ps(y + i * ldy + (g + j) * kGroup, mask, r);
+        }
     }
 }
 
 #elif defined(SLUICE_QUANT_AVX2)
-// The 16 lanes as two halves of 8 rows (bytes 0..31 and 32..63 of each vector), one half at a time.
+// One row x one half (8 outputs: bytes 0..31 or 32..63 of each vector) at a time, over all of K.
 template <int F, int MR, int NG>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
     const int nb = xq.nb, K = xq.K;
-    const int8_t* xr[MR];
-    const float* dx[MR];
-    const int32_t* ax[MR];
-    for (int i = 0; i < MR; ++i) {
-        xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
-        dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
-        ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
-    }
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int j = 0; j < NG; ++j) {
         const uint8_t* qs = w + j * gbytes;
         const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
-        __m256 acc[MR][2];
-        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-            const uint8_t* wb = qs + b * QS;
-            for (int h = 0; h < 2; ++h) {
-                __m256i is[MR];
-                if constexpr (F == kQ8_0) {
-                    for (int i = 0; i < MR; ++i) is[i] = _mm256_setzero_si256();  // the sign trick needs no correction
-                    for (int v = 0; v < 8; ++v) {
-                        const __m256i ws = _mm256_xor_si256(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64 + h * 32)), _mm256_set1_epi8(-128));
-                        const __m256i aw = _mm256_abs_epi8(ws);  // |q| <= 128 as unsigned
-                        for (int i = 0; i < MR; ++i) {
-                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v)), ws);
-                            // pairs: |q_w q_x| <= 128 * 127, two of them < 32767: no saturation
-                            is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
-                        }
-                    }
-                } else {
-                    __m256i p16[MR];
-                    for (int i = 0; i < MR; ++i) p16[i] = _mm256_setzero_si256();
-                    for (int v = 0; v < 4; ++v) {
-                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64 + h * 32));
-                        const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                        for (int i = 0; i < MR; ++i) {
-                            const __m256i xl = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
-                            const __m256i xh = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
-                            // each int16 lane: 2 products <= 15 * 127 each; 8 such sums <= 30480 < 32767
-                            p16[i] = _mm256_add_epi16(p16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                                               _mm256_maddubs_epi16(hi, xh)));
-                        }
-                    }
-                    for (int i = 0; i < MR; ++i) {
-                        is[i] = _mm256_madd_epi16(p16[i], ones);
-                        if constexpr (F == kQ4_0) is[i] = _mm256_add_epi32(is[i], _mm256_set1_epi32(ax[i][b]));
-                    }
-                }
-                const uint8_t* s = sc + b * SC + h * 16;
-                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-                for (int i = 0; i < MR; ++i)
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[i][b])),
-                                                acc[i][h]);
-                if constexpr (F == kQ4_1) {
-                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
-                    for (int i = 0; i < MR; ++i) {
-                        float sx;
-                        std::memcpy(&sx, &ax[i][b], 4);
-                        acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), acc[i][h]);
-                    }
-                }
-            }
-        }
         const int cols = group_cols(g + j, N);
         for (int i = 0; i < MR; ++i) {
-            float* yr = y + i * ldy + (g + j) * kGroup;
-            if (cols >= kGroup) {
-                _mm256_storeu_ps(yr, acc[i][0]);
-                _mm256_storeu_ps(yr + 8, acc[i][1]);
-            } else {
-                alignas(32) float tmp[kGroup];
-                _mm256_store_ps(tmp, acc[i][0]);
-                _mm256_store_ps(tmp + 8, acc[i][1]);
-                std::memcpy(yr, tmp, sizeof(float) * cols);
+            const int8_t* xr = xq.q + static_cast<int64_t>(m + i) * K;
+            const float* dx = xq.d + static_cast<int64_t>(m + i) * nb;
+            const int32_t* ax = xq.aux + static_cast<int64_t>(m + i) * nb;
+            const int32_t* cr = xq.corr + static_cast<int64_t>(m + i) * nb * kLanes;
+            for (int h = 0; h < 2 && h * 8 < cols; ++h) {
+                __m256 acc[kLanes], ms = _mm256_setzero_ps();
+                for (int l = 0; l < kLanes; ++l) acc[l] = _mm256_setzero_ps();
+                for (int b = 0; b < nb; ++b) {
+                    const uint8_t* wb = qs + b * QS + h * 32;
+                    const uint8_t* s = sc + b * SC + h * 16;
+                    const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))),
+                                                    _mm256_set1_ps(dx[b]));
+                    if constexpr (F == kQ8_0) {
+                        for (int v = 0; v < 8; ++v) {
+                            const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64)),
+                                                                _mm256_set1_epi8(-128));
+                            // |q_w| (<= 128 as unsigned) x sign(q_x, q_w): pairs of products < 32767
+                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load32(xr + b * kBlock + 4 * v)), ws);
+                            const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), xs), ones);
+                            acc[v] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[v]);
+                        }
+                    } else {
+                        for (int v = 0; v < 4; ++v) {
+                            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64));
+                            const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                            const __m256i xl = _mm256_set1_epi32(load32(xr + b * kBlock + 4 * v));
+                            const __m256i xh = _mm256_set1_epi32(load32(xr + b * kBlock + 16 + 4 * v));
+                            __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones);
+                            __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones);
+                            if constexpr (F == kQ4_0) {
+                                il = _mm256_add_epi32(il, _mm256_set1_epi32(cr[b * kLanes + v]));
+                                ih = _mm256_add_epi32(ih, _mm256_set1_epi32(cr[b * kLanes + 4 + v]));
+                            }
+                            acc[v] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(il), acc[v]);
+                            acc[4 + v] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(ih), acc[4 + v]);
+                        }
+                    }
+                    if constexpr (F == kQ4_1) {
+                        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
+                        float sx;
+                        std::memcpy(&sx, &ax[b], 4);
+                        ms = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), ms);
+                    }
+                }
+                __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+                                         _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+                if constexpr (F == kQ4_1) r = _mm256_add_ps(r, ms);
+                float* yr = y + i * ldy + (g + j) * kGroup + h * 8;
+                if (cols >= (h + 1) * 8) {
+                    _mm256_storeu_ps(yr, r);
+                } else {
+                    alignas(32) float tmp[8];
+                    _mm256_store_ps(tmp, r);
+                    std::memcpy(yr, tmp, sizeof(float) * (cols - h * 8));
+                }
             }
         }
     }
 }
 
 #else
-// Plain loops: the same integer sums, in int32, over the same layout.
+// Plain loops: the same lane sums, in int32, over the same layout; the same float sequence with std::fma.
 template <int F, int MR, int NG>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
@@ -384,57 +429,63 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
     for (int j = 0; j < NG; ++j) {
         const uint8_t* qs = w + j * gbytes;
         const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
-        float acc[MR][kGroup] = {};
-        for (int b = 0; b < nb; ++b) {
-            const uint8_t* wb = qs + b * QS;
-            const uint8_t* s = sc + b * SC;
-            float dw[kGroup], mw[kGroup];
-            for (int r = 0; r < kGroup; ++r) {
-                dw[r] = half_at(s + 2 * r);
-                mw[r] = F == kQ4_1 ? half_at(s + 32 + 2 * r) : 0.f;
-            }
-            for (int i = 0; i < MR; ++i) {
+        const int cols = group_cols(g + j, N);
+        for (int i = 0; i < MR; ++i) {
+            float acc[kGroup][kLanes] = {}, ms[kGroup] = {};
+            for (int b = 0; b < nb; ++b) {
+                const uint8_t* wb = qs + b * QS;
+                const uint8_t* s = sc + b * SC;
                 const int8_t* xb = xq.q + static_cast<int64_t>(m + i) * K + b * kBlock;
                 const int64_t xi = static_cast<int64_t>(m + i) * nb + b;
                 const float dx = xq.d[xi];
-                int32_t is[kGroup];
-                for (int r = 0; r < kGroup; ++r) is[r] = F == kQ4_1 ? 0 : xq.aux[xi];
-                if constexpr (F == kQ8_0) {
-                    for (int v = 0; v < 8; ++v)
-                        for (int r = 0; r < kGroup; ++r)
-                            for (int t = 0; t < 4; ++t) is[r] += wb[v * 64 + 4 * r + t] * xb[4 * v + t];
-                } else {
-                    for (int v = 0; v < 4; ++v)
-                        for (int r = 0; r < kGroup; ++r)
-                            for (int t = 0; t < 4; ++t) {
-                                const int byte = wb[v * 64 + 4 * r + t];
-                                is[r] += (byte & 0x0F) * xb[4 * v + t] + (byte >> 4) * xb[16 + 4 * v + t];
-                            }
-                }
                 float sx = 0.f;
                 if constexpr (F == kQ4_1) std::memcpy(&sx, &xq.aux[xi], 4);
-                for (int r = 0; r < kGroup; ++r) {
-                    acc[i][r] += static_cast<float>(is[r]) * (dw[r] * dx);
-                    if constexpr (F == kQ4_1) acc[i][r] += mw[r] * sx;
+                for (int r = 0; r < cols; ++r) {
+                    const float dd = half_at(s + 2 * r) * dx;
+                    int32_t lane[kLanes] = {};
+                    if constexpr (F == kQ8_0) {
+                        for (int v = 0; v < 8; ++v)
+                            for (int t = 0; t < 4; ++t)
+                                lane[v] += static_cast<int8_t>(wb[v * 64 + 4 * r + t] ^ 0x80) * xb[4 * v + t];
+                    } else {
+                        constexpr int off = F == kQ4_0 ? 8 : 0;
+                        for (int v = 0; v < 4; ++v)
+                            for (int t = 0; t < 4; ++t) {
+                                const int byte = wb[v * 64 + 4 * r + t];
+                                lane[v] += ((byte & 0x0F) - off) * xb[4 * v + t];
+                                lane[4 + v] += ((byte >> 4) - off) * xb[16 + 4 * v + t];
+                            }
+                    }
+                    for (int l = 0; l < kLanes; ++l) acc[r][l] = std::fma(dd, static_cast<float>(lane[l]), acc[r][l]);
+                    if constexpr (F == kQ4_1) ms[r] = std::fma(half_at(s + 32 + 2 * r), sx, ms[r]);
                 }
             }
+            float* yr = y + i * ldy + (g + j) * kGroup;
+            for (int r = 0; r < cols; ++r) {
+                const float* a = acc[r];
+                float v = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+                if constexpr (F == kQ4_1) v += ms[r];
+                yr[r] = v;
+            }
         }
-        const int cols = group_cols(g + j, N);
-        for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy + (g + j) * kGroup, acc[i], sizeof(float) * cols);
     }
 }
 #endif
 
 template <int F, int NG>
 TileFn tile_for(int mr) {
-    switch (mr) {
-        case 1: return tile<F, 1, NG>;
-        case 2: return tile<F, 2, NG>;
-        case 3: return tile<F, 3, NG>;
-        default: return tile<F, 4, NG>;
+    if constexpr (kMR >= 4) {
+        if (mr >= 4) return tile<F, 4, NG>;
     }
+    if constexpr (kMR >= 3) {
+        if (mr == 3) return tile<F, 3, NG>;
+    }
+    if constexpr (kMR >= 2) {
+        if (mr >= 2) return tile<F, 2, NG>;
+    }
+    return tile<F, 1, NG>;
 }
-static_assert(kMR == 4, "tile_for dispatches 1..4 rows");
+static_assert(kMR >= 1 && kMR <= 4, "tile_for dispatches 1..4 rows");
 
 template <int F>
 TileFn tile_fn(int mr, int ng) {
@@ -461,6 +512,19 @@ uint8_t* scratch(size_t bytes) {
     return buf.data();
 }
 
+// Quantized x of `rows` rows in buf: q, then d, aux and corr (4-byte aligned: K is a multiple of 32).
+inline size_t xq_bytes(int rows, int K) {
+    return static_cast<size_t>(rows) * (K + (8 + 4 * kLanes) * static_cast<size_t>(K / kBlock));
+}
+
+inline XQ xq_in(uint8_t* buf, int rows, int K) {
+    const int nb = K / kBlock;
+    const size_t r = static_cast<size_t>(rows);
+    return XQ{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + r * K),
+              reinterpret_cast<int32_t*>(buf + r * (K + 4 * nb)), reinterpret_cast<int32_t*>(buf + r * (K + 8 * nb)), K,
+              nb};
+}
+
 template <int F>
 void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy, int threads) {
     const int nb = K / kBlock, groups = (N + kGroup - 1) / kGroup, units = (groups + kNG - 1) / kNG;
@@ -469,10 +533,7 @@ void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, fl
     const int max_rows = std::max(kDecodeRows, static_cast<int>(kChunkBytes / K));
     const int chunks = (M + max_rows - 1) / max_rows;
     const int chunk = (M + chunks - 1) / chunks;
-    // q, then d and aux (4-byte aligned: K is a multiple of 32)
-    uint8_t* buf = scratch(static_cast<size_t>(chunk) * (K + 8 * static_cast<size_t>(nb)));
-    XQ xq{reinterpret_cast<int8_t*>(buf), reinterpret_cast<float*>(buf + static_cast<size_t>(chunk) * K),
-          reinterpret_cast<int32_t*>(buf + static_cast<size_t>(chunk) * (K + 4 * nb)), K, nb};
+    XQ xq = xq_in(scratch(xq_bytes(chunk, K)), chunk, K);
     if (M <= kDecodeRows) {  // decode: quantizing a few rows costs less than a barrier
         for (int r = 0; r < M; ++r) quantize_row<F>(x + r * ldx, xq, r);
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -604,7 +665,8 @@ void sluice_quant_unpack_rows(int fmt, const uint8_t* packed, int N, int K, cons
 // The activation quantization the GEMM does, exposed for tests: q [M, K] int8, d [M, K / 32] (fp16-rounded),
 // aux [M, K / 32] int32 (Q4_1: the bits of the fp16-rounded s; Q4_0: -8 sum q; Q8_0: -128 sum q).
 void sluice_quant_activations(int fmt, const float* x, int64_t ldx, int M, int K, int8_t* q, float* d, int32_t* aux) {
-    XQ xq{q, d, aux, K, K / kBlock};
+    std::vector<int32_t> corr(static_cast<size_t>(M) * (K / kBlock) * kLanes);  // the lanes' corrections: internal
+    XQ xq{q, d, aux, corr.data(), K, K / kBlock};
     for (int r = 0; r < M; ++r) {
         switch (fmt) {
             case kQ8_0: quantize_row<kQ8_0>(x + r * ldx, xq, r); break;
