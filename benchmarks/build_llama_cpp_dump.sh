@@ -9,10 +9,6 @@
 set -euo pipefail
 ROOT=${SLUICE_ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 TOOLS=${TOOLS:-$ROOT/.tools}
-# a worktree has no .tools of its own: fall back to the main checkout's
-if [ ! -d "$TOOLS/src" ] && [ -d /work/main/.tools/src ]; then
-  TOOLS=/work/main/.tools
-fi
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 SRC=$TOOLS/src/llama-cpp-python-$VERSION
 LLAMA=$SRC/vendor/llama.cpp

@@ -392,6 +392,9 @@ def test_the_bundled_model_is_served_in_its_q4_1_blocks_by_default(bundled_gguf)
     model = llm.engine.runner.model
     assert llm.engine.runner.quantization == "auto"
     assert model.layers[0].mlp.down_proj.fmt == "q4_1" and model.lm_head.fmt == "q8_0"
+    # ... computing as llama.cpp does: its attention over an fp16 cache, its layer ops (attention/ggml_cpu.py)
+    assert llm.engine.runner.backend.name == "ggml" and type(model.layers[0].mlp.ops).__name__ == "GgmlLayerOps"
+    assert all(c.dtype == torch.float16 for c in llm.engine.runner.kv_caches)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out[0].token_ids) == 4
 
@@ -421,11 +424,15 @@ def test_bundled_model_served_q4_1_matches_fp32(model_dir, bundled_gguf):
     tol = 0.3  # TOL
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=5)
     fp32 = LLM(device="cpu", kv_cache_memory=64 << 20, quantization="none")
+    assert fp32.engine.runner.backend.name == "cpu"  # none keeps the fp32 path (its attention, an fp32 cache)
     expected = fp32.generate(PROMPTS, params)
     del fp32
     q = LLM(device="cpu", kv_cache_memory=64 << 20, quantization="q4_1")
     model = q.engine.runner.model
     assert model.layers[0].mlp.down_proj.fmt == "q4_1" and model.lm_head.fmt == "q8_0"
+    # ... computing as llama.cpp does: its attention over an fp16 cache, its layer ops (attention/ggml_cpu.py)
+    assert q.engine.runner.backend.name == "ggml" and type(model.layers[0].mlp.ops).__name__ == "GgmlLayerOps"
+    assert all(c.dtype == torch.float16 for c in q.engine.runner.kv_caches)
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())  # no fp32 matrix left
     got = q.generate(PROMPTS, params)

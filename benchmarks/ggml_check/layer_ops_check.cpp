@@ -9,7 +9,7 @@
 // under .tools/ on this AVX-512 machine). layer_ops.cpp is compiled in with the engine's flags
 // (cpu_kernels/__init__.py FLAGS). From the repository root, the g++ command being one line:
 //
-//   L=/work/main/.tools/src/llama-cpp-python-0.3.36; A=$L/build/ggml/src
+//   L=.tools/src/llama-cpp-python-0.3.36; A=$L/build/ggml/src
 //   g++ -O3 -march=native -fopenmp -std=c++17 -I$L/vendor/llama.cpp/ggml/include
 //       benchmarks/ggml_check/layer_ops_check.cpp engine_image/sluice_engine/cpu_kernels/layer_ops.cpp
 //       $A/libggml.a $A/libggml-cpu.a $A/libggml-base.a -o /tmp/layer_ops_check

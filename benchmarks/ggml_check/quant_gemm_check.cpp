@@ -16,7 +16,7 @@
 // -O3 -march=native by GCC 12; QG_FLAGS picks our build: "-march=native" (AVX-512 VNNI here),
 // "-mavx2 -mfma -mf16c" (the AVX2 path) or "" (the plain loops)):
 //
-//   L=/work/main/.tools/src/llama-cpp-python-0.3.36; G=$L/build/ggml/src
+//   L=.tools/src/llama-cpp-python-0.3.36; G=$L/build/ggml/src
 //   for QG_FLAGS in "-march=native" "-mavx2 -mfma -mf16c" ""; do
 //     g++ -O3 $QG_FLAGS -fopenmp -std=c++17 -c engine_image/sluice_engine/cpu_kernels/quant_gemm.cpp -o /tmp/qg.o &&
 //     g++ -O2 -march=native -fopenmp -std=c++17 -I$L/vendor/llama.cpp/ggml/include
