@@ -26,6 +26,7 @@ log = logging.getLogger("sluice.engine")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
                                                               "layer_ops.cpp", "ggml_attention.cpp")]
+HEADERS = [Path(__file__).with_name("ggml_expf.h")]  # included by the sources: part of the build's cache key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Where the compiler does not know -march=native for this CPU: the same without it (slower, still right).
 PORTABLE_FLAGS = [f for f in FLAGS if f != "-march=native"]
@@ -56,7 +57,7 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join([*(src.read_text() for src in SOURCES), " ".join(FLAGS), version, _cpu_model(),
+        "\0".join([*(src.read_text() for src in (*SOURCES, *HEADERS)), " ".join(FLAGS), version, _cpu_model(),
                    platform.machine()]).encode()
     ).hexdigest()[:16]
     return cache_root() / "kernels" / f"sluice_cpu_kernels-{key}.so"

@@ -36,6 +36,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ggml_expf.h"
+
 namespace {
 
 constexpr int kTile = 64;      // llama.cpp's GGML_FA_TILE_Q and GGML_FA_TILE_KV
@@ -69,21 +71,6 @@ inline float reduce16(const float* x) {
     for (int i = 0; i < 4; ++i) t6[i] = t3[i + 4] + t3[i];
     const float a = t6[0] + t6[2], b = t6[1] + t6[3];
     return a + b;
-}
-
-// ggml's AVX-512 vector expf (vec.h: a range reduction by ln 2 in two parts and a degree-5 polynomial,
-// after ARM's optimized-routines), one lane at a time.
-inline float ggml_expf(float x) {
-    const float r = 0x1.8p23f;
-    const float z = std::fma(x, 0x1.715476p+0f, r);
-    const float n = z - r;
-    const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
-    const float u = b * b;
-    const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
-                                      std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
-                             u, std::fma(0x1.ffffecp-1f, b, 1.0f));
-    if (!(std::fabs(n) > 192.f)) return std::ldexp(j, static_cast<int>(n));  // vscalefps: j * 2^n, one rounding
-    return n <= 0.f ? 0.f : INFINITY;
 }
 
 struct Geometry {
@@ -239,7 +226,7 @@ void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, in
                 M = Mnew;
                 double sum = 0.0;
                 for (int c0 = 0; c0 < kTile; c0 += 16) {
-                    for (int c = c0; c < c0 + 16; ++c) kq[c] = ggml_expf(kq[c] - Mnew);
+                    for (int c = c0; c < c0 + 16; ++c) kq[c] = sluice_ggml::ggml_v_expf_lane(kq[c] - Mnew);
                     sum += static_cast<double>(reduce16(kq + c0));
                 }
                 S = static_cast<float>(static_cast<double>(S) + sum);
