@@ -15,7 +15,7 @@ import torch
 from sluice_engine import cpu_kernels
 from sluice_engine.layer_ops import select_layer_ops
 from sluice_engine.layer_ops.cpu_ops import CpuLayerOps
-from sluice_engine.layer_ops.ggml_ops import GgmlLayerOps
+from sluice_engine.layer_ops.ggml_ops import GgmlLayerOps, ggml_freq_scale
 from sluice_engine.layer_ops.torch_ops import TorchLayerOps
 from sluice_engine.models.rotary import RotaryEmbedding
 
@@ -204,7 +204,13 @@ def test_ggml_rope_scaling(ggml_ops):
     # commutes with rounding)
     assert torch.equal(linear[0], plain[0]) and torch.equal(linear[1], plain[1])
     with pytest.raises(ValueError):
-        ggml_ops.rotary_embedding(64, 4096, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+        ggml_freq_scale({"rope_type": "yarn", "factor": 4.0})
+    # a scaling ggml's table is not reproduced for (a Llama 3.x GGUF): torch's table, the model still served
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    table = ggml_ops.rotary_embedding(64, 4096, 500000.0, llama3)
+    assert isinstance(table, RotaryEmbedding)
+    want = RotaryEmbedding(64, 4096, 500000.0, llama3)(positions)
+    assert torch.equal(table(positions)[0], want[0])
 
 
 @pytest.mark.slow

@@ -105,3 +105,21 @@ def test_server_with_a_draft_model(start_server, model_dir):
     m = server.metrics()
     assert m["sluice_spec_decode_num_draft_tokens_total"] > 0
     assert m["sluice_spec_decode_num_accepted_tokens_total"] > 0
+
+
+@pytest.mark.slow
+def test_a_gguf_target_keeps_llama_cpp_arithmetic_with_a_draft(model_dir):
+    """The bundled GGUF served in its blocks (the `ggml` backend, fp16 cache) with an fp32 draft: the draft gets
+    the fp32 path and its own cache, and the target's greedy tokens are the same bits as without the draft
+    (its verification rows take the same per-row arithmetic as its decode)."""
+    prompts = [[1, 504, 3287, 282, 4649, 314, 253, 1345, 30], [1, 9519, 1159, 288, 253, 1345, 28]]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    alone = LLM(kv_cache_memory=32 << 20, warmup="off")
+    assert alone.engine.runner.backend.name == "ggml"
+    want = [c.token_ids for c in alone.generate(prompts, params)]
+    del alone
+    llm = LLM(kv_cache_memory=32 << 20, warmup="off", draft_model=str(model_dir), num_speculative_tokens=3)
+    proposer = llm.engine.proposer
+    assert proposer.model.layers[0].self_attn.backend.name == "cpu"
+    assert [c.token_ids for c in llm.generate(prompts, params)] == want
+    assert llm.engine.stats.spec_accepted_tokens > 0

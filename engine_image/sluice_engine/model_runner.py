@@ -72,8 +72,13 @@ class ModelRunner:
             from .attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention
             from .cpu_kernels import load as load_kernels
 
-            self.backend = GgmlCpuAttention(load_kernels())
-            self.kv_cache_dtype = KV_DTYPE
+            lib = load_kernels()
+            if lib.sluice_ggml_attention_supports_head_dim(mc.head_dim):
+                self.backend = GgmlCpuAttention(lib)
+                self.kv_cache_dtype = KV_DTYPE
+            else:
+                log.warning("head dim %d: the llama.cpp-exact attention takes multiples of 16 up to 256; serving "
+                            "with the cpu backend (right to float rounding, not llama.cpp's bit for bit)", mc.head_dim)
         self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
                                 quantization=self.quantization,
                                 gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)

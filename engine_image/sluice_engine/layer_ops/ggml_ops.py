@@ -24,9 +24,13 @@ in `CpuLayerOps`: right to float rounding, not bit for bit.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .cpu_ops import CpuLayerOps
+
+log = logging.getLogger("sluice.engine")
 
 
 def ggml_freq_scale(scaling: dict) -> float:
@@ -76,6 +80,14 @@ class GgmlLayerOps(CpuLayerOps):
         self._rope_cache = lib.sluice_ggml_rope_cache_f32
 
     def rotary_embedding(self, head_dim: int, max_positions: int, theta: float,
-                         scaling: dict) -> GgmlRotaryEmbedding:
-        """The model's rotary table with these ops: `RotaryEmbedding`'s arguments, ggml's cos/sin."""
+                         scaling: dict) -> torch.nn.Module:
+        """The model's rotary table with these ops: `RotaryEmbedding`'s arguments, ggml's cos/sin. A scaling
+        these ops do not reproduce (llama3's frequency factors, YaRN) gets torch's table: the model is served
+        right, only not bit for bit as llama.cpp."""
+        try:
+            ggml_freq_scale(scaling)
+        except ValueError as e:
+            log.warning("%s: this model's rotary angles are torch's (right to float rounding, not llama.cpp's "
+                        "bit for bit)", e)
+            return super().rotary_embedding(head_dim, max_positions, theta, scaling)
         return GgmlRotaryEmbedding(self._rope_cache, head_dim, max_positions, theta, scaling)

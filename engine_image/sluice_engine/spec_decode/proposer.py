@@ -56,7 +56,12 @@ def load_draft_model(draft_dir: Path, runner: ModelRunner) -> DraftModelProposer
     from .draft_model import DraftModelProposer
 
     cfg = runner.cfg
-    return DraftModelProposer(draft_dir, cfg.num_speculative_tokens, backend=runner.backend, device=runner.device,
+    backend = runner.backend
+    if backend.name == "ggml":  # the target is a GGUF in its blocks (fp16 cache); the draft keeps its dtype's
+        from ..attention.backend import select_backend
+
+        backend = select_backend("cpu", runner.device)
+    return DraftModelProposer(draft_dir, cfg.num_speculative_tokens, backend=backend, device=runner.device,
                               dtype=runner.dtype, block_size=cfg.block_size, max_positions=runner.max_model_len,
                               target_vocab_size=runner.model_config.vocab_size,
                               max_forward_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
