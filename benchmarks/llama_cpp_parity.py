@@ -456,8 +456,8 @@ def main() -> int:
                          "llama-server on the GGUF dequantized to F32 vs sluice fp32 (~4 min more)")
     ap.add_argument("--log-dir", type=Path, help="server logs (default: a temporary directory)")
     ap.add_argument("--llama-kv", choices=("f16", "f32"), default="f16",
-                    help="llama-server's KV cache type (-ctk/-ctv; its default f16); f32 is what sluice keeps on "
-                         "CPU, so with f32 the two differ only in their matmuls and summation orders")
+                    help="llama-server's KV cache type (-ctk/-ctv; its default f16, which sluice's q4_1 keeps too, "
+                         "computing as llama.cpp does; f32 shows how far another cache type moves it)")
     args = ap.parse_args()
     kv = () if args.llama_kv == "f16" else ("-ctk", args.llama_kv, "-ctv", args.llama_kv)
 
