@@ -177,6 +177,45 @@ void attend_vec(const Geometry& g, const float* q_hf, int kvh, int pos, float sc
     for (int i = 0; i < d; ++i) out[i] = h2f(acc[i]) * inv;
 }
 
+// A tile's scores, kq[c] = sum over e of q[e] k_c[e] as one FMA chain per key from 0 (llama.cpp's simd_gemm),
+// and its values' contribution, acc[i] += sum over c of p[c] v_c[i], one FMA chain per dim. ktile is the tile's
+// K transposed ([d][64]), vt its V ([64][d]).
+#if defined(__AVX512F__)
+void tile_scores(const float* q, const float* ktile, int d, float* kq) {
+    __m512 a[kTile / 16];
+    for (auto& x : a) x = _mm512_setzero_ps();
+    for (int e = 0; e < d; ++e) {
+        const __m512 b = _mm512_set1_ps(q[e]);
+        for (int j = 0; j < kTile / 16; ++j) a[j] = _mm512_fmadd_ps(b, _mm512_loadu_ps(ktile + e * kTile + 16 * j), a[j]);
+    }
+    for (int j = 0; j < kTile / 16; ++j) _mm512_storeu_ps(kq + 16 * j, a[j]);
+}
+
+void tile_accumulate(const float* p, const float* vt, int d, float* acc) {
+    for (int i0 = 0; i0 < d; i0 += 64) {  // d is a multiple of 16 (sluice_ggml_attention_supports_head_dim)
+        const int nv = std::min(4, (d - i0) / 16);
+        __m512 a[4];
+        for (int j = 0; j < nv; ++j) a[j] = _mm512_loadu_ps(acc + i0 + 16 * j);
+        for (int c = 0; c < kTile; ++c) {
+            const __m512 pc = _mm512_set1_ps(p[c]);
+            for (int j = 0; j < nv; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(vt + c * d + i0 + 16 * j), pc, a[j]);
+        }
+        for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + i0 + 16 * j, a[j]);
+    }
+}
+#else
+void tile_scores(const float* q, const float* ktile, int d, float* kq) {
+    for (int c = 0; c < kTile; ++c) kq[c] = 0.f;
+    for (int e = 0; e < d; ++e)
+        for (int c = 0; c < kTile; ++c) kq[c] = std::fma(q[e], ktile[e * kTile + c], kq[c]);
+}
+
+void tile_accumulate(const float* p, const float* vt, int d, float* acc) {
+    for (int c = 0; c < kTile; ++c)
+        for (int i = 0; i < d; ++i) acc[i] = std::fma(vt[c * d + i], p[c], acc[i]);
+}
+#endif
+
 // The "tiled" path for one sequence: rows [0, rows) at positions first_pos + r, heads [0, heads).
 void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, int64_t ldo, int rows, int first_pos,
                   int heads, float scale, int threads) {
@@ -206,12 +245,7 @@ void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, in
             float S = 0.f, M = -INFINITY;
             for (int t = 0; t * kTile <= pos; ++t) {
                 const float* ktile = &kt[(static_cast<size_t>(kvh) * tiles + t) * d * kTile];
-                for (int c = 0; c < kTile; ++c) kq[c] = 0.f;
-                for (int e = 0; e < d; ++e) {
-                    const float a = qp[e];
-                    const float* krow = ktile + e * kTile;
-                    for (int c = 0; c < kTile; ++c) kq[c] = std::fma(a, krow[c], kq[c]);
-                }
+                tile_scores(qp, ktile, d, kq);
                 float tile_max = -INFINITY;
                 for (int c = 0; c < kTile; ++c) {
                     kq[c] = t * kTile + c <= pos ? kq[c] * scale : -INFINITY;  // masked: x + -inf
@@ -231,11 +265,7 @@ void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, in
                 }
                 S = static_cast<float>(static_cast<double>(S) + sum);
                 const float* vt = &vf[(static_cast<size_t>(kvh) * tiles + t) * kTile * d];
-                for (int c = 0; c < kTile; ++c) {
-                    const float pc = kq[c];
-                    const float* vrow = vt + c * d;
-                    for (int i = 0; i < d; ++i) acc[i] = std::fma(vrow[i], pc, acc[i]);
-                }
+                tile_accumulate(kq, vt, d, acc);
             }
             const float inv = S == 0.f ? 0.f : 1.f / S;
             float* o = out + r * ldo + h * d;
