@@ -100,6 +100,10 @@ int main() {
                             {64, 64, 256}, {100, 100, 256}, {70, 200, 256}, {200, 200, 256}};
     for (auto& c : cases)
         for (int threads : {1, 2}) bad += run_case(9, 3, 64, c[0], c[1], c[2], threads, 1234u + c[0] * 7 + c[1]) != 0;
+    for (int threads : {1, 2}) {  // a GQA group of 8 (query heads per KV head), decode and a short prompt
+        bad += run_case(8, 1, 64, 1, 150, 256, threads, 99u) != 0;
+        bad += run_case(8, 1, 64, 9, 40, 256, threads, 98u) != 0;
+    }
     std::printf(bad ? "MISMATCH in %d cases\n" : "all bit-identical\n", bad);
     return bad != 0;
 }

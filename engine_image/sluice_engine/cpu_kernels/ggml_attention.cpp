@@ -85,42 +85,60 @@ struct Geometry {
 
 #if defined(__AVX512F__) && defined(__F16C__)
 // The "vec" path for a 64-dim head with AVX-512: the same operations as attend_vec below, 16 lanes at a time.
-void attend_vec64(const Geometry& g, const float* q_hf, int kvh, int pos, float scale, float* out) {
-    alignas(64) float qh[64];
-    for (int e = 0; e < 64; ++e) qh[e] = h2f(f2h(q_hf[hf_index(e, 64)]));
-    __m512 q4[4];
-    for (int j = 0; j < 4; ++j) q4[j] = _mm512_load_ps(qh + 16 * j);
-    __m512 acc[4];  // the fp16 accumulator, held widened (every update rounds it back to fp16)
-    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+// Up to 4 query heads of one KV head at once (GQA): each key and value is loaded and widened once for all of
+// them, and their independent update chains overlap (one head's chain is a serial fp16 round trip per key).
+constexpr int kVecHeads = 4;
+
+void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos, float scale, float* out) {
+    __m512 q4[kVecHeads][4], acc[kVecHeads][4];  // acc: the fp16 accumulators, held widened
+    float S[kVecHeads], M[kVecHeads];
+    for (int h = 0; h < nh; ++h) {
+        alignas(64) float qh[64];
+        for (int e = 0; e < 64; ++e) qh[e] = h2f(f2h(q_hf[h * 64 + hf_index(e, 64)]));
+        for (int j = 0; j < 4; ++j) {
+            q4[h][j] = _mm512_load_ps(qh + 16 * j);
+            acc[h][j] = _mm512_setzero_ps();
+        }
+        S[h] = 0.f;
+        M[h] = -INFINITY;
+    }
     const auto round16 = [](__m512 x) { return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); };
     const auto load16 = [](const uint16_t* p) {
         return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
-    float S = 0.f, M = -INFINITY;
     for (int p = 0; p <= pos; ++p) {
-        const uint16_t* k = g.k_at(p, kvh);
-        __m512 prod[4];
-        for (int j = 0; j < 4; ++j) prod[j] = _mm512_mul_ps(q4[j], load16(k + 16 * j));  // exact: fp16 x fp16
-        const __m512 lanes = _mm512_add_ps(_mm512_add_ps(prod[0], prod[2]), _mm512_add_ps(prod[1], prod[3]));
-        float s = static_cast<float>(static_cast<double>(_mm512_reduce_add_ps(lanes)));
-        s = s * scale;
-        const float Mold = M;
-        float ms = 1.f, vs = 1.f;
-        if (s > M) {
-            M = s;
-            ms = std::exp(Mold - M);
-            const __m512 vms = _mm512_set1_ps(ms);
-            for (int j = 0; j < 4; ++j) acc[j] = round16(_mm512_mul_ps(acc[j], vms));
-        } else {
-            vs = std::exp(s - M);
+        const uint16_t* kp = g.k_at(p, kvh);
+        const uint16_t* vp = g.v_at(p, kvh);
+        __m512 k[4], v[4];
+        for (int j = 0; j < 4; ++j) {
+            k[j] = load16(kp + 16 * j);
+            v[j] = load16(vp + 16 * j);
         }
-        const uint16_t* v = g.v_at(p, kvh);
-        const __m512 vvs = _mm512_set1_ps(vs);
-        for (int j = 0; j < 4; ++j) acc[j] = round16(_mm512_fmadd_ps(load16(v + 16 * j), vvs, acc[j]));
-        S = std::fma(S, ms, vs);
+        for (int h = 0; h < nh; ++h) {
+            __m512 prod[4];
+            for (int j = 0; j < 4; ++j) prod[j] = _mm512_mul_ps(q4[h][j], k[j]);  // exact: fp16 x fp16
+            const __m512 lanes = _mm512_add_ps(_mm512_add_ps(prod[0], prod[2]), _mm512_add_ps(prod[1], prod[3]));
+            float s = static_cast<float>(static_cast<double>(_mm512_reduce_add_ps(lanes)));
+            s = s * scale;
+            const float Mold = M[h];
+            float ms = 1.f, vs = 1.f;
+            if (s > M[h]) {
+                M[h] = s;
+                ms = std::exp(Mold - s);
+                const __m512 vms = _mm512_set1_ps(ms);
+                for (int j = 0; j < 4; ++j) acc[h][j] = round16(_mm512_mul_ps(acc[h][j], vms));
+            } else {
+                vs = std::exp(s - M[h]);
+            }
+            const __m512 vvs = _mm512_set1_ps(vs);
+            for (int j = 0; j < 4; ++j) acc[h][j] = round16(_mm512_fmadd_ps(v[j], vvs, acc[h][j]));
+            S[h] = std::fma(S[h], ms, vs);
+        }
     }
-    const __m512 inv = _mm512_set1_ps(S == 0.f ? 0.f : 1.f / S);
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], inv));
+    for (int h = 0; h < nh; ++h) {
+        const __m512 inv = _mm512_set1_ps(S[h] == 0.f ? 0.f : 1.f / S[h]);
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + 16 * j, _mm512_mul_ps(acc[h][j], inv));
+    }
 }
 #endif
 
@@ -324,6 +342,22 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
         if (rows < kTile)
             for (int r = 0; r < rows; ++r) row_idx.push_back(query_start[s] + r);
     }
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (d == 64) {  // (row, KV head, up to 4 of its query heads) per work item
+        const int chunks = (group + kVecHeads - 1) / kVecHeads;
+        const int64_t n = static_cast<int64_t>(row_idx.size()) * kv_heads * chunks;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 2) if (n > 2)
+        for (int64_t w = 0; w < n; ++w) {
+            const int i = static_cast<int>(w / (kv_heads * chunks)), rest = static_cast<int>(w % (kv_heads * chunks));
+            const int kvh = rest / chunks, h0 = kvh * group + (rest % chunks) * kVecHeads;
+            const int nh = std::min(kVecHeads, (kvh + 1) * group - h0), s = row_seq[i], row = row_idx[i];
+            const int pos = seq_lens[s] - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
+            const Geometry g{k_cache, v_cache, block_tables + s * ldt, kv_heads, d, block_size};
+            attend_vec64(g, q + row * ldq + h0 * d, nh, kvh, pos, scale, out + row * ldo + h0 * d);
+        }
+        return;
+    }
+#endif
     const int64_t n = static_cast<int64_t>(row_idx.size()) * heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (n > 4)
     for (int64_t w = 0; w < n; ++w) {
@@ -331,12 +365,6 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
         const int rows = query_start[s + 1] - query_start[s];
         const int pos = seq_lens[s] - rows + (row - query_start[s]);
         const Geometry g{k_cache, v_cache, block_tables + s * ldt, kv_heads, d, block_size};
-#if defined(__AVX512F__) && defined(__F16C__)
-        if (d == 64) {
-            attend_vec64(g, q + row * ldq + h * d, h / group, pos, scale, out + row * ldo + h * d);
-            continue;
-        }
-#endif
         attend_vec(g, q + row * ldq + h * d, h / group, pos, scale, out + row * ldo + h * d);
     }
 }
