@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from server_process import free_port
+from server_process import free_port, stop_process
 
 SERVED_NAME = "smollm2"
 ENDPOINT = "default/smollm2"
@@ -49,13 +49,7 @@ class Proc:
         raise TimeoutError(f"{self.url} not ready after {timeout}s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def start_engine(model_dir: str, log_dir: Path, name: str, extra: list[str] = (), quiet: bool = False,

@@ -41,11 +41,16 @@ class Server:
         raise RuntimeError(f"{self.name}: {self.url}{self.ready_path} not 200 within {timeout:.0f}s")
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate proc (20 s to exit, then kill) unless it has exited."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -28,9 +28,6 @@ class GgmlCpuAttention:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
 
-    def supports_head_dim(self, head_dim: int) -> bool:
-        return bool(self._lib.sluice_ggml_attention_supports_head_dim(head_dim))
-
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                  kv_scale: torch.Tensor | None = None) -> None:
         assert kv_cache.dtype == KV_DTYPE, "the ggml backend keeps an fp16 cache"

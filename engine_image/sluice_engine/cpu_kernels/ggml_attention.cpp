@@ -330,17 +330,14 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
         }
     }
     // Every short sequence's rows x heads in one parallel loop (a decode batch is many sequences of one row).
-    std::vector<int> row_seq;
+    std::vector<int> row_seq, row_idx;  // each short row's sequence and its index in q
     for (int s = 0; s < num_seqs; ++s) {
         const int rows = query_start[s + 1] - query_start[s];
         if (rows < kTile)
-            for (int r = 0; r < rows; ++r) row_seq.push_back(s);
-    }
-    std::vector<int> row_idx;
-    for (int s = 0; s < num_seqs; ++s) {
-        const int rows = query_start[s + 1] - query_start[s];
-        if (rows < kTile)
-            for (int r = 0; r < rows; ++r) row_idx.push_back(query_start[s] + r);
+            for (int r = 0; r < rows; ++r) {
+                row_seq.push_back(s);
+                row_idx.push_back(query_start[s] + r);
+            }
     }
 #if defined(__AVX512F__) && defined(__F16C__)
     if (d == 64) {  // (row, KV head, up to 4 of its query heads) per work item
