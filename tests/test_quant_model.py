@@ -196,7 +196,7 @@ def test_quantized_checkpoint_generates_as_its_dequantized_twin(tmp_path, case):
             else:
                 assert isinstance(q, QuantLinear) and isinstance(q.weights, WEIGHTS[method]), type(q)
             assert torch.equal(_dequantized(q), d.weight), (i, module)
-            want = torch.cat([twins[f"model.layers.{i}.{p}."] for p in parts])
+            want = torch.cat([twins[f"model.layers.{i}.{p}."] for p in parts]).to(d.weight.device)  # CPU-built
             assert torch.equal(d.weight, want)
             if d.bias is not None:
                 assert torch.equal(_bias(q), d.bias)

@@ -140,11 +140,13 @@ def test_leading_dims_and_shape_checks():
     q, z, s = _random_w4(128, 64, 32, gen)
     w = awq.AwqWeights(awq.pack_awq(q), s, awq.pack_awq(z))
     x = torch.randn(2, 3, 128, generator=gen)
-    y = QuantLinear(w).forward(x)
+    y = QuantLinear(w).to(DEVICE).forward(x.to(DEVICE)).cpu()
     assert y.shape == (2, 3, 64)
     _close(y.reshape(6, 64), x.reshape(6, 128) @ w.dequantize(), torch.float32)
     with pytest.raises(AssertionError, match="features"):
         w.apply(torch.randn(1, 64))
+    with pytest.raises(AssertionError, match="different devices"):  # weights left behind when x moved
+        w.apply(torch.randn(1, 128, device="meta"))
 
 
 def test_fp8_bit_decoding_matches_the_e4m3_type():
@@ -260,7 +262,8 @@ def _check_loaded(tmp_path, twins: dict[str, torch.Tensor], transpose: bool) -> 
         dense = weights.dequantize()
         assert torch.equal(dense.T if transpose else dense, twin), prefix
         x = torch.randn(5, twin.shape[0], generator=gen)
-        _close(QuantLinear(weights, ckpt.bias(prefix))(x), x @ twin + ckpt.bias(prefix), torch.float32)
+        layer = QuantLinear(weights, ckpt.bias(prefix)).to(DEVICE)  # the checkpoint's tensors load on CPU
+        _close(layer(x.to(DEVICE)).cpu(), x @ twin + ckpt.bias(prefix), torch.float32)
 
 
 def test_awq_checkpoint_loads_as_its_dequantized_twin(tmp_path):

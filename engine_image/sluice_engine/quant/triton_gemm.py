@@ -178,9 +178,16 @@ def _tiles(M: int, N: int, K: int) -> tuple[int, int, int]:
     return bm, bn, bk
 
 
-def _check_x(x: torch.Tensor, k: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+def _check_x(x: torch.Tensor, k: int, *weights: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
     assert x.shape[-1] == k, f"activations have {x.shape[-1]} features, the weight takes {k}"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
+    # A compiled kernel reads GPU memory only (Triton's own error for a CPU tensor names neither tensor nor
+    # layer); the interpreter reads CPU tensors. The engine moves a layer's weights with the model
+    # (QuantLinear._apply); this names the mix-up if anything ever hands the kernel tensors that were not moved.
+    devices = {t.device for t in (x, *weights) if t is not None}
+    assert len(devices) == 1, f"activations and weights on different devices: {sorted(map(str, devices))}"
+    assert INTERPRETED or x.device.type == "cuda", \
+        f"the compiled Triton GEMM runs on CUDA tensors, not {x.device} (CPU only in Triton's interpreter)"
     lead = x.shape[:-1]
     return x.reshape(-1, k), lead
 
@@ -205,7 +212,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     decode_bits: decode the e4m3 bytes with integer arithmetic; None: where the GPU lacks the e4m3 type."""
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (weight.dtype, weight.shape)
     n, k = weight.shape
-    x2, lead = _check_x(x, k)
+    x2, lead = _check_x(x, k, weight, weight_scale, bias)
     scale = weight_scale.reshape(-1).to(torch.float32)
     assert scale.numel() in (1, n), f"weight_scale has {scale.numel()} elements; want 1 or {n}"
     assert bias is None or bias.shape == (n,)
@@ -236,7 +243,7 @@ def _w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     assert g_idx is not None or k % groups == 0, f"K={k} is not a whole number of {groups} groups"
     assert g_idx is None or (not awq and g_idx.shape == (k,)), "g_idx: GPTQ only, one group per input row"
     assert bias is None or bias.shape == (n,)
-    x2, lead = _check_x(x, k)
+    x2, lead = _check_x(x, k, qweight, scales, qzeros, g_idx, bias)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bm, bn, bk = _tiles(m, n, k)
