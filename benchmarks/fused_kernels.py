@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -41,24 +42,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="tokens per step")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="no GPU: each fused op once in Triton's interpreter (fp32) against the torch ops; no timing")
     return p.parse_args()
 
 
 class LayerInputs:
     """One layer's activations at batch b: what each op reads, fresh per call where an op writes in place."""
 
-    def __init__(self, b: int, dtype: torch.dtype, gen: torch.Generator):
+    def __init__(self, b: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cuda"):
         from sluice_engine.models.rotary import RotaryEmbedding
 
         def randn(*shape):
-            return torch.randn(*shape, generator=gen).to("cuda", dtype)
+            return torch.randn(*shape, generator=gen).to(device, dtype)
 
         self.x, self.residual, self.attn_out = randn(b, HIDDEN), randn(b, HIDDEN), randn(b, HIDDEN)
-        self.weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to("cuda", dtype)
+        self.weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(device, dtype)
         self.qkv = randn(b, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
         self.gate_up = randn(b, 2 * INTER)
-        rope = RotaryEmbedding(HEAD_DIM, 8192, ROPE[0], ROPE[1]).to("cuda")
-        self.cos_sin = rope(torch.randint(0, 8192, (b,), generator=gen).cuda())
+        rope = RotaryEmbedding(HEAD_DIM, 8192, ROPE[0], ROPE[1]).to(device)
+        self.cos_sin = rope(torch.randint(0, 8192, (b,), generator=gen).to(device))
 
     def qk(self) -> torch.Tensor:
         return self.qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, HEADS + KV_HEADS, HEAD_DIM)
@@ -157,12 +160,33 @@ def _fmt(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def cpu_smoke() -> int:
+    """Each op once in Triton's interpreter, fp32, batch 2, against the torch ops: the script's control flow and
+    the kernels' agreement, with no timing (the interpreter is not a GPU)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+    from sluice_engine.layer_ops.torch_ops import TorchLayerOps
+    from sluice_engine.layer_ops.triton_ops import TritonLayerOps
+
+    ref = op_calls(TorchLayerOps(), LayerInputs(2, torch.float32, torch.Generator().manual_seed(0), "cpu"))
+    fused = op_calls(TritonLayerOps(), LayerInputs(2, torch.float32, torch.Generator().manual_seed(0), "cpu"))
+    worst = 0.0
+    for name in ref:
+        want, got = ref[name]().float(), fused[name]().float()
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+        print(f"interpreter: {name} batch 2 fp32: rel err {err:.1e}")
+    print("OK" if worst <= 1e-5 else "FAILED")
+    return 0 if worst <= 1e-5 else 1
+
+
 def main() -> int:
     args = parse_args()
+    if args.cpu_smoke:
+        return cpu_smoke()
     if not torch.cuda.is_available():
-        print("benchmarks/fused_kernels.py needs CUDA: no GPU here, nothing measured (the fused kernels' "
-              "correctness runs on CPU in Triton's interpreter: tests/test_layer_ops_triton.py)")
-        return 0
+        print("benchmarks/fused_kernels.py needs CUDA: no GPU here, nothing measured (--cpu-smoke checks the "
+              "kernels in Triton's interpreter; tests/test_layer_ops_triton.py too)", file=sys.stderr)
+        return 2
     import triton
 
     from sluice_engine.layer_ops.torch_ops import TorchLayerOps

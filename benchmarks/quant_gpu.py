@@ -1,7 +1,8 @@
 """Weight-only quantized GEMM on a CUDA GPU: the Triton FP8 (e4m3, per-channel scales) and AWQ (4-bit, group 128)
 kernels of sluice_engine.quant beside bf16 torch.matmul on the same shapes. Prints a markdown table.
 
-    .venv/bin/python benchmarks/quant_gpu.py                  # CUDA only; elsewhere it says so and exits 0
+    .venv/bin/python benchmarks/quant_gpu.py                  # CUDA only; elsewhere it says so and exits 2
+    .venv/bin/python benchmarks/quant_gpu.py --cpu-smoke      # no GPU: the kernels once in Triton's interpreter
     .venv/bin/python benchmarks/quant_gpu.py --json out.json
 
 Workload (fixed seed 0): the linear layers of Llama-3.1-8B, y[M, N] = x[M, K] @ W^T with
@@ -13,7 +14,7 @@ M = 1, 16 (decode batches), 256 and 4096 (prefill). Activations bf16, random wei
 - awq: AWQ GEMM layout (qweight [K, N/8], scales [K/G, N] fp16, qzeros [K/G, N/8]), G = 128; the kernel casts
   the dequantized tile to the activation dtype, so the activations here are fp16 (AWQ checkpoints' dtype).
 
-Reported per row: median kernel time (triton.testing.do_bench: CUDA events, L2 flushed), TFLOP/s
+Reported per row: median kernel time (replayed from a CUDA graph, L2 flushed: gpu_timing.py), TFLOP/s
 (2 M N K / time), the weight bytes read per call, effective weight bandwidth (weight bytes / time: the number
 that matters at small M, where a GEMM is bound by reading W) and the speed-up over bf16. Every row first
 checks the kernel against dequantize-then-matmul (max error relative to the output's largest value), so a
@@ -24,9 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import graph_us  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144)]  # (K, N)
 MS = [1, 16, 256, 4096]
@@ -37,10 +42,19 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", type=int, nargs="+", default=MS, help="token counts (GEMM rows)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="no GPU: both kernels at --ms on a small shape in Triton's interpreter (fp16), no timing")
     return p.parse_args()
 
 
 def _bench(fn) -> float:
+    """ms of one call replayed from a CUDA graph, L2 flushed (gpu_timing.graph_us): at decode-sized M an eager
+    call's time is its host launch, not the kernel (the H200's first run: 0.08 ms for an fp8 launch whose kernel
+    takes a fraction of that)."""
+    return graph_us(fn) * 1e-3
+
+
+def _bench_eager(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100)  # ms, median
@@ -79,20 +93,48 @@ def run_shape(k: int, n: int, ms: list[int], gen: torch.Generator) -> list[dict]
         times = {"bf16": _bench(lambda x=x: torch.matmul(x, w_bf16.T)),
                  "fp8": _bench(lambda x=x: fp8_linear(x, wq, scale)),
                  "awq": _bench(lambda xh=xh: awq_linear(xh, aw.qweight, aw.scales, aw.qzeros))}
+        eager = {"fp8": _bench_eager(lambda x=x: fp8_linear(x, wq, scale))} if m == ms[0] else {}
         for name, ms_ in times.items():
-            rows.append({"M": m, "K": k, "N": n, "kernel": name, "ms": ms_,
+            rows.append({"M": m, "K": k, "N": n, "kernel": name, "ms": ms_, "eager_ms": eager.get(name),
                          "tflops": 2 * m * n * k / (ms_ * 1e-3) / 1e12,
                          "weight_gbps": weight_bytes[name] / (ms_ * 1e-3) / 1e9,
                          "speedup_vs_bf16": times["bf16"] / ms_, "rel_err": checks.get(name, 0.0)})
     return rows
 
 
+def cpu_smoke(ms: list[int]) -> int:
+    """The FP8 and AWQ kernels once per M on K=256, N=128 in Triton's interpreter, fp16 activations (its bf16
+    arithmetic is wrong), against dequantize-then-matmul: the script's control flow, no timing."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+    from sluice_engine.quant import awq, fp8
+    from sluice_engine.quant.triton_gemm import awq_linear, fp8_linear
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 256, 128
+    wq, scale = fp8.quantize_fp8(torch.randn(n, k, generator=gen) * 0.02, per_channel=True)
+    q, z = torch.randint(0, 16, (k, n), generator=gen), torch.randint(0, 16, (k // GROUP, n), generator=gen)
+    s = (torch.rand(k // GROUP, n, generator=gen) * 0.002 + 1e-4).half()
+    aw = awq.AwqWeights(awq.pack_awq(q), s, awq.pack_awq(z))
+    worst = 0.0
+    for m in ms:
+        x = torch.randn(m, k, generator=gen).half()
+        errs = {"fp8": _rel_err(fp8_linear(x, wq, scale), x.float() @ fp8.dequantize_fp8(wq, scale).T),
+                "awq": _rel_err(awq_linear(x, aw.qweight, aw.scales, aw.qzeros), x.float() @ aw.dequantize())}
+        for name, err in errs.items():
+            worst = max(worst, err)
+            print(f"interpreter: {name} M={m} K={k} N={n} fp16: rel err {err:.1e}")
+    print("OK" if worst <= 3e-3 else "FAILED")
+    return 0 if worst <= 3e-3 else 1
+
+
 def main() -> int:
     args = parse_args()
+    if args.cpu_smoke:
+        return cpu_smoke(args.ms)
     if not torch.cuda.is_available():
-        print("benchmarks/quant_gpu.py: skipped: no CUDA GPU here (the Triton FP8/AWQ kernels are measured on "
-              "a GPU only; their correctness runs on CPU in tests/test_quant_triton.py)")
-        return 0
+        print("benchmarks/quant_gpu.py needs a CUDA GPU: nothing measured (--cpu-smoke checks the kernels in "
+              "Triton's interpreter; tests/test_quant_triton.py too)", file=sys.stderr)
+        return 2
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}; "
           f"capability {props.major}.{props.minor}", flush=True)

@@ -8,9 +8,14 @@ One server per backend, one after the other (python -m sluice_engine.cli serve, 
 same /v1/completions request: --prompts prompts of fixed random token ids (seed 0, lengths 5 to ~300),
 max_tokens --max-tokens, temperature 0, ignore_eos, logprobs 2, tokens returned as ids. Random weights make
 logits nearly flat, so an honest kernel difference can flip a near-tie: where the two token streams first
-differ, the position is tolerated (and listed) when either server's top-2 logprob gap there is below
---tie-tol; the rest of that completion is then not compared. Any other difference fails (exit 1). Also
-printed: the largest |logprob difference| of the chosen tokens before any divergence. Needs only the
+differ, the position is tolerated (and listed) when either server's top-2 logprob gap there is below the tie
+tolerance; the rest of that completion is then not compared. Any other difference fails (exit 1), and so does
+a chosen-token logprob that moves by more than twice the tie tolerance before any divergence. The tie tolerance
+is --tie-tol or, if larger, TIE_ULPS units of the serving dtype's rounding at the logprob's magnitude
+(|logprob| x 2^-8 in bf16): two correct bf16 kernels that sum in different orders disagree by a few such
+units (the H200's first run: top-2 gaps of 0.03-0.06 flipped at logprobs near -11, where a bf16 step is
+0.06; a 1e-3 tolerance called them failures). Then the same request is sent again and timed: tok/s per backend
+(a small batch; a smoke figure, not a throughput benchmark). --json writes the figures. Needs only the
 standard library on this side (urllib); the servers need the engine's serving packages (fastapi, uvicorn).
 """
 
@@ -95,19 +100,38 @@ def completions(url: str, prompts: list[list[int]], max_tokens: int) -> list[tup
     return results
 
 
-def compare(a, b, tie_tol: float) -> tuple[bool, list[str], float]:
-    """(all equal up to tolerated near-ties, notes, max |dlogprob| before any divergence)."""
+# Relative rounding step of each serving dtype (2^-mantissa bits), and how many such steps at a logprob's magnitude
+# count as a tie between two correct kernels.
+DTYPE_EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+TIE_ULPS = 4
+
+
+def tie_tolerance(logprob: float, eps: float, floor: float) -> float:
+    """The top-2 gap below which a flip at this logprob is a near-tie for this dtype (eps: DTYPE_EPS)."""
+    return max(floor, TIE_ULPS * eps * max(abs(logprob), 1.0))
+
+
+def compare(a, b, tie_tol: float, eps: float = 0.0) -> tuple[bool, list[str], float]:
+    """(all equal up to tolerated near-ties, notes, max |dlogprob| before any divergence). eps: the serving
+    dtype's relative rounding step (DTYPE_EPS; 0 keeps tie_tol alone)."""
     ok, notes, max_d = True, [], 0.0
     for i, ((ia, la, ga), (ib, lb, gb)) in enumerate(zip(a, b, strict=True)):
         for pos, (x, y) in enumerate(zip(ia, ib, strict=False)):
+            tol = tie_tolerance(max(abs(la[pos]), abs(lb[pos])), eps, tie_tol)
             if x != y:
                 gap = min(ga[pos], gb[pos])
-                tied = gap < tie_tol
+                tied = gap < tol
                 ok &= tied
-                notes.append(f"prompt {i} position {pos}: {x} vs {y}, top-2 gap {gap:.2e} "
+                notes.append(f"prompt {i} position {pos}: {x} vs {y}, top-2 gap {gap:.2e} (tie below {tol:.2e}) "
                              f"-> {'tolerated (near-tie)' if tied else 'DIFFERENT'}")
                 break
-            max_d = max(max_d, abs(la[pos] - lb[pos]))
+            d = abs(la[pos] - lb[pos])
+            max_d = max(max_d, d)
+            if d > 2 * tol:
+                ok = False
+                notes.append(f"prompt {i} position {pos}: same token {x}, logprobs {la[pos]:.4f} vs {lb[pos]:.4f} "
+                             f"differ by {d:.2e} (> {2 * tol:.2e}) -> DIFFERENT")
+                break
         if len(ia) != len(ib):
             ok = False
             notes.append(f"prompt {i}: {len(ia)} vs {len(ib)} tokens")
@@ -129,7 +153,9 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="2G")
     p.add_argument("--ready-timeout", type=float, default=180)
     p.add_argument("--log-dir", default=None, help="server logs (default: next to the model)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")  # the engine's default per device
 
     model_dir = Path(args.model_dir or f"/tmp/sluice-random-{args.preset}")
     gen_device = "cpu" if args.device == "cpu" else "auto"
@@ -143,7 +169,7 @@ def main() -> int:
     log_dir = Path(args.log_dir) if args.log_dir else model_dir
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    runs = {}
+    runs, figures = {}, {}
     for backend in args.backends.split(","):
         t0 = time.perf_counter()
         proc, url = serve(model_dir, backend, args, log_dir / f"serve-{backend}.log")
@@ -151,19 +177,29 @@ def main() -> int:
         try:
             t1 = time.perf_counter()
             runs[backend] = completions(url, prompts, args.max_tokens)
-            print(f"{backend}: ready in {up:.1f}s, {len(prompts)} completions in {time.perf_counter() - t1:.2f}s; "
-                  f"first tokens {[ids[:6] for ids, _, _ in runs[backend]]}", flush=True)
+            first = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            completions(url, prompts, args.max_tokens)  # the same request again, warm: the timed one
+            warm = time.perf_counter() - t1
+            n_tok = sum(len(ids) for ids, _, _ in runs[backend])
+            figures[backend] = {"ready_s": up, "first_request_s": first, "request_s": warm, "tokens": n_tok,
+                                "tok_per_s": n_tok / warm}
+            print(f"{backend}: ready in {up:.1f}s, {len(prompts)} completions in {first:.2f}s (again: {warm:.2f}s, "
+                  f"{n_tok / warm:.0f} tok/s); first tokens {[ids[:6] for ids, _, _ in runs[backend]]}", flush=True)
         finally:
             stop(proc)
     names = list(runs)
-    ok, notes, max_d = compare(runs[names[0]], runs[names[1]], args.tie_tol)
+    ok, notes, max_d = compare(runs[names[0]], runs[names[1]], args.tie_tol, DTYPE_EPS.get(dtype, 0.0))
     n_tok = sum(len(ids) for ids, _, _ in runs[names[0]])
     distinct = len({t for ids, _, _ in runs[names[0]] for t in ids})
-    print(f"{names[0]} vs {names[1]}: {n_tok} tokens, {distinct} distinct, max |dlogprob| before any divergence "
-          f"{max_d:.2e}")
+    print(f"{names[0]} vs {names[1]} ({dtype}): {n_tok} tokens, {distinct} distinct, max |dlogprob| before any "
+          f"divergence {max_d:.2e}")
     for n in notes:
         print("  " + n)
     print("OK" if ok else "FAILED")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": dtype, "backends": figures, "ok": ok, "notes": notes,
+                                               "max_dlogprob": max_d}, indent=1))
     return 0 if ok else 1
 
 

@@ -1,0 +1,130 @@
+"""The end of benchmarks/gpu_check.sh: its steps (steps.tsv) and the figures of each step's JSON, as a table on
+stdout and $OUT/summary.json. Standard library only (it runs wherever the check's Python runs).
+
+    python benchmarks/gpu_check_summary.py OUT MODE ALLOW_SKIPS
+
+summary.json: {"mode", "allow_skips", "passed", "steps": [{"step", "status", "seconds", "reason", "figures"}],
+"figures": {...}} where figures are the headline numbers docs/BENCHMARKS.md quotes: decode ms/step eager vs
+graphs per batch against the weight-read floor, attention GB/s as a share of HBM, serve tok/s per backend,
+the quantized GEMMs' weight bandwidth, the tests' counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def decode_figures(d: dict) -> dict:
+    floor = d.get("floor_ms")
+    out = {"floor_ms": floor, "batches": {}}
+    for mode, rows in d.get("results", {}).items():
+        for r in rows:
+            b = out["batches"].setdefault(str(r["batch"]), {})
+            b[f"{mode}_ms"] = r["median_ms"]
+            b[f"{mode}_tok_s"] = r["tok_s"]
+            if floor:
+                b[f"{mode}_floor_share"] = floor / r["median_ms"]
+    out["targets"] = d.get("targets", [])
+    return out
+
+
+def attention_figures(d: dict) -> dict:
+    return {"rows": [{k: r.get(k) for k in ("batch", "context", "splits", "triton_us", "triton_eager_us",
+                                             "triton_tbps", "triton_peak_pct", "sdpa_tbps")}
+                     for r in d.get("decode", [])]}
+
+
+def quant_figures(d: dict) -> dict:
+    return {"rows": [{k: r.get(k) for k in ("M", "K", "N", "kernel", "ms", "weight_gbps", "speedup_vs_bf16")}
+                     for r in d.get("rows", [])]}
+
+
+def fused_figures(d: dict) -> dict:
+    return {"layer": [{k: r.get(k) for k in ("batch", "unfused_graph_us", "fused_graph_us", "rel_err")}
+                      for r in d.get("rows", []) if r.get("op") == "layer"]}
+
+
+def test_counts(xml_path: Path) -> dict | None:
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    keys = ("tests", "failures", "errors", "skipped")
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "failed": failed}
+
+
+FIGURES = {"decode-step": ("decode_step.json", decode_figures), "serve": ("serve.json", lambda d: d),
+           "attention": ("attention.json", attention_figures), "fused": ("fused.json", fused_figures),
+           "quant-gemm": ("quant_gpu.json", quant_figures)}
+
+
+def headline(figures: dict) -> list[str]:
+    lines = []
+    dec = figures.get("decode-step")
+    if dec:
+        floor = dec.get("floor_ms")
+        for b, v in dec["batches"].items():
+            g, e = v.get("graphs_ms"), v.get("eager_ms")
+            share = f" (the {floor:.2f} ms weight-read floor is {100 * floor / g:.0f}% of it)" if floor and g else ""
+            parts = ([f"graphs {g:.3f} ms/step{share}"] if g else []) + ([f"eager {e:.3f} ms/step"] if e else [])
+            lines.append(f"decode b{b}: " + ", ".join(parts))
+    for r in (figures.get("attention") or {}).get("rows", []):
+        pct = r.get("triton_peak_pct")
+        lines.append(f"attention b{r['batch']} ctx {r['context']}: {r['triton_tbps'] * 1000:.0f} GB/s"
+                     + (f" ({pct:.0f}% of HBM)" if pct is not None else "") + f", SDPA {r['sdpa_tbps'] * 1000:.0f}")
+    serve = figures.get("serve")
+    if serve:
+        lines.append("serve tok/s: " + ", ".join(f"{b} {v['tok_per_s']:.0f}" for b, v in serve["backends"].items())
+                     + f" (greedy {'agrees' if serve.get('ok') else 'DIFFERS'})")
+    tests = figures.get("triton-tests")
+    if tests:
+        lines.append(f"tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
+                     f"{tests['skipped']} skipped")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    out, mode, allow_skips = Path(argv[1]), argv[2], argv[3] == "1"
+    steps = []
+    for line in (out / "steps.tsv").read_text().splitlines():
+        name, status, secs, reason = (line.split("\t") + [""] * 4)[:4]
+        steps.append({"step": name, "status": status, "seconds": int(secs or 0), "reason": reason})
+    figures = {}
+    for s in steps:
+        if s["step"] in FIGURES:
+            name, extract = FIGURES[s["step"]]
+            d = _load(out / name)
+            if d is not None:
+                figures[s["step"]] = s["figures"] = extract(d)
+        elif s["step"] == "triton-tests":
+            counts = test_counts(out / "triton-tests.xml")
+            if counts is not None:
+                figures[s["step"]] = s["figures"] = counts
+    passed = all(s["status"] == "PASS" or (s["status"] == "SKIP" and allow_skips) for s in steps)
+    (out / "summary.json").write_text(json.dumps({"mode": mode, "allow_skips": allow_skips, "passed": passed,
+                                                  "steps": steps, "figures": figures}, indent=1))
+    print(f"{'step':<14} {'status':<8} {'secs':>6}  reason")
+    for s in steps:
+        print(f"{s['step']:<14} {s['status']:<8} {s['seconds']:>6}  {s['reason'][:150]}")
+    for line in headline(figures):
+        print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,83 @@
+"""benchmarks/gpu_check.sh's control flow on CPU: the dry run passes end to end (wheel install included), and the
+check never passes falsely: no torch, a skipped core step, or two versions of one wheel each fail it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+ALL_STEPS = ["env", "decode-step", "serve", "attention", "fused", "quant-gemm", "triton-tests"]
+
+
+def run_check(tmp_path: Path, *args: str, python: str | None = None, wheels: Path | None = None,
+              timeout: float = 600) -> tuple[int, dict, str]:
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": python or sys.executable,
+           "WHEELS": str(wheels or tmp_path / "no-wheels")}
+    proc = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    summary = json.loads((out / "summary.json").read_text())
+    return proc.returncode, summary, proc.stdout + proc.stderr
+
+
+def statuses(summary: dict) -> dict[str, str]:
+    return {s["step"]: s["status"] for s in summary["steps"]}
+
+
+@pytest.mark.slow
+def test_dry_run_passes_with_the_wheels_installed(tmp_path):
+    """What CI proves: every step runs on CPU (tiny model, Triton's interpreter) and passes; the GPU wheel set
+    (benchmarks/gpu_wheels.sh, downloaded here from PyPI) installs into a temp target for CPython 3.12."""
+    wheels = tmp_path / "whl"
+    got = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_wheels.sh"), str(wheels)], capture_output=True,
+                         text=True, timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    rc, summary, log = run_check(tmp_path, "--cpu-dry-run", wheels=wheels)
+    assert rc == 0, log[-4000:]
+    assert statuses(summary) == dict.fromkeys(ALL_STEPS, "PASS"), summary
+    assert summary["passed"] and summary["mode"] == "cpu-dry-run"
+    env_log = (tmp_path / "out" / "env.log").read_text()
+    assert f"wheels: {len(list(wheels.glob('*.whl')))} from {wheels} install" in env_log
+    assert summary["figures"]["triton-tests"]["passed"] > 0
+    assert summary["figures"]["serve"]["ok"] is True
+    assert "GPU CHECK PASSED" in log
+
+
+def test_no_torch_fails_and_skips_every_other_step(tmp_path):
+    """A Python without torch (a bare venv): env FAILS naming it, every other step is skipped, exit non-zero."""
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)
+    rc, summary, log = run_check(tmp_path, "--cpu-dry-run", python=str(bare / "bin" / "python"), timeout=120)
+    assert rc != 0
+    st = statuses(summary)
+    assert st["env"] == "FAIL" and "torch" in summary["steps"][0]["reason"]
+    assert all(st[s] == "SKIP" for s in ALL_STEPS[1:]), st
+    assert "GPU CHECK FAILED" in log
+
+
+def test_a_skipped_core_step_fails_unless_allowed(tmp_path):
+    skip = ",".join(ALL_STEPS[1:])
+    rc, summary, log = run_check(tmp_path, "--cpu-dry-run", "--skip", skip, timeout=120)
+    assert rc != 0 and statuses(summary)["env"] == "PASS", log[-3000:]
+    assert "core step serve was skipped" in log and not summary["passed"]
+    rc, summary, log = run_check(tmp_path, "--cpu-dry-run", "--skip", skip, "--allow-skips", timeout=120)
+    assert rc == 0 and summary["passed"], log[-3000:]
+
+
+def test_two_versions_of_one_wheel_fail_env(tmp_path):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    for v in ("4.14.0", "4.14.9"):
+        (wheels / f"platformdirs-{v}-py3-none-any.whl").write_bytes(b"")
+    skip = ",".join(ALL_STEPS[1:])
+    rc, summary, _ = run_check(tmp_path, "--cpu-dry-run", "--skip", skip, "--allow-skips", wheels=wheels,
+                               timeout=120)
+    assert rc != 0
+    assert statuses(summary)["env"] == "FAIL" and "wheels" in summary["steps"][0]["reason"]
