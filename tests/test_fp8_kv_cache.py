@@ -167,6 +167,11 @@ class Fp8Batch:
         assert out.dtype == self.q.dtype and out.shape == self.q.shape
         return out.float().cpu()
 
+    @property
+    def v_max(self) -> float:
+        """The largest |V| the FP8 cache holds (e4m3 value times v_scale): the scale of what the outputs average."""
+        return (self.fp8[1].float() * self.scales[1]).abs().max().item()
+
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
@@ -174,6 +179,12 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # A prefill with a cached prefix, a fresh prompt (its own keys come back from the cache too), a decode.
 MIXED = [(21, 7), (0, 12), (40, 1)]
+# Kernel against reference on the same bytes, as a fraction of the largest |V|: an output is a softmax-weighted
+# average of V rows, so its rounding error scales with the values averaged, not with the output (which can
+# cancel to near zero). fp32: each score carries an absolute rounding error of ~|score| * 2^-24, a relative one
+# in its softmax weight, so the error grows with the scores too (observed 2.3e-7 on Intel, 2.5e-7 on an H200,
+# 6.8e-7 on an AMD EPYC in the interpreter, whose exp differs). fp16: the weights are rounded to fp16 before the
+# PV dot and the output is written in fp16, 2^-11 relative each (observed 2.7e-4).
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -182,14 +193,14 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 def test_attention_over_fp8_matches_the_torch_reference_on_the_same_bytes(dtype, bits):
     batch = Fp8Batch(MIXED, 4, 2, 32, 16, dtype, k_scale=0.05, v_scale=0.02)
     want = batch.reference(batch.fp8)
-    assert max_err(batch.triton(bits=bits), want) <= TOL[dtype]
+    assert max_err(batch.triton(bits=bits), want) <= TOL[dtype] * batch.v_max
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_over_fp8_with_split_kv(num_splits):
     """Split-KV decoding: v_scale is applied to each split's partial output before the merge."""
     batch = Fp8Batch([(70, 1), (5, 1), (33, 1)], 8, 2, 16, 8, torch.float32, k_scale=2.0, v_scale=0.5, seed=3)
-    assert max_err(batch.triton(num_splits), batch.reference(batch.fp8)) <= 1e-5
+    assert max_err(batch.triton(num_splits), batch.reference(batch.fp8)) <= TOL[torch.float32] * batch.v_max
 
 
 def test_both_read_paths_agree():
@@ -197,7 +208,8 @@ def test_both_read_paths_agree():
     if not NATIVE_READ:
         pytest.skip("this GPU has no e4m3 type: only the byte decoding runs")
     batch = Fp8Batch(MIXED, 4, 2, 32, 16, torch.float32, k_scale=0.3, v_scale=1.0, seed=2)
-    assert max_err(batch.triton(bits=True), batch.triton(bits=False)) <= 1e-6
+    # The same values through the same arithmetic: the same outputs up to the compiler's contractions.
+    assert max_err(batch.triton(bits=True), batch.triton(bits=False)) <= 1e-6 * batch.v_max
 
 
 # e4m3 keeps 3 mantissa bits: a relative rounding error of at most 2^-4 per element from 2^-6 up. Over a
@@ -328,7 +340,12 @@ def test_engine_over_fp8_is_the_engine_over_e4m3_rounded_kv(tmp_path):
     first, second = _prompts()
 
     def run(kv_cache_dtype: str, round_writes: bool = False):
-        llm = _llm(model, kv_cache_memory=1 << 20, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+        # NOTE: eager steps only. The rounding and the split count below replace the backend's once the engine is
+        # built; on CUDA the decode graphs captured at start-up would keep the write and the split count they
+        # were captured with, so the "rounded" run's decode steps would write exact fp32 K/V (on an H200 its
+        # logprobs moved 0.015 from the FP8 run's). Graph replay over an FP8 cache: test_cuda_graphs.py.
+        llm = _llm(model, kv_cache_memory=1 << 20, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype,
+                   enforce_eager=True)
         backend = llm.engine.runner.backend
         backend.num_splits = 2  # exercise the split-KV merge in the decode steps
         if round_writes:
