@@ -5,7 +5,8 @@ before triton is first imported (see `_import_kernels`). On a CUDA machine the s
 compiled kernels on the GPU.
 
 The interpreter gets bf16 arithmetic wrong (the kernels upcast bf16 to fp32 there), so the numbers are
-checked in fp32 (<= 1e-5) and fp16 (<= 1e-3) against the reference in fp32 on the same inputs.
+checked in fp32 (<= 1e-5) and fp16 (<= 1e-3) against the reference in fp32 on the same inputs, as fractions of
+the largest |V|: an output averages V rows, so its rounding error scales with them, not with the output.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class Batch:
         return TorchPagedAttention().attend(self.q.float(), self.k.float(), self.v.float(), self.cache.float(),
                                             self.meta, self.scale)
 
+    @property
+    def v_max(self) -> float:
+        """The largest |V| in the cache (uniform in [-1, 1]: about 1), the scale of the outputs' errors."""
+        return self.cache[1].float().abs().max().item()
+
     def on(self, device: torch.device):
         m = self.meta
         meta = AttentionMetadata(m.query_start_loc.to(device), m.seq_lens.to(device), m.block_tables.to(device),
@@ -145,7 +151,7 @@ DECODE_LENGTHS = [1, 15, 16, 17, 300]
 ], ids=lambda x: str(x).removeprefix("torch."))
 def test_decode_matches_reference(hq, hkv, block_size, d, splits, dtype):
     batch = Batch([(n - 1, 1) for n in DECODE_LENGTHS], hq, hkv, d, block_size, dtype, seed=splits)
-    assert max_err(batch.triton(splits), batch.reference()) <= TOL[dtype]
+    assert max_err(batch.triton(splits), batch.reference()) <= TOL[dtype] * batch.v_max
 
 
 # -- prefill and extend: ragged new tokens over cached prefixes ------------------------------------------
@@ -163,14 +169,14 @@ MIXED = [(0, 17), (16, 15), (0, 1), (280, 5), (14, 1), (3, 40)]  # prefill, pref
 ], ids=lambda x: str(x).removeprefix("torch."))
 def test_prefill_and_extend_match_reference(hq, hkv, block_size, d, dtype, block_m):
     batch = Batch(MIXED, hq, hkv, d, block_size, dtype, seed=hq)
-    assert max_err(batch.triton(block_m=block_m), batch.reference()) <= TOL[dtype]
+    assert max_err(batch.triton(block_m=block_m), batch.reference()) <= TOL[dtype] * batch.v_max
 
 
 def test_splits_also_merge_multi_token_queries():
     """Speculative verification splits too: rows of one tile see different key ranges per split (the
     first sequence's 205 keys make four 64-key chunks, the last one partly beyond some rows' limit)."""
     batch = Batch([(200, 5), (0, 3), (140, 1)], 6, 2, 64, 16, torch.float32)
-    assert max_err(batch.triton(num_splits=4), batch.reference()) <= 1e-5
+    assert max_err(batch.triton(num_splits=4), batch.reference()) <= 1e-5 * batch.v_max
 
 
 def test_launches_outside_the_fixed_set_are_refused():
@@ -189,9 +195,9 @@ def test_one_long_sequence_among_short_ones_splits_and_matches_the_reference():
     batch = Batch(seqs, 4, 2, 32, 16, torch.float32, seed=5)
     launch = choose_attention_launch(1, batch.meta.seq_lens_cpu, group=2, num_kv_heads=2, num_sms=16)
     assert launch.num_splits == 2  # 701 keys: at most 2 chunks of >= 256 (the cap), though 16 SMs want more
-    assert max_err(batch.triton(launch=launch), batch.reference()) <= 1e-5
+    assert max_err(batch.triton(launch=launch), batch.reference()) <= 1e-5 * batch.v_max
     launch = AttentionLaunch(8, launch.block_m)  # most splits of most sequences are empty
-    assert max_err(batch.triton(launch=launch), batch.reference()) <= 1e-5
+    assert max_err(batch.triton(launch=launch), batch.reference()) <= 1e-5 * batch.v_max
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -206,7 +212,7 @@ def test_backend_writes_then_attends_like_the_torch_backend():
     backend.write_kv(stale, k, v, meta)
     assert torch.equal(stale, cache)
     out = backend.attend(q, k, v, stale, meta, batch.scale)
-    assert max_err(out.cpu(), batch.reference()) <= 1e-5
+    assert max_err(out.cpu(), batch.reference()) <= 1e-5 * batch.v_max
 
 
 def test_auto_is_never_triton_on_cpu():
