@@ -125,7 +125,8 @@ def test_triton_ops_match_torch_ops_whole_and_across_pipeline_stages(tmp_path, a
         torch_pp = _logits(_stages(tmp_path, TorchLayerOps(), pp))
         for g, tp_, w in zip(got, torch_pp, want, strict=True):
             assert g.shape == w.shape == (w.shape[0], VOCAB)
-            assert (g - w).abs().max().item() < 1e-4, f"pp={pp}"
+            # fp32 rounding through the layers (observed 8e-7 of the largest |logit|, logits of 5-7)
+            assert (g - w).abs().max().item() <= 2e-5 * w.abs().max().item(), f"pp={pp}"
             assert torch.equal(tp_, w)  # the torch path's stages add the stream exactly as the whole model
 
 
