@@ -53,6 +53,9 @@ export PYTHONPATH="$ROOT/operator:$ROOT/engine_image:$ROOT/autoscaler${PYTHONPAT
 export SLUICE_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 START=$SECONDS
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
+# An empty model cache of its own: nothing is fetched offline (tests needing the bundled model skip), and
+# platformdirs, which only locates the default cache, need not be on the node (benchmarks/gpu_wheels.txt).
+export SLUICE_CACHE_DIR=${SLUICE_CACHE_DIR:-$TMP/cache}
 
 if ((DRY)); then
     export TRITON_INTERPRET=1
@@ -150,7 +153,7 @@ import importlib, sys
 dry = sys.argv[1] == "1"
 print("python", sys.version.split()[0])
 need = ["torch", "triton", "numpy", "safetensors", "tokenizers", "jinja2", "prometheus_client", "pytest",
-        "fastapi", "uvicorn", "pydantic", "platformdirs", "xgrammar"]
+        "fastapi", "uvicorn", "pydantic", "xgrammar"]
 missing = []
 for mod in need + ["xdist", "transformers"]:
     try:
