@@ -27,6 +27,7 @@ from .sched_output import SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode import DraftQuery, build_proposer, resolve_draft
 from .step_sampler import StepResult, sample_step
+from .structured.constraint import warm_up_bitmask
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .warmup import WarmupReport, warm_up
 from .warmup import resolve_mode as resolve_warmup_mode
@@ -152,7 +153,10 @@ class LLMEngine:
     def warm_up(self, on_step: Callable[[float | None], None] | None = None) -> WarmupReport:
         """Run --warmup's dummy steps (warmup.py) before any request; the server calls it and reports
         ready only after. on_step: told when each dummy step starts and ends (the watchdog)."""
-        return warm_up(self, resolve_warmup_mode(self.cfg.warmup, self.runner.device), on_step)
+        mode = resolve_warmup_mode(self.cfg.warmup, self.runner.device)
+        if mode != "off":  # the structured-output mask's Triton kernel on CUDA, before the first grammar request
+            warm_up_bitmask(self.runner.device, self.runner.model_config.vocab_size)
+        return warm_up(self, mode, on_step)
 
     # -- requests ------------------------------------------------------------------------------
     def default_max_tokens(self, num_prompt_tokens: int) -> int:

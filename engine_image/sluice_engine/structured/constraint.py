@@ -1,5 +1,6 @@
 """One request's grammar state, as the engine's TokenConstraint (request.py): an xgrammar
-GrammarMatcher that masks what may come next and advances with every token emitted.
+GrammarMatcher that masks what may come next and advances with every token emitted; and the masking
+kernel's backend, named, and its warm-up at engine start-up on CUDA.
 
 All methods run on the engine thread; the API thread only constructs the object.
 """
@@ -7,12 +8,51 @@ All methods run on the engine thread; the API thread only constructs the object.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from ..device_io import to_device
 
 log = logging.getLogger("sluice.structured")
+
+# The masked-row counts warm-up compiles xgrammar's Triton kernel for: Triton specializes an int argument on
+# being 1 and on being a multiple of 16, and the kernel takes the number of rows it masks, so each kind of
+# batch has its own variant.
+WARMUP_ROWS = (1, 2, 16)
+
+
+def on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def bitmask_backend(device: torch.device) -> str:
+    """xgrammar's kernel for logits on `device`. NOTE: named, never "auto": on CUDA its Triton one (an
+    xgrammar that tries its nvcc-built CUDA kernel first would compile at the first grammar request, and a
+    runtime image may have no nvcc); on CPU its own CPU one."""
+    return "triton" if on_cuda(device) else "cpu"
+
+
+def warm_up_bitmask(device: torch.device, vocab_size: int) -> None:
+    """On CUDA, compile the masking kernel before any request (engine start-up, with the warm-up steps): one
+    all-allowed bitmask applied to dummy logits as the sampler masks them (fp32 [rows, vocab]:
+    LlamaForCausalLM.compute_logits), masking WARMUP_ROWS rows in turn. CPU: nothing to compile."""
+    if not on_cuda(device):
+        return
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        log.warning("structured output: xgrammar is not installed; requests with a grammar will fail")
+        return
+    started = time.monotonic()
+    rows = max(WARMUP_ROWS)
+    logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
+    bitmask = to_device(xgr.allocate_token_bitmask(rows, vocab_size), device)  # every bit set: all allowed
+    for n in WARMUP_ROWS:
+        indices = to_device(torch.arange(n, dtype=torch.int32), device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend=bitmask_backend(device))
+    log.info("structured output: %s masking kernel warmed for %s rows in %.1f s", bitmask_backend(device),
+             "/".join(map(str, WARMUP_ROWS)), time.monotonic() - started)
 
 
 class GrammarConstraint:
@@ -83,10 +123,11 @@ class GrammarConstraint:
                     accepted += 1
             if accepted:
                 m.rollback(accepted)
-        if logits.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend="cpu")
+        backend = bitmask_backend(logits.device)
+        if backend == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices, backend=backend)
         else:
             # Both uploaded pinned and non-blocking: a list of indices would be copied up by xgrammar
             # from pageable memory, which waits for the forward still running (device_io.py).
-            xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device),
+            xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device), backend=backend,
                                             indices=to_device(torch.tensor(indices, dtype=torch.int32), logits.device))
