@@ -73,16 +73,41 @@ def test_when_graphs_are_off():
 
 
 def test_workspaces_are_views_of_one_allocation_per_kind():
-    sizes = [1, 2, 4, 8]
-    ws = cg.decode_workspaces(sizes, lambda n: 8 // n, num_heads=3, head_dim=16, dtype=torch.float16, device=CPU)
-    for n in sizes:
-        w = ws[n]
-        assert w.num_splits == 8 // n
+    plan = {1: [1, 2, 4, 8], 2: [1, 2, 4], 4: [1, 2], 8: [1]}
+    ws = cg.decode_workspaces(plan, num_heads=3, head_dim=16, dtype=torch.float16, device=CPU)
+    assert set(ws) == {(n, s) for n, splits in plan.items() for s in splits}
+    for (n, s), w in ws.items():
+        assert w.num_splits == s
         assert w.out.shape == (n, 3, 16) and w.out.dtype == torch.float16
-        assert w.mid_o.shape == (n, 3, 8 // n, 16) and w.mid_o.is_contiguous() and w.mid_o.dtype == torch.float32
-        assert w.mid_lse.shape == (n, 3, 8 // n) and w.mid_lse.is_contiguous()
-    assert len({ws[n].out.data_ptr() for n in sizes}) == 1
-    assert len({ws[n].mid_o.data_ptr() for n in sizes}) == 1
+        assert w.mid_o.shape == (n, 3, s, 16) and w.mid_o.is_contiguous() and w.mid_o.dtype == torch.float32
+        assert w.mid_lse.shape == (n, 3, s) and w.mid_lse.is_contiguous()
+    assert len({w.out.data_ptr() for w in ws.values()}) == 1
+    assert len({w.mid_o.data_ptr() for w in ws.values()}) == 1
+    # One allocation holds the largest size x splits of any graph (here 8 rows of 1 split and 1 row of 8).
+    assert ws[(1, 8)].mid_o.untyped_storage().nbytes() == 8 * 3 * 16 * 4
+
+
+def test_a_step_replays_the_split_the_chooser_picks_or_the_nearest_above():
+    assert cg.nearest_split([1, 2, 4, 8], 4) == 4
+    assert cg.nearest_split([1, 4, 16], 2) == 4  # more splits, never fewer (a long context would serialize)
+    assert cg.nearest_split([1, 4], 32) == 4  # none above: the largest
+    assert cg.describe_plan({1: [1, 2], 2: [1, 2]}) == "2 batch sizes 1..2 x split counts [1, 2]"
+    assert cg.describe_plan({1: [1, 2], 2: [1]}) == "2 batch sizes 1..2, split counts per size 1: [1, 2], 2: [1]"
+
+    chosen: list[list[int]] = []
+
+    def choose(seq_lens):
+        chosen.append(seq_lens)
+        return 4 if max(seq_lens) > 100 else 1
+
+    graphs = cg.DecodeGraphs({1: [1, 4], 2: [1, 2, 8], 4: [1]}, inputs=None, forward=None, workspaces={
+        k: None for k in [(1, 1), (1, 4), (2, 1), (2, 2), (2, 8), (4, 1)]}, api=None, choose_splits=choose)
+    assert graphs.key(_decode(1)) == (1, 1)
+    assert graphs.key(_decode(1, start=200)) == (1, 4)
+    assert graphs.key(_decode(2, start=200)) == (2, 8)  # 4 not captured for size 2: the nearest above
+    assert graphs.key(_decode(3, start=200)) == (4, 1)  # size 4 holds only 1
+    assert chosen[-1] == [201, 201, 201]  # the real rows' contexts after the step: padding not counted
+    assert graphs.key(_decode(5)) is None and len(chosen) == 4  # no graph holds 5 rows: nothing chosen
 
 
 def test_torch_cuda_graphs_share_one_pool_and_stream(monkeypatch):
@@ -267,29 +292,37 @@ def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama, kv_
     eager.inputs = ReferenceInputs(BLOCK, CPU)
     api = ReplayByRerun()
     sizes = cg.capture_sizes(4)
-    # Split-KV decoding with preallocated partials: 4 splits (one of the fixed launch set), where the eager
-    # path picks 1 on CPU.
-    workspaces = cg.decode_workspaces(sizes, lambda n: 4, HEADS, HEAD_DIM, torch.float32, CPU)
+    # Split-KV decoding with preallocated partials: graphs of 1, 2 and 4 splits per size (of the fixed launch
+    # set), where the eager path picks 1 on CPU; a stand-in chooser cycles through them step by step.
+    plan = {n: [1, 2, 4] for n in sizes}
+    workspaces = cg.decode_workspaces(plan, HEADS, HEAD_DIM, torch.float32, CPU)
     for ws in workspaces.values():  # garbage until a replay writes it
         for t in (ws.out, ws.mid_o, ws.mid_lse):
             t.fill_(float("nan"))
-    graphed.graphs = cg.DecodeGraphs(sizes, graphed.inputs, graphed.forward, workspaces, api)
+    calls = iter(range(1000))
+    graphed.graphs = cg.DecodeGraphs(plan, graphed.inputs, graphed.forward, workspaces, api,
+                                     lambda seq_lens: 4 >> (next(calls) % 3))
     real_kv = [c[:, :16].clone() for c in graphed.kv_caches]
     graphed.graphs.capture()
-    assert api.captured == [4, 2, 1]  # largest first
+    assert api.captured == [4, 4, 4, 2, 2, 2, 1, 1, 1]  # largest size first
+    assert graphed.graphs.captured == sorted(workspaces)
+    replayed = []
+    replay = graphed.graphs.replay
+    graphed.graphs.replay = lambda key: replayed.append(key) or replay(key)
     assert graphed.inputs.frozen
     # Capturing ran every layer over padding rows: only the scratch block (id 16) was written.
     assert all(torch.equal(c[:, :16], r) for c, r in zip(graphed.kv_caches, real_kv, strict=True))
     assert any(c[:, 16].float().abs().sum() > 0 for c in graphed.kv_caches)
 
     _assert_same_steps(graphed, eager, lambda: api.replays, sizes)
+    assert set(replayed) == {(4, 4), (4, 2), (4, 1), (2, 4)}  # 12 steps of 3 rows (size 4), then one of 2
     # Attention wrote its outputs and split partials where the graphs were captured to (no allocation).
-    for n in (4, 2):
-        ws = workspaces[n]
+    for key in ((4, 4), (4, 2), (2, 4)):
+        ws = workspaces[key]
         # Every split writes its log-sum-exp; a split that gets no keys writes no partial output (the merge
         # skips it), so mid_o may keep its garbage there.
-        assert not any(t.isnan().any() for t in (ws.out, ws.mid_lse)), n
-        assert not ws.mid_o[:, :, 0].isnan().any(), n  # the first split always has keys
+        assert not any(t.isnan().any() for t in (ws.out, ws.mid_lse)), key
+        assert not ws.mid_o[:, :, 0].isnan().any(), key  # the first split always has keys
 
 
 @needs_gpu
@@ -299,15 +332,17 @@ def test_real_graphs(tiny_llama, kv_cache_dtype):
     --enforce-eager on the per-step builder."""
     graphed = _runner(tiny_llama, "cuda", kv_cache_dtype=kv_cache_dtype)
     eager = _runner(tiny_llama, "cuda", enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
-    assert graphed.graphs is not None and graphed.graphs.captured == [1, 2, 4] and eager.graphs is None
+    # A 256-token window: contexts too short to split, so one split count per size.
+    assert graphed.graphs is not None and graphed.graphs.captured == [(1, 1), (2, 1), (4, 1)] and eager.graphs is None
+    assert graphed.graph_state == cg.GraphState("on", captured=3)
     eager.inputs = ReferenceInputs(BLOCK, torch.device("cuda"))
     count = 0
     replay = graphed.graphs.replay
 
-    def counted(n):
+    def counted(key):
         nonlocal count
         count += 1
-        return replay(n)
+        return replay(key)
 
     graphed.graphs.replay = counted
     _assert_same_steps(graphed, eager, lambda: count, graphed.graphs.sizes)
@@ -324,10 +359,86 @@ def test_a_failed_capture_leaves_the_runner_serving_eagerly(tiny_llama, monkeypa
 
     monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU
     monkeypatch.setattr(model_runner.ModelRunner, "_graph_api", lambda self: FailingCapture())
-    with caplog.at_level("ERROR", logger="sluice.engine"):
+    with caplog.at_level("WARNING", logger="sluice.engine"):
         runner = _runner(tiny_llama)
     assert runner.graphs is None and not runner.inputs.frozen
     assert "CUDA graph capture failed" in caplog.text
+    assert runner.graph_state == cg.GraphState(
+        "failed", "RuntimeError: operation not permitted when stream is capturing")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("operation not permitted when stream is capturing" in w and "eagerly" in w for w in warnings)
     eager = _runner(tiny_llama, enforce_eager=True)
     for sched in steps()[:3]:
         _close(runner.execute_model(sched), eager.execute_model(sched))
+
+
+@needs_interpreter
+def test_off_on_cpu_with_the_reason(tiny_llama):
+    runner = _runner(tiny_llama)
+    assert runner.graphs is None
+    assert runner.graph_state == cg.GraphState("off", "graphs need CUDA (device is cpu)")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_4k(tiny_llama, tmp_path_factory):
+    """The tiny model with a 4096-token window: contexts long enough to split."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("tiny-llama-4k") / "model"
+    shutil.copytree(tiny_llama, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return d
+
+
+@needs_interpreter
+def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monkeypatch):
+    """The runner captures each size at every split count its batches can get, and a decode step replays the
+    graph whose count is the backend's choice for the step's contexts: short contexts unsplit, a long one split
+    as far as it needs (an eager step of the same batch launches the same), never the count of the longest
+    context the window allows (16 here, for every step)."""
+    from sluice_engine import model_runner
+    from sluice_engine.kernel_buckets import AttentionLaunch, attention_launches, decode_split_choices
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU
+    monkeypatch.setattr(model_runner.ModelRunner, "_graph_api", lambda self: ReplayByRerun())
+
+    def runner(**kw):
+        r = model_runner.ModelRunner(EngineConfig(
+            model=str(tiny_llama_4k), device="cpu", dtype="float32", attention_backend="triton", block_size=BLOCK,
+            max_num_seqs=2, max_num_batched_tokens=64, **kw), tiny_llama_4k)
+        r.backend.num_sms = 16  # the interpreter counts one SM, which never splits
+        r.allocate_kv_cache(256)  # "d" holds blocks 20..207
+        return r
+
+    graphed, eager = runner(), runner(enforce_eager=True)
+    assert decode_split_choices(1, KV_HEADS, 16, 4096) == [1, 2, 4, 8, 16]
+    assert graphed.graph_plan() == {1: [1, 2, 4, 8, 16], 2: [1, 2, 4, 8, 16]}
+    assert graphed.graphs.captured == [(n, s) for n in (1, 2) for s in (1, 2, 4, 8, 16)]
+    assert graphed.graph_state == cg.GraphState("on", captured=10)
+    # What capture compiled is the decode tile at every split count: members of the fixed launch set.
+    assert graphed.backend.issued == {AttentionLaunch(s, 16) for s in (1, 2, 4, 8, 16)}
+    assert graphed.backend.issued <= attention_launches(HEADS // KV_HEADS, KV_HEADS, 16, 4096)
+
+    replayed = []
+    replay = graphed.graphs.replay
+    graphed.graphs.replay = lambda key: replayed.append(key) or replay(key)
+
+    def blocks(first: int, context: int) -> list[int]:
+        return list(range(first, first + -(-context // BLOCK)))
+
+    # (request id, context before the step): the contexts' KV is the cache's zeros (both runners' alike).
+    cases = [([("a", 19), ("b", 29)], (2, 1)),  # short contexts: unsplit
+             ([("a", 20), ("c", 999)], (2, 4)),  # one of 1000 keys: ceil(1000 / 256) -> 4 splits
+             ([("d", 2999)], (1, 8))]  # alone, 3000 keys: 8 (16 would leave splits under 256 keys)
+    for i, (rows, want) in enumerate(cases):
+        firsts = {"a": 0, "b": 10, "c": 20, "d": 20}
+        sched = SchedulerOutput([ScheduledRequest(rid, [7 + i], ctx, blocks(firsts[rid], ctx + 1)) for rid, ctx in rows],
+                                freed_req_ids=["b"] if i == 1 else ["a", "c"] if i == 2 else [])
+        eager.backend.issued.clear()
+        got, expect = graphed.execute_model(sched), eager.execute_model(sched)
+        assert replayed[-1] == want, i
+        assert eager.backend.issued == {AttentionLaunch(want[1], 16)}  # the eager step's choice: the same count
+        _close(got, expect, f"step {i}")
+    assert len(replayed) == len(cases)

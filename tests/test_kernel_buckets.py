@@ -3,6 +3,7 @@ a split heuristic that does not let one long context serialize a batch. Pure fun
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from sluice_engine.kernel_buckets import (
     choose_attention_launch,
     choose_num_splits,
     decode_batch_buckets,
+    decode_split_choices,
     launch_of,
     prefill_chunk_buckets,
     warmup_batches,
@@ -74,6 +76,29 @@ def test_the_chooser_never_leaves_the_set(group, hkv, sms):
         seen.add(launch)
     if sms >= 16:
         assert seen == allowed  # and the enumeration holds nothing the chooser cannot reach
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 8])
+@pytest.mark.parametrize("sms, window", [(16, 4096), (H200_SMS, 8192), (H200_SMS, 131072)])
+@pytest.mark.parametrize("min_seqs", [1, 3, 33, 249])
+def test_decode_split_choices_are_what_the_chooser_returns(hkv, sms, window, min_seqs):
+    """What a CUDA graph size is captured at (cuda_graphs.py): every count the chooser returns for decode
+    batches of min_seqs to min_seqs + 7 sequences, and nothing it cannot return."""
+    choices = decode_split_choices(min_seqs, hkv, sms, window)
+    rng = random.Random(hkv * 7 + sms + min_seqs)
+    seen = set()
+    for _ in range(2000):
+        b = rng.randint(min_seqs, min_seqs + 7)
+        # Log-uniform contexts (one may reach the window's end), sometimes one among one-token ones: skewed and
+        # even batches.
+        seq_lens = [rng.choice([window, int(2 ** rng.uniform(0, math.log2(window)))])]
+        seq_lens += [min(window, int(2 ** rng.uniform(0, 17))) for _ in range(b - 1)]
+        if rng.random() < 0.3:
+            seq_lens[1:] = [1] * (b - 1)
+        s = choose_num_splits(seq_lens, hkv, sms)
+        assert s in choices, (seq_lens, s)
+        seen.add(s)
+    assert seen == set(choices)
 
 
 @pytest.mark.parametrize("group, hkv", MODELS)

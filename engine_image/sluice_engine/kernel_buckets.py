@@ -104,6 +104,15 @@ def split_cap(num_kv_heads: int, num_sms: int, max_model_len: int) -> int:
     return min(_pow2_at_least(want), _pow2_at_most(most), SPLIT_CHOICES[-1])
 
 
+def decode_split_choices(min_seqs: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> list[int]:
+    """Every split count choose_num_splits can return for a batch of at least min_seqs sequences whose contexts
+    are 1..max_model_len tokens: from 1 (short contexts) up to what one max_model_len context among one-token
+    ones gets (the most keys on one sequence relative to the batch's). Every power of two between is reached
+    on the way (raising that one context raises the choice a power of two at a time)."""
+    most = choose_num_splits([max_model_len] + [1] * (min_seqs - 1), num_kv_heads, num_sms)
+    return [s for s in SPLIT_CHOICES if s <= most]
+
+
 def attention_launches(group: int, num_kv_heads: int, num_sms: int, max_model_len: int) -> frozenset[AttentionLaunch]:
     """Every launch choose_attention_launch can return for this model (group, KV heads per rank) on this
     device (SMs) up to max_model_len: decode and short-query tiles at each reachable split count (long

@@ -193,16 +193,17 @@ def cuda_graph_pool_bytes(runner: ModelRunner, activation_peak: int) -> int:
     estimated, not measured: every size shares one pool, captured largest first, so the pool is about
     the activations of the largest captured batch, one token per sequence. The profiled peak of a step of
     --max-num-batched-tokens tokens, scaled to that many tokens (activations grow with tokens; the
-    logits and sampler share of it is an overestimate here), plus 4 MiB per graph for its own state."""
-    from .cuda_graphs import capture_sizes, graphs_off_reason
+    logits and sampler share of it is an overestimate here), plus 4 MiB per graph (batch size x split
+    count: runner.graph_plan) for its own state."""
+    from .cuda_graphs import graphs_off_reason
 
     cfg = runner.cfg
     scratch = runner.kv_bytes_per_block
     if graphs_off_reason(cfg.enforce_eager, runner.device, runner.backend.name, cfg.world_size) is not None:
         return scratch
-    sizes = capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
-    share = min(1.0, sizes[-1] / max(1, cfg.max_num_batched_tokens))
-    return scratch + int(activation_peak * share) + len(sizes) * (4 << 20)
+    plan = runner.graph_plan()
+    share = min(1.0, max(plan) / max(1, cfg.max_num_batched_tokens))
+    return scratch + int(activation_peak * share) + sum(map(len, plan.values())) * (4 << 20)
 
 
 def measure_device_memory(runner: ModelRunner, draft: DraftModelProposer | None, activation_peak: int,

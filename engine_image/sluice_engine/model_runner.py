@@ -16,7 +16,14 @@ import torch
 
 from .attention.backend import select_backend
 from .config import EngineConfig
-from .cuda_graphs import DecodeGraphs, TorchCudaGraphs, capture_sizes, decode_workspaces, graphs_off_reason
+from .cuda_graphs import (
+    DecodeGraphs,
+    GraphState,
+    TorchCudaGraphs,
+    capture_sizes,
+    decode_workspaces,
+    graphs_off_reason,
+)
 from .distributed import parallel_state as ps
 from .distributed.layout import RankShard, rank_shard
 from .forward_context import ForwardContext, forward_context
@@ -88,6 +95,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
         self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA only)
+        self.graph_state = GraphState("off", "the KV cache is not allocated yet")
+        self._eager_only = False  # set by eager_steps(): every step runs eagerly, graphs or not
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -166,24 +175,58 @@ class ModelRunner:
     def _setup_step_inputs(self) -> None:
         cfg = self.cfg
         self.inputs = self._new_inputs(scratch_block=self.num_blocks)
+        self.graphs = None
         reason = graphs_off_reason(cfg.enforce_eager, self.device, self.backend.name, cfg.world_size)
         if reason is not None:
+            self.graph_state = GraphState("off", reason)
             if self.device.type == "cuda":
                 log.info("CUDA graphs off: %s", reason)
             return
-        sizes = capture_sizes(min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
-        workspaces = decode_workspaces(sizes, self._decode_splits, self.shard.num_heads, self.model_config.head_dim,
-                                       self.dtype, self.device)
-        graphs = DecodeGraphs(sizes, self.inputs, self.forward, workspaces, self._graph_api())
+        plan = self.graph_plan()
+        workspaces = decode_workspaces(plan, self.shard.num_heads, self.model_config.head_dim, self.dtype,
+                                       self.device)
+        graphs = DecodeGraphs(plan, self.inputs, self.forward, workspaces, self._graph_api(), self.decode_splits)
         try:
             graphs.capture()
-        except Exception:
+        except Exception as e:
             # A capture that fails (a driver, a kernel that is not capturable) costs speed, not service:
-            # every step runs eagerly, over fresh buffers (capture froze the first ones). Logged with why.
+            # every step runs eagerly, over fresh buffers (capture froze the first ones). Logged with why, the
+            # traceback as an error and a one-line warning that says what it costs; the metrics show it.
             log.exception("CUDA graph capture failed: every step runs eagerly (--enforce-eager skips capture)")
+            self.graph_state = GraphState("failed", f"{type(e).__name__}: {e}")
+            log.warning("CUDA graphs failed (%s): decode steps run eagerly, several times slower",
+                        self.graph_state.reason)
             self.inputs = self._new_inputs(scratch_block=self.num_blocks)
             return
         self.graphs = graphs
+        self.graph_state = GraphState("on", captured=len(graphs.captured))
+
+    def graph_plan(self) -> dict[int, list[int]]:
+        """Decode graphs to capture: batch size -> split counts. Per size, every count the backend's chooser can
+        return for the batches that replay it (more than the next smaller size holds): cuda_graphs.py."""
+        from .kernel_buckets import decode_split_choices
+
+        sizes = capture_sizes(min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs))
+        fixed = self.backend.num_splits  # tests fix it: every short-query batch gets that count
+        return {n: [fixed] if fixed else decode_split_choices(prev + 1, self.shard.num_kv_heads, self.backend.num_sms,
+                                                             self.max_model_len)
+                for prev, n in zip([0, *sizes], sizes, strict=False)}
+
+    def decode_splits(self, seq_lens: list[int]) -> int:
+        """The split count the attention backend launches for a decode batch of these contexts (a step's real
+        rows): a replayed graph has the count an eager step of the same batch would choose."""
+        sh = self.shard
+        return self.backend.choose(1, seq_lens, sh.num_heads // sh.num_kv_heads, sh.num_kv_heads).num_splits
+
+    @contextmanager
+    def eager_steps(self) -> Iterator[None]:
+        """Steps inside run eagerly even where a graph holds their batch (warm-up: the eager variants of the
+        decode kernels compile too; the graphs' compiled at capture)."""
+        prev, self._eager_only = self._eager_only, True
+        try:
+            yield
+        finally:
+            self._eager_only = prev
 
     def _graph_api(self) -> TorchCudaGraphs:
         return TorchCudaGraphs(self.device)
@@ -195,15 +238,6 @@ class ModelRunner:
         return InputBuffers(max_tokens=cfg.max_num_batched_tokens, max_rows=-(-cfg.max_num_seqs // pp) * pp,
                             max_model_len=self.max_model_len, block_size=cfg.block_size, device=self.device,
                             scratch_block=scratch_block)
-
-    def _decode_splits(self, num_seqs: int) -> int:
-        """Split-KV programs per (sequence, KV head) of a captured decode batch: fixed at capture, so chosen
-        for the batch that needs the most: one context of max_model_len among short ones (a split that gets
-        no keys only writes its log-sum-exp, so the short sequences pay little for it)."""
-        from .kernel_buckets import choose_num_splits
-
-        return self.backend.num_splits or choose_num_splits([self.max_model_len] + [1] * (num_seqs - 1),
-                                                            self.shard.num_kv_heads, self.backend.num_sms)
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> ModelInput:
@@ -217,15 +251,15 @@ class ModelRunner:
         """Run this rank's part of the step. Returns the logits ([rows of logits_layout(), vocab],
         float32) when this rank is rank 0 and holds the last stage; None otherwise (a stage hands its
         hidden states on; the last stage sends its logits to rank 0, which collects them: executor.py)."""
-        graph_size = self.graphs.batch_size(sched) if self.graphs is not None else None
-        inp = self.prepare(sched, graph_size)
+        graph = self.graphs.key(sched) if self.graphs is not None and not self._eager_only else None
+        inp = self.prepare(sched, graph[0] if graph is not None else None)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         sh = self.shard
         hidden_in = None
         if not sh.is_first_stage:
             hidden_in = ps.recv_hidden((inp.num_tokens, self.model_config.hidden_size), self.dtype, self.device)
-        hidden = self.graphs.replay(graph_size) if graph_size is not None else self.forward(inp, hidden_in)
+        hidden = self.graphs.replay(graph) if graph is not None else self.forward(inp, hidden_in)
         if not sh.is_last_stage:
             ps.send_hidden(hidden)
             return None
