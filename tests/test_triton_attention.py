@@ -267,37 +267,80 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama):
                 assert abs(wl[0] - cl[0]) < 1e-4  # the sampled token's logprob
 
 
+class ReplayByRerun:
+    """torch.cuda's graphs on CPU (as tests/test_cuda_graphs.py's): capture keeps the forward, replay reruns it."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def warm_up(self, fn):
+        fn()
+
+    def capture(self, fn):
+        out = fn()
+
+        def replay():
+            self.replays += 1
+            out.copy_(fn())
+
+        return replay, out
+
+    def synchronize(self):
+        pass
+
+
 @pytest.mark.slow
-def test_full_warmup_runs_exactly_the_launch_set(tiny_llama, tmp_path):
-    """The engine's full warm-up over the Triton backend: the launches the backend actually chose in the
-    dummy steps are the enumerated set (split counts 1, 2 and 4 for a 1024-token window), and the report
-    says so. In the interpreter the backend counts one SM, which never splits: it is given 16 here."""
+def test_full_warmup_runs_exactly_the_launch_set(tiny_llama, tmp_path, monkeypatch):
+    """The engine's full warm-up over the Triton backend, with decode CUDA graphs captured (on CPU by a stand-in
+    graph API, as on a GPU): the launches the backend actually issued in the warm-up steps are the enumerated
+    set (split counts 1, 2 and 4 for a 1024-token window), and the report is that record. The steps run eagerly,
+    never replaying a graph, so the eager decode variants compile too; the graphs' own launches (compiled at
+    capture) are members of the set. In the interpreter the backend counts one SM, which never splits: it is
+    given 16 here."""
     import shutil
 
+    from sluice_engine import model_runner
     from sluice_engine.kernel_buckets import attention_launches
     from sluice_engine.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
+    api = ReplayByRerun()
+    if not CUDA:  # as on a GPU: graphs captured when the KV cache is allocated, with 16 SMs' split choices
+        monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)
+        monkeypatch.setattr(model_runner.ModelRunner, "_graph_api", lambda self: api)
+        init = TritonPagedAttention.__init__
+
+        def sixteen_sms(self, *a, **kw):
+            init(self, *a, **kw)
+            self.num_sms = 16
+
+        monkeypatch.setattr(TritonPagedAttention, "__init__", sixteen_sms)
     model = tmp_path / "tiny-llama-1k"
     shutil.copytree(tiny_llama, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     llm = LLM(str(model), device=DEVICE.type, dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=4,
               max_num_batched_tokens=64, attention_backend="triton", warmup="full")
-    backend = llm.engine.runner.backend
-    if not CUDA:
-        backend.num_sms = 16
-    seen = set()
-    choose = backend.launch
+    runner = llm.engine.runner
+    backend = runner.backend
+    want = attention_launches(3, 2, backend.num_sms, llm.engine.max_model_len)
+    assert {x.num_splits for x in want} == {1, 2, 4}
+    graphs = runner.graphs
+    assert graphs is not None and {s for _, s in graphs.captured} == {1, 2, 4}
+    assert backend.issued and backend.issued <= want  # what capture compiled: decode tiles of the set
+    replays = 0
+    replay = graphs.replay
 
-    def recording(meta, group, num_kv_heads):
-        launch = choose(meta, group, num_kv_heads)
-        seen.add(launch)
-        return launch
+    def counted(key):
+        nonlocal replays
+        replays += 1
+        return replay(key)
 
-    backend.launch = recording
+    graphs.replay = counted
+    backend.issued.clear()  # from here on: what the warm-up steps themselves launch
     report = llm.engine.warm_up()
-    assert seen == report.launches == attention_launches(3, 2, backend.num_sms, llm.engine.max_model_len)
-    assert {x.num_splits for x in seen} == {1, 2, 4}
+    assert replays == 0  # eagerly: a decode batch with no graph, or graphs off, finds its variants compiled
+    assert report.launches == backend.issued == want
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert len(out[0].token_ids) == 3 and seen == report.launches  # serving stays inside the set
+    assert len(out[0].token_ids) == 3 and replays == 2  # the decode steps replay graphs when serving
+    assert backend.issued == want  # serving stays inside the set

@@ -5,7 +5,11 @@ before the server reports ready, so no kernel compiles on the serving path and a
 What runs is kernel_buckets.warmup_batches: `full` covers every prefill chunk bucket, decode batch bucket,
 verification bucket and attention launch of the fixed set; `minimal` one step holding a prompt chunk and a
 decode row (on CPU that is all there is to warm: the C++ kernels are built when the backend is chosen, and
-the step runs every layer and both kinds of rows once). The dummy sequences' block tables point at one free KV block that caches nothing,
+the step runs every layer and both kinds of rows once). The steps run eagerly, even those a CUDA graph holds
+(graphs compiled their own variants at capture): a decode step that does not replay (a batch above
+--cuda-graph-max-batch, graphs off after a failed capture) must not compile on the serving path either. The
+report's launches are what the Triton backend actually issued (its `issued` set: these steps, the memory
+profile's and the graphs' captures), not a prediction. The dummy sequences' block tables point at one free KV block that caches nothing,
 borrowed from the pool and given back, so nothing a request owns or the prefix cache holds is read or
 written.
 """
@@ -26,7 +30,6 @@ from .kernel_buckets import (
     AttentionLaunch,
     WarmupBatch,
     WarmupLimits,
-    launch_of,
     split_cap,
     split_context,
     warmup_batches,
@@ -47,7 +50,9 @@ WARMUP_REQUEST_PREFIX = "sluice-warmup-"
 class WarmupReport:
     mode: str  # what ran: full | minimal | off
     steps: int
-    launches: frozenset[AttentionLaunch]  # Triton attention launches covered (empty for other backends)
+    # Triton attention launches issued so far, i.e. compiled (warm-up steps, graph captures, the memory
+    # profile): the backend's record, empty for other backends.
+    launches: frozenset[AttentionLaunch]
     draft_queries: int
     seconds: float
 
@@ -101,17 +106,18 @@ def warm_up(engine: LLMEngine, mode: str, on_step: Callable[[float | None], None
     # those of requests the scheduler freed since its last step (a warm-up after serving: tests).
     held: list[str] = engine.scheduler.take_freed()
     try:
-        for batch in batches:
-            step = dummy_step(batch, block.block_id, engine.cfg.block_size, freed=held)
-            held = [s.request_id for s in step.scheduled]
-            with _step(on_step, device):
-                engine.executor.execute_model(step)
+        with engine.runner.eager_steps():
+            for batch in batches:
+                step = dummy_step(batch, block.block_id, engine.cfg.block_size, freed=held)
+                held = [s.request_id for s in step.scheduled]
+                with _step(on_step, device):
+                    engine.executor.execute_model(step)
     finally:
         pool.release([block])
         engine.scheduler.note_freed(held)  # the first real step releases their rows on every rank
     drafts = _warm_up_draft(engine, mode, lim, on_step)
     backend = engine.runner.backend.name
-    launches = frozenset(launch_of(b, lim) for b in batches) if backend == "triton" else frozenset()
+    launches = frozenset(engine.runner.backend.issued) if backend == "triton" else frozenset()
     report = WarmupReport(mode, len(batches), launches, drafts, time.monotonic() - started)
     attention = (f"{len(launches)} attention launches (splits x block_m: "
                  + ", ".join(f"{x.num_splits}x{x.block_m}" for x in sorted(launches)) + ")"
