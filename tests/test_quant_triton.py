@@ -38,8 +38,12 @@ from sluice_engine.quant.checkpoint import QuantCheckpoint, read_quant_config  #
 from sluice_engine.quant.linear import QuantLinear  # noqa: E402
 from sluice_engine.quant.registry import check_quant_config  # noqa: E402
 
-# (M, K, N, group): decode, a small batch, a prefill tile plus one; K a multiple of group 128 or 32.
-SHAPES = [(1, 256, 64, 128), (5, 128, 192, 32), (33, 384, 256, 128)]
+# (M, K, N, group): decode, a small batch, a prefill tile plus one; K a multiple of group 128 or 32. Split-K
+# (M <= 64; a fixed split of 3 in the interpreter): 5 K tiles in splits of 2, 2, 1 at M = 1; M = 16 with group
+# 64 (64-row tiles) and N = 96 (a part-filled column tile); group 8 (below a tile: zeros and scales per input
+# row) with K = 200, whose last 32-row tile is part-filled.
+SHAPES = [(1, 256, 64, 128), (5, 128, 192, 32), (33, 384, 256, 128),
+          (1, 640, 128, 128), (16, 320, 96, 64), (16, 200, 64, 8)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +105,7 @@ def test_fp8_kernel(shape, dtype, per_channel):
     gen = torch.Generator().manual_seed(m * 1000 + n)
     wq, scale = fp8.quantize_fp8(torch.randn(n, k, generator=gen), per_channel)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype) if m == 5 else None
+    bias = torch.randn(n, generator=gen).to(dtype) if m in (5, 16) else None
     ref = x.float() @ fp8.dequantize_fp8(wq, scale).T + (0 if bias is None else bias.float())
     y = tg.fp8_linear(x.to(DEVICE), wq.to(DEVICE), scale.to(DEVICE), None if bias is None else bias.to(DEVICE))
     _close(y.cpu(), ref, dtype)
@@ -130,9 +134,26 @@ def test_gptq_kernel(shape, dtype, act_order):
     g_idx = (torch.randperm(k, generator=gen) // group).int() if act_order else None
     w = gptq.GptqWeights(gptq.pack_rows(q), s, gptq.pack_cols(z), g_idx)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype) if m == 33 else None
+    bias = torch.randn(n, generator=gen).to(dtype) if m in (33, 16) else None
     ref = x.float() @ w.dequantize() + (0 if bias is None else bias.float())
     _close(w.to(DEVICE).apply(x.to(DEVICE), None if bias is None else bias.to(DEVICE)).cpu(), ref, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_split_k_outputs_are_the_same_every_run(m):
+    """Decode-sized M splits K (fp32 partials summed in split order, no atomics): two calls agree bit for bit."""
+    gen = torch.Generator().manual_seed(16)
+    k, n, group = 640, 64, 128
+    assert tg._plan(m, n, k, DEVICE, n * k, block_n=64, block_k=tg._block_k(k)).split_k > 1
+    q, z, s = _random_w4(k, n, group, gen)
+    g_idx = (torch.randperm(k, generator=gen) // group).int()
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    wq, scale = fp8.quantize_fp8(torch.randn(n, k, generator=gen), per_channel=True)
+    weights = [awq.AwqWeights(awq.pack_awq(q), s, awq.pack_awq(z)),
+               gptq.GptqWeights(gptq.pack_rows(q), s, gptq.pack_cols(z), g_idx), fp8.Fp8Weights(wq, scale)]
+    for w in weights:
+        w = w.to(DEVICE)
+        assert torch.equal(w.apply(x), w.apply(x)), type(w).__name__
 
 
 def test_leading_dims_and_shape_checks():

@@ -16,11 +16,26 @@ Activations are fp16/bf16 (or fp32); the dequantized tile is cast to the activat
 with an fp32 accumulator, so fp16/bf16 use tensor cores. fp32 activations use IEEE fp32 dots (no TF32). The
 module imports only torch and triton, so it runs in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors,
 where bf16 arithmetic is wrong: there bf16 is upcast to fp32 right after loading.
+
+Decode-sized M (<= SPLIT_K_MAX_M rows) splits K (`_plan`): a grid of (row tiles, column tiles, K splits) with
+about PROGRAMS_PER_SM programs per SM, each writing fp32 partials [split, M, N] that `_split_k_sum_kernel` sums
+in split order (+ bias), so outputs are the same every run (no atomics). The split depends only on the shape
+and the GPU. Larger M keep one program per output tile. The 4-bit kernel loads each packed tile once (AWQ
+[BLOCK_K, BLOCK_N / 8], GPTQ [BLOCK_K / 8, BLOCK_N] int32) and widens it by broadcasting shifts; without g_idx,
+where a K tile lies in one group, it loads one row of zeros and scales per tile, forms q - z in the dot's dtype
+from bits (no int -> float conversion per weight) and scales the tile's dot by the group's scales.
+
+NOTE: the H200 figures that motivated this (benchmarks/quant_gpu.py, Llama-8B shapes, M = 1 and 16, eager):
+AWQ 0.61-2.14 ms (14-24 GB/s of weights, 0.02-0.04x bf16 cuBLAS), FP8 0.036-0.115 ms (0.26-0.84x bf16), with
+grids of cdiv(M, 16) x cdiv(N, 64) programs (64 for N = 4096) each reading all of K, and the 4-bit kernel
+gathering every packed int32, zero and scale per weight. Figures after split-K and the packed-tile loads: to
+be re-measured on the H200.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -67,20 +82,24 @@ def _f32_to_e4m3_bits(x):
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ys, stride_ym, stride_yn,
     PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     E4M3_BITS: tl.constexpr,  # w_ptr is the e4m3 bytes as uint8: decode the bits (GPUs without e4m3 types)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] tile of y over input rows [pid_k * K_PER_SPLIT, + K_PER_SPLIT) (split-K: y_ptr is
+    then the fp32 partials [SPLIT_K, M, N], summed by _split_k_sum_kernel; unsplit, K_PER_SPLIT >= K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * K_PER_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
@@ -102,80 +121,191 @@ def _fp8_gemm_kernel(
         acc = acc * tl.load(scale_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+    tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _unpack_cols(packed, shifts, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS // 8] int32, 8 nibbles each -> [ROWS, COLS]: column 8c + j is nibble shifts[j] // 4 of c.
+    The packed tile is loaded once and widened here (shift a broadcast [ROWS, COLS // 8, 8], then reshape)."""
+    return tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (ROWS, COLS))
 
 
 @triton.jit
 def _w4_gemm_kernel(
     x_ptr, qw_ptr, scales_ptr, qzeros_ptr, g_idx_ptr, bias_ptr, y_ptr,
-    M, N, K, GROUP,
+    M, N, K, GROUP, K_PER_SPLIT,
     stride_xm, stride_xk, stride_qwr, stride_qwc, stride_sg, stride_sn, stride_zg, stride_zc,
-    stride_ym, stride_yn,
+    stride_ys, stride_ym, stride_yn,
     AWQ: tl.constexpr,  # True: AWQ layout; False: GPTQ v1 layout (see the module docstring)
     HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_TILES: tl.constexpr,  # no g_idx and BLOCK_K divides GROUP: each K tile lies in one group
+    MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_INT16: tl.constexpr,  # see _w4_plan's magic
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] tile of y over input rows [pid_k * K_PER_SPLIT, + K_PER_SPLIT), as the FP8 kernel.
+    Per K tile: the packed weights once (AWQ [BLOCK_K, BLOCK_N / 8], GPTQ [BLOCK_K / 8, BLOCK_N] int32), and
+    with GROUP_TILES one row of zeros and scales (the tile's group); otherwise (act-order g_idx, or groups
+    smaller than a tile) a row of them per input row."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # packed columns (AWQ qweight, qzeros)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    c_ok = offs_c < N // 8
+    nibble = tl.arange(0, 8)
     if AWQ:
         # AWQ packs columns 8c..8c+7 into int32 c with logical column j at nibble [0, 4, 1, 5, 2, 6, 3, 7][j]
         # (the inverse of its pack order [0, 2, 4, 6, 1, 3, 5, 7]): nibble = j // 2 + 4 * (j % 2).
-        j = offs_n % 8
-        n_shift = ((j // 2) + 4 * (j % 2)) * 4
+        col_shift = ((nibble // 2) + 4 * (nibble % 2)) * 4
     else:
-        n_shift = (offs_n % 8) * 4  # GPTQ qzeros: in order
+        col_shift = nibble * 4  # GPTQ qzeros: in order
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * K_PER_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        kn_ok = k_ok[:, None] & n_ok[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
-        if HAS_G_IDX:
-            g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0)
-        else:
-            g = offs_k // GROUP
-        # Each packed int32 is read by the 8 lanes that share it (the cache serves the repeats).
         if AWQ:
-            packed = tl.load(qw_ptr + offs_k[:, None] * stride_qwr + (offs_n // 8)[None, :] * stride_qwc,
-                             mask=kn_ok, other=0)
-            q = (packed >> n_shift[None, :]) & 0xF
+            packed = tl.load(qw_ptr + offs_k[:, None] * stride_qwr + offs_c[None, :] * stride_qwc,
+                             mask=k_ok[:, None] & c_ok[None, :], other=0)
+            q = _unpack_cols(packed, col_shift, BLOCK_K, BLOCK_N)
         else:
-            packed = tl.load(qw_ptr + (offs_k // 8)[:, None] * stride_qwr + offs_n[None, :] * stride_qwc,
-                             mask=kn_ok, other=0)
-            q = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        zp = tl.load(qzeros_ptr + g[:, None] * stride_zg + (offs_n // 8)[None, :] * stride_zc, mask=kn_ok, other=0)
-        z = (zp >> n_shift[None, :]) & 0xF
-        if not AWQ:
-            z = z + 1  # GPTQ v1 stores zero - 1
-        s = tl.load(scales_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=kn_ok, other=0.0)
-        w = (q - z).to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+            offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # k0 is a multiple of BLOCK_K, itself of 8
+            packed = tl.load(qw_ptr + offs_r[:, None] * stride_qwr + offs_n[None, :] * stride_qwc,
+                             mask=(offs_r < K // 8)[:, None] & n_ok[None, :], other=0)
+            q = tl.reshape((packed[:, None, :] >> (nibble * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        if GROUP_TILES:
+            g = k0 // GROUP
+            zp = tl.load(qzeros_ptr + g * stride_zg + offs_c[None, :] * stride_zc, mask=c_ok[None, :], other=0)
+            z = _unpack_cols(zp, col_shift, 1, BLOCK_N)
+            if not AWQ:
+                z = z + 1  # GPTQ v1 stores zero - 1
+            # q - z exactly in x's dtype without an int -> float conversion per weight (a quarter-rate
+            # instruction, slower than reading 4 bits): q under the mantissa of MAGIC is the float MAGIC + q.
+            bits = q | MAGIC_BITS
+            if MAGIC_INT16:
+                bits = bits.to(tl.int16)
+            w = bits.to(x.dtype, bitcast=True) - (z.to(tl.float32) + MAGIC).to(x.dtype)
+            s = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=n_ok, other=0.0)
+            # NOTE: the group's scale multiplies the tile's dot (constant along the tile's K), not each weight.
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s.to(tl.float32)[None, :]
+        else:
+            if HAS_G_IDX:
+                g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0)
+            else:
+                g = offs_k // GROUP
+            zp = tl.load(qzeros_ptr + g[:, None] * stride_zg + offs_c[None, :] * stride_zc,
+                         mask=k_ok[:, None] & c_ok[None, :], other=0)
+            z = _unpack_cols(zp, col_shift, BLOCK_K, BLOCK_N)
+            if not AWQ:
+                z = z + 1
+            s = tl.load(scales_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w = (q - z).to(tl.float32) * s.to(tl.float32)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+    tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(p_ptr, bias_ptr, y_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y [M, N] (contiguous) = the sum of the fp32 partials [SPLIT_K, M, N] in split order (+ bias): the same
+    sums every run, unlike atomics."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 INTERPRETED = isinstance(_w4_gemm_kernel, InterpretedFunction)
 INTERPRETER_READY = INTERPRETED and isinstance(tl.sum, InterpretedFunction)
 
+SPLIT_K_MAX_M = 64  # M above this: enough row tiles to fill the GPU, K is not split
+SPLIT_K_MAX = 16
+PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM (latency hidden by programs in flight)
+INTERPRETER_SPLIT_K = 3  # the interpreter has no SMs to fill: a fixed split, so the tests run the split-K path
+SUM_BLOCK = 1024
 
-def _tiles(M: int, N: int, K: int) -> tuple[int, int, int]:
-    """Tile sizes: a 16-row tile for decode-sized M (the dot's minimum), larger ones as M grows."""
-    bm = MIN_DOT if M <= 16 else (32 if M <= 32 else 64)
-    bn = 64 if N >= 64 else max(MIN_DOT, triton.next_power_of_2(N))
-    bk = 32 if K % 64 else 64
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One launch's tiles, its K split and its compile options. split_k > 1: each of split_k programs per output
+    tile reads k_per_split input rows (a whole number of block_k tiles) into fp32 partials, summed afterwards."""
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    num_warps: int
+    num_stages: int
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n), self.split_k
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _block_k(k: int) -> int:
+    """The decode K tile: 128 where it tiles K (larger M take 64 of it), else the largest of 64 and 32 that does."""
+    return 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
+
+
+def _plan(m: int, n: int, k: int, device: torch.device, weight_bytes: int, *, block_n: int, block_k: int) -> _Plan:
+    """Decode-sized M (<= SPLIT_K_MAX_M): a 16-row tile (the dot's minimum) and the caller's decode tiles, with K
+    split until there are PROGRAMS_PER_SM programs per SM (unsplit, M = 1 and N = 4096 in 64-column tiles are
+    64 programs for an H200's 132 SMs, each reading all of K alone); each split keeps >= 2 K tiles, and the fp32
+    partials (split_k * M * N * 4 bytes, written and read back, mostly in L2) stay within half the weight bytes.
+    Larger M: 64 x 64 x min(block_k, 64) tiles with Triton's default 4 warps and 3 stages, unsplit."""
+    if m > SPLIT_K_MAX_M:
+        bk = min(block_k, 64)
+        return _Plan(64, 64, bk, 1, triton.cdiv(k, bk) * bk, num_warps=4, num_stages=3)
+    bm = MIN_DOT if m <= 16 else (32 if m <= 32 else 64)
+    bn = block_n if n >= block_n else max(MIN_DOT, triton.next_power_of_2(n))
+    k_tiles = triton.cdiv(k, block_k)
     if INTERPRETED:  # the interpreter pays per program, not per element
-        bm = min(triton.next_power_of_2(max(M, MIN_DOT)), 64)
-    return bm, bn, bk
+        bm = min(triton.next_power_of_2(max(m, MIN_DOT)), 64)
+        split = min(INTERPRETER_SPLIT_K, k_tiles)
+    else:
+        tiles_mn = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = min(SPLIT_K_MAX, triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), tiles_mn), k_tiles // 2,
+                    weight_bytes // (2 * 4 * max(1, m * n)))
+        split = max(1, split)
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    return _Plan(bm, bn, block_k, split, tiles_per_split * block_k, num_warps=4, num_stages=4)
+
+
+def _output(plan: _Plan, m: int, n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(y [M, N], what the GEMM kernel writes: y itself or fp32 partials [split_k, M, N], that one's strides)."""
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if plan.split_k == 1:
+        return y, y, (0, y.stride(0), y.stride(1))
+    partials = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
+    return y, partials, partials.stride()
+
+
+def _sum_partials(partials: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    split, m, n = partials.shape
+    _split_k_sum_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        partials, bias if bias is not None else partials, y, m * n, n, split, HAS_BIAS=bias is not None,
+        BLOCK=SUM_BLOCK, num_warps=4)
 
 
 def _check_x(x: torch.Tensor, k: int, *weights: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -217,18 +347,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     assert scale.numel() in (1, n), f"weight_scale has {scale.numel()} elements; want 1 or {n}"
     assert bias is None or bias.shape == (n,)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bm, bn, bk = _tiles(m, n, k)
+    # Decode: 64 output columns x 128 input rows of e4m3 (8 KiB, 128 contiguous bytes per weight row) a tile.
+    plan = _plan(m, n, k, x.device, n * k, block_n=64, block_k=_block_k(k))
+    y, out, out_strides = _output(plan, m, n, x)
     upcast, precision = _dot_mode(x)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if decode_bits is None:
         decode_bits = not _e4m3_native(weight.device)
-    _fp8_gemm_kernel[grid](
-        x2, weight.view(torch.uint8) if decode_bits else weight, scale, bias if bias is not None else scale, y,
-        m, n, k, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias is not None, UPCAST=upcast,
-        DOT_PRECISION=precision, E4M3_BITS=decode_bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    bias_in_kernel = bias is not None and plan.split_k == 1
+    _fp8_gemm_kernel[plan.grid(m, n)](
+        x2, weight.view(torch.uint8) if decode_bits else weight, scale, bias if bias_in_kernel else scale, out,
+        m, n, k, plan.k_per_split, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), *out_strides,
+        PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias_in_kernel, UPCAST=upcast,
+        DOT_PRECISION=precision, E4M3_BITS=decode_bits, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.split_k > 1:
+        _sum_partials(out, bias, y)
     return y.reshape(*lead, n)
+
+
+# (q - z) as floats of the dot's dtype from bits: q OR MAGIC_BITS is the float MAGIC + q (q below the lowest
+# mantissa bit's weight, 1), from which MAGIC + z is subtracted exactly; 16-bit types go through int16.
+_MAGIC = {torch.float16: (0x6400, 1024.0, True), torch.bfloat16: (0x4300, 128.0, True),
+          torch.float32: (0x4B000000, 8388608.0, False)}
 
 
 def _w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -245,17 +385,30 @@ def _w4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qze
     assert bias is None or bias.shape == (n,)
     x2, lead = _check_x(x, k, qweight, scales, qzeros, g_idx, bias)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bm, bn, bk = _tiles(m, n, k)
+    group = max(1, k // groups)
+    # Without g_idx, a K tile that divides the group size lies in one group: one row of scales and zeros a tile.
+    group_tiles = g_idx is None and group % MIN_DOT == 0
+    bk = _block_k(k)
+    if group_tiles:
+        bk = min(128, group & -group)  # the largest power of two dividing the group (>= 16)
+    weight_bytes = qweight.numel() * 4 + scales.numel() * scales.element_size() + qzeros.numel() * 4
+    # Decode: 128 output columns x 128 input rows a tile (8 KiB packed; AWQ rows of 64 contiguous bytes).
+    plan = _plan(m, n, k, x.device, weight_bytes, block_n=128, block_k=bk)
+    y, out, out_strides = _output(plan, m, n, x)
     upcast, precision = _dot_mode(x)
+    magic_bits, magic, magic_int16 = _MAGIC[torch.float32 if upcast else x.dtype]
     g = g_idx.to(torch.int32) if g_idx is not None else qzeros  # a placeholder pointer when absent
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _w4_gemm_kernel[grid](
-        x2, qweight, scales, qzeros, g, bias if bias is not None else scales, y, m, n, k, max(1, k // groups),
+    bias_in_kernel = bias is not None and plan.split_k == 1
+    _w4_gemm_kernel[plan.grid(m, n)](
+        x2, qweight, scales, qzeros, g, bias if bias_in_kernel else scales, out, m, n, k, group, plan.k_per_split,
         x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
-        qzeros.stride(0), qzeros.stride(1), y.stride(0), y.stride(1),
-        AWQ=awq, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, UPCAST=upcast,
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        qzeros.stride(0), qzeros.stride(1), *out_strides,
+        AWQ=awq, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias_in_kernel, UPCAST=upcast, DOT_PRECISION=precision,
+        GROUP_TILES=group_tiles, MAGIC_BITS=magic_bits, MAGIC=magic, MAGIC_INT16=magic_int16,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    if plan.split_k > 1:
+        _sum_partials(out, bias, y)
     return y.reshape(*lead, n)
 
 
