@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 GAUGES = ["sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_kv_cache_usage_perc",
           "sluice_kv_cache_num_blocks", "sluice_slo_ttft_seconds", "sluice_slo_tpot_seconds",
-          "sluice_gpu_hour_usd", "sluice_num_gpus"]
+          "sluice_gpu_hour_usd", "sluice_num_gpus", "sluice_cuda_graphs_captured", "sluice_cuda_graphs_info"]
 COUNTERS = ["sluice_prompt_tokens", "sluice_generation_tokens", "sluice_prefix_cache_queries",
             "sluice_prefix_cache_hits", "sluice_num_preemptions", "sluice_request_success", "sluice_request_slo",
             "sluice_request_goodput", "sluice_request_slo_met", "sluice_engine_busy_seconds",
@@ -114,6 +114,12 @@ def test_every_metric_is_exported_with_its_type_and_labels(server):
     import torch
 
     assert m("sluice_num_gpus") == (1 if torch.cuda.is_available() else 0)
+    graphs_info = {k[1]: v for k, v in m.values.items() if k[0] == "sluice_cuda_graphs_info"}
+    if torch.cuda.is_available():
+        assert graphs_info == {(("reason", ""), ("state", "on")): 1} and m("sluice_cuda_graphs_captured") > 0
+    else:
+        assert graphs_info == {(("reason", "graphs need CUDA (device is cpu)"), ("state", "off")): 1}
+        assert m("sluice_cuda_graphs_captured") == 0
     assert m("sluice_kv_cache_num_blocks") > 0
     # Speculative decoding is off: its counters exist at zero.
     for name in ("sluice_spec_decode_num_drafts_total", "sluice_spec_decode_num_draft_tokens_total",
@@ -303,3 +309,35 @@ def test_engines_in_one_process_keep_their_own_metrics_and_count_errors():
         assert r.status_code == 500
         m = Scrape(http.get("/metrics").text, b.engine.served_model_name, None)
     assert m("sluice_request_success_total", finished_reason="error") == 1
+
+
+def test_cuda_graph_state_shows_why_graphs_are_off_or_failed(monkeypatch, caplog):
+    """On CPU graphs are off, and say why; a capture that raises (a stand-in for torch.cuda's graphs, as on a GPU
+    where capture fails) leaves the engine serving eagerly, exported as failed with the exception's text."""
+    from sluice_engine import model_runner
+
+    kw = dict(kv_cache_memory=16 << 20, max_model_len=256, device="cpu")
+
+    def graph_metrics(llm: LLM) -> tuple[float, dict]:
+        m = Scrape(PrometheusExporter(llm.engine).render()[0].decode(), llm.engine.served_model_name, None)
+        assert m.types["sluice_cuda_graphs_captured"] == m.types["sluice_cuda_graphs_info"] == "gauge"
+        return m("sluice_cuda_graphs_captured"), {
+            dict(k[1])["state"]: (dict(k[1])["reason"], v) for k, v in m.values.items()
+            if k[0] == "sluice_cuda_graphs_info"}
+
+    assert graph_metrics(LLM(**kw)) == (0, {"off": ("graphs need CUDA (device is cpu)", 1)})
+
+    class FailingCapture:
+        def warm_up(self, fn):
+            raise RuntimeError("CUDA error: operation not permitted\nwhen stream is capturing")
+
+    monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU
+    monkeypatch.setattr(model_runner.ModelRunner, "graph_plan", lambda self: {1: [1], 2: [1]})
+    monkeypatch.setattr(model_runner.ModelRunner, "_graph_api", lambda self: FailingCapture())
+    with caplog.at_level("WARNING", logger="sluice.engine"):
+        failed = LLM(**kw)
+    assert any(r.levelname == "WARNING" and "operation not permitted" in r.getMessage() for r in caplog.records)
+    out = failed.generate(["one two three"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3  # serving, eagerly
+    reason = "RuntimeError: CUDA error: operation not permitted when stream is capturing"  # on one line
+    assert graph_metrics(failed) == (0, {"failed": (reason, 1)})

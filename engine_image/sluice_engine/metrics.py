@@ -232,6 +232,14 @@ class _EngineCollector:
                     m.gpu_hour_usd)
         yield gauge("sluice_num_gpus", "GPUs the replica holds: every rank's device (TP x PP on CUDA), 0 on CPU.",
                     m.num_gpus)
+        graphs = e.runner.graph_state
+        yield gauge("sluice_cuda_graphs_captured", "Decode CUDA graphs captured (batch sizes x split counts); 0 "
+                    "when steps run eagerly.", graphs.captured)
+        info = GaugeMetricFamily("sluice_cuda_graphs_info", "1, labelled with whether decode steps replay CUDA "
+                                 "graphs (state on|off|failed) and why not (reason).",
+                                 labels=[*names, "state", "reason"])
+        info.add_metric([*values, graphs.state, _label_text(graphs.reason)], 1)
+        yield info
         # Counters
         yield counter("sluice_prompt_tokens", "Prompt tokens of requests that produced their first token "
                       "(prefix-cache hits included).", stats.prompt_tokens)
@@ -281,6 +289,12 @@ class _EngineCollector:
         yield histogram("sluice_request_decode_time_seconds", "Per completed request: first token to last "
                         "token.", m.decode_time)
         yield histogram("sluice_iteration_tokens", "Tokens computed per engine step.", m.iteration_tokens)
+
+
+def _label_text(text: str, limit: int = 200) -> str:
+    """One line of at most `limit` characters (an exception's text can be long and span lines)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class PrometheusExporter:

@@ -182,11 +182,12 @@ class ModelRunner:
             if self.device.type == "cuda":
                 log.info("CUDA graphs off: %s", reason)
             return
-        plan = self.graph_plan()
-        workspaces = decode_workspaces(plan, self.shard.num_heads, self.model_config.head_dim, self.dtype,
-                                       self.device)
-        graphs = DecodeGraphs(plan, self.inputs, self.forward, workspaces, self._graph_api(), self.decode_splits)
         try:
+            plan = self.graph_plan()
+            workspaces = decode_workspaces(plan, self.shard.num_heads, self.model_config.head_dim, self.dtype,
+                                           self.device)
+            graphs = DecodeGraphs(plan, self.inputs, self.forward, workspaces, self._graph_api(),
+                                  self.decode_splits)
             graphs.capture()
         except Exception as e:
             # A capture that fails (a driver, a kernel that is not capturable) costs speed, not service:
