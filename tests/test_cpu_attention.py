@@ -91,6 +91,21 @@ def test_no_compiler_means_the_torch_path(tmp_path, monkeypatch, caplog):
         select_backend("cpu", CPU)
 
 
+def test_cpu_kernels_off_builds_nothing(tmp_path, monkeypatch, caplog):
+    """SLUICE_CPU_KERNELS=off (the GPU check sets it): no build at all, auto takes torch."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="sluice.engine")
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SLUICE_CPU_KERNELS", "off")
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_build", lambda *a: pytest.fail("built with SLUICE_CPU_KERNELS=off"))
+    assert cpu_kernels.load() is None
+    assert "SLUICE_CPU_KERNELS=off" in caplog.text
+    assert select_backend("auto", CPU).name == "torch"
+    assert not (tmp_path / "kernels").exists()
+
+
 def test_broken_build_is_reported_not_raised(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})

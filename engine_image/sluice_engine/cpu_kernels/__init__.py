@@ -80,13 +80,16 @@ def _build(compiler: str, target: Path) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernels' library, built on first use; None where it cannot be built (logged once)."""
+    """The kernels' library, built on first use; None where it cannot be built (logged once), or where
+    SLUICE_CPU_KERNELS=off (a GPU node's checks: no -march=native build there; comparisons with the torch paths)."""
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]
         lib = None
         compiler = _compiler()
-        if compiler is None:
+        if os.environ.get("SLUICE_CPU_KERNELS", "").lower() in ("0", "off", "false", "no"):
+            log.info("SLUICE_CPU_KERNELS=off: the CPU kernels are not built, torch paths used")
+        elif compiler is None:
             log.warning("no C++ compiler (g++/c++/clang++, or $CXX): the CPU kernels are off, torch paths used")
         else:
             try:
