@@ -8,7 +8,7 @@
 # Options: --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...] (leave steps out;
 # a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 470, or
 # GPU_CHECK_BUDGET). Environment: OUT (default bench-results/gpu), PYTHON (default the `python` on PATH),
-# WHEELS (default .whl), GPU_CHECK_TESTS (the test modules of the last step).
+# WHEELS (default .whl), GPU_CHECK_TESTS (the test modules of the last step), CC (the C compiler env checks).
 #
 # Steps, by value, each under its own `timeout` shrunk to what is left of the budget; a failing step does not
 # stop the others:
@@ -191,7 +191,8 @@ EOF
         # Triton compiles a small C launcher per kernel signature at first launch: it needs a C compiler and
         # Python's headers. Check both now rather than in the first kernel.
         local cc inc
-        cc=$(command -v cc || command -v gcc || command -v clang || true)
+        cc=${CC:-$(command -v cc || command -v gcc || command -v clang || true)}
+        [[ -n "$cc" ]] && ! command -v "$cc" >/dev/null && cc=""
         inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)
         if [[ -z "$cc" ]]; then
             problems+=("no C compiler (cc/gcc/clang): Triton cannot build its launcher")

@@ -62,6 +62,16 @@ def test_no_torch_fails_and_skips_every_other_step(tmp_path):
     assert "GPU CHECK FAILED" in log
 
 
+def test_no_c_compiler_fails_env(tmp_path, monkeypatch):
+    """Triton builds its launcher with a C compiler and Python's headers at the first kernel launch: env checks
+    both up front and FAILS naming what is missing (CC points the check at a compiler that is not there)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    skip = ",".join(ALL_STEPS[1:])
+    rc, summary, _ = run_check(tmp_path, "--cpu-dry-run", "--skip", skip, "--allow-skips", timeout=120)
+    assert rc != 0
+    assert statuses(summary)["env"] == "FAIL" and "no C compiler" in summary["steps"][0]["reason"]
+
+
 def test_a_skipped_core_step_fails_unless_allowed(tmp_path):
     skip = ",".join(ALL_STEPS[1:])
     rc, summary, log = run_check(tmp_path, "--cpu-dry-run", "--skip", skip, timeout=120)
