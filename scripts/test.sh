@@ -5,6 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/get-helm.sh
 bash scripts/get-promtool.sh
+# The cluster tests' control plane, built from Go modules once per machine; if it cannot be built, those tests
+# skip and say why, and the rest still run.
+bash scripts/get-control-plane.sh || echo "test.sh: control plane not built; the cluster tests will skip" >&2
 . .venv/bin/activate
 ruff check .
 python -m pytest "$@"

@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# A real Kubernetes control plane on this machine, no containers: etcd, kube-apiserver (TLS, RBAC, a
+# service-account issuer), kube-controller-manager, kube-scheduler and kwok, whose simulated nodes (two CPU
+# nodes, two with nvidia.com/gpu) run pods as Running and Ready. Everything listens on 127.0.0.1 only, on
+# free ports. Binaries come from scripts/get-control-plane.sh (built on first use).
+#
+#   scripts/dev-cluster.sh up      start it (waits for /readyz, Ready nodes and the default ServiceAccount)
+#   scripts/dev-cluster.sh env     print `export KUBECONFIG=...` (eval "$(scripts/dev-cluster.sh env)")
+#   scripts/dev-cluster.sh status  which processes run, and the nodes
+#   scripts/dev-cluster.sh down    stop everything and remove the state dir
+#
+# State (certs, etcd data, logs, pids, kubeconfigs) lives in SLUICE_DEV_CLUSTER_DIR, by default
+# ${XDG_CACHE_HOME:-~/.cache}/sluice/dev-cluster; the admin kubeconfig is $STATE/admin.kubeconfig.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+STATE=${SLUICE_DEV_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/dev-cluster}
+KUBECONFIG_FILE="$STATE/admin.kubeconfig"
+COMPONENTS=(kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
+
+say() { echo "dev-cluster: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+running() { [[ -f "$STATE/pids/$1" ]] && kill -0 "$(cat "$STATE/pids/$1")" 2>/dev/null; }
+
+start() {  # name, argv...: in its own session, logging to $STATE/logs/<name>.log
+    local name=$1; shift
+    setsid "$@" >"$STATE/logs/$name.log" 2>&1 </dev/null &
+    echo $! >"$STATE/pids/$name"
+}
+
+wait_for() {  # what, seconds, command...: polls every 0.2 s; on timeout names the log to read
+    local what=$1 limit=$2 deadline; shift 2
+    deadline=$((SECONDS + limit))
+    until "$@" >/dev/null 2>&1; do
+        ((SECONDS < deadline)) || die "timed out after ${limit}s waiting for $what (logs: $STATE/logs)"
+        sleep 0.2
+    done
+}
+
+# --- certificates: one CA signs the apiserver's serving cert and every client cert -------------------
+cert() {  # name, subject, extensions
+    openssl req -new -newkey rsa:2048 -nodes -keyout "$STATE/pki/$1.key" -subj "$2" 2>/dev/null \
+        | openssl x509 -req -CA "$STATE/pki/ca.crt" -CAkey "$STATE/pki/ca.key" -CAcreateserial -days 30 \
+            -extfile <(printf '%s\n' "$3") -out "$STATE/pki/$1.crt" 2>/dev/null
+}
+
+make_pki() {
+    mkdir -p "$STATE/pki"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=sluice-dev-ca" \
+        -keyout "$STATE/pki/ca.key" -out "$STATE/pki/ca.crt" 2>/dev/null
+    cert apiserver "/CN=kube-apiserver" "$(printf '%s\n' \
+        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local" \
+        "extendedKeyUsage=serverAuth" "keyUsage=digitalSignature,keyEncipherment")"
+    local client="extendedKeyUsage=clientAuth
+keyUsage=digitalSignature,keyEncipherment"
+    cert admin "/O=system:masters/CN=sluice-admin" "$client"
+    cert controller-manager "/CN=system:kube-controller-manager" "$client"
+    cert scheduler "/CN=system:kube-scheduler" "$client"
+    # Service-account tokens: signed by the controller-manager and the apiserver, verified by the apiserver.
+    openssl genrsa -out "$STATE/pki/sa.key" 2048 2>/dev/null
+    openssl rsa -in "$STATE/pki/sa.key" -pubout -out "$STATE/pki/sa.pub" 2>/dev/null
+}
+
+kubeconfig() {  # file, client cert name, user
+    local f=$1
+    kubectl config --kubeconfig="$f" set-cluster sluice-dev --server="https://127.0.0.1:$API_PORT" \
+        --certificate-authority="$STATE/pki/ca.crt" --embed-certs >/dev/null
+    kubectl config --kubeconfig="$f" set-credentials "$3" --client-certificate="$STATE/pki/$2.crt" \
+        --client-key="$STATE/pki/$2.key" --embed-certs >/dev/null
+    kubectl config --kubeconfig="$f" set-context sluice-dev --cluster=sluice-dev --user="$3" >/dev/null
+    kubectl config --kubeconfig="$f" use-context sluice-dev >/dev/null
+}
+
+# Simulated nodes: kwok manages nodes annotated kwok.x-k8s.io/node=fake. The GPU nodes say what a real
+# GPU node says (nvidia.com/gpu allocatable, the GPU operator's product label).
+node() {  # name, cpu, memory, gpus, product
+    local gpu_labels="" gpu_alloc=""
+    if [[ $4 -gt 0 ]]; then
+        gpu_labels="    nvidia.com/gpu.present: \"true\"
+    nvidia.com/gpu.product: $5
+    nvidia.com/gpu.count: \"$4\""
+        gpu_alloc="    nvidia.com/gpu: \"$4\""
+    fi
+    cat <<EOF
+---
+apiVersion: v1
+kind: Node
+metadata:
+  name: $1
+  annotations:
+    kwok.x-k8s.io/node: fake
+    node.alpha.kubernetes.io/ttl: "0"
+  labels:
+    kubernetes.io/hostname: $1
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64
+    type: kwok
+$gpu_labels
+spec: {}
+status:
+  allocatable: &capacity
+    cpu: "$2"
+    memory: $3
+    pods: "110"
+$gpu_alloc
+  capacity: *capacity
+  nodeInfo:
+    architecture: amd64
+    operatingSystem: linux
+    kubeletVersion: fake
+EOF
+}
+
+nodes() {
+    node kwok-cpu-0 16 64Gi 0 ""
+    node kwok-cpu-1 16 64Gi 0 ""
+    node kwok-gpu-0 64 512Gi 8 NVIDIA-H100-80GB-HBM3
+    node kwok-gpu-1 64 512Gi 8 NVIDIA-H100-80GB-HBM3
+}
+
+untainted() {
+    [[ -z $(kubectl --kubeconfig="$KUBECONFIG_FILE" get nodes -o jsonpath='{.items[*].spec.taints}') ]]
+}
+
+up() {
+    if running kube-apiserver; then
+        say "already up ($STATE)"; return 0
+    fi
+    local start=$SECONDS bin k8s
+    bin=$(bash "$HERE/get-control-plane.sh" | tail -n 1)
+    k8s=$("$bin/kube-apiserver" --version | awk '{print $2}')
+    rm -rf "$STATE"
+    mkdir -p "$STATE/logs" "$STATE/pids" "$STATE/etcd"
+    ETCD_PORT=$(free_port); local peer; peer=$(free_port); API_PORT=$(free_port)
+    echo "$API_PORT" >"$STATE/api-port"
+    make_pki
+
+    start etcd "$bin/etcd" --name=dev --data-dir="$STATE/etcd" --unsafe-no-fsync \
+        --listen-client-urls="http://127.0.0.1:$ETCD_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
+        --listen-peer-urls="http://127.0.0.1:$peer" --initial-advertise-peer-urls="http://127.0.0.1:$peer" \
+        --initial-cluster="dev=http://127.0.0.1:$peer" --listen-metrics-urls="" --log-level=warn
+    wait_for "etcd" 20 curl -sf "http://127.0.0.1:$ETCD_PORT/health"
+
+    start kube-apiserver "$bin/kube-apiserver" \
+        --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+        --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$API_PORT" \
+        --cert-dir="$STATE/pki" --tls-cert-file="$STATE/pki/apiserver.crt" --tls-private-key-file="$STATE/pki/apiserver.key" \
+        --client-ca-file="$STATE/pki/ca.crt" \
+        --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+        --service-account-key-file="$STATE/pki/sa.pub" --service-account-signing-key-file="$STATE/pki/sa.key" \
+        --authorization-mode=Node,RBAC --anonymous-auth=false \
+        --service-cluster-ip-range=10.96.0.0/16 --allow-privileged=true \
+        --endpoint-reconciler-type=none --profiling=false
+    kubeconfig "$KUBECONFIG_FILE" admin sluice-admin
+    kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager system:kube-controller-manager
+    kubeconfig "$STATE/scheduler.kubeconfig" scheduler system:kube-scheduler
+    wait_for "kube-apiserver /readyz" 60 kubectl --kubeconfig="$KUBECONFIG_FILE" get --raw=/readyz
+
+    # Controllers that make a Deployment into pods and clean up after it, and the node lifecycle controller:
+    # it lifts the not-ready taint the apiserver puts on a new Node once kwok reports it Ready (kwok then
+    # keeps each node's Lease fresh). No cloud, no volumes.
+    start kube-controller-manager "$bin/kube-controller-manager" \
+        --kubeconfig="$STATE/controller-manager.kubeconfig" --secure-port=0 --leader-elect=false \
+        --use-service-account-credentials=true --service-account-private-key-file="$STATE/pki/sa.key" \
+        --root-ca-file="$STATE/pki/ca.crt" \
+        --controllers=serviceaccount-token-controller,serviceaccount-controller,root-ca-certificate-publisher-controller,garbage-collector-controller,namespace-controller,deployment-controller,replicaset-controller,statefulset-controller,job-controller,disruption-controller,endpointslice-controller,horizontal-pod-autoscaler-controller,clusterrole-aggregation-controller,node-lifecycle-controller
+    start kube-scheduler "$bin/kube-scheduler" --kubeconfig="$STATE/scheduler.kubeconfig" \
+        --authentication-kubeconfig="$STATE/scheduler.kubeconfig" --authorization-kubeconfig="$STATE/scheduler.kubeconfig" \
+        --secure-port=0 --leader-elect=false
+    kubectl --kubeconfig="$KUBECONFIG_FILE" apply -f - >/dev/null <<<"$(nodes)"
+    start kwok "$bin/kwok" --kubeconfig="$KUBECONFIG_FILE" --config="$bin/../share/kwok-stages.yaml" \
+        --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
+        --node-ip=127.0.0.1 --cidr=10.244.0.0/16
+
+    wait_for "kwok's nodes to be Ready" 30 kubectl --kubeconfig="$KUBECONFIG_FILE" wait node \
+        --all --for=condition=Ready --timeout=1s
+    wait_for "the nodes' not-ready taints to be lifted" 30 untainted
+    wait_for "the default ServiceAccount" 30 kubectl --kubeconfig="$KUBECONFIG_FILE" get serviceaccount default
+    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 4 kwok nodes (2 with 8 GPUs)"
+    say "state and logs: $STATE"
+    echo "export KUBECONFIG=$KUBECONFIG_FILE"
+}
+
+down() {
+    local name pid
+    for name in "${COMPONENTS[@]}"; do
+        running "$name" || continue
+        pid=$(cat "$STATE/pids/$name")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$pid" 2>/dev/null || true
+    done
+    rm -rf "$STATE"
+    say "down"
+}
+
+status() {
+    local name rc=0
+    for name in "${COMPONENTS[@]}"; do
+        if running "$name"; then echo "$name: running (pid $(cat "$STATE/pids/$name"))"
+        else echo "$name: not running"; rc=1; fi
+    done
+    [[ $rc -eq 0 ]] && kubectl --kubeconfig="$KUBECONFIG_FILE" get nodes -L nvidia.com/gpu.product
+    return $rc
+}
+
+case ${1:-} in
+    up) up ;;
+    down) down ;;
+    env) [[ -f "$KUBECONFIG_FILE" ]] || die "not up (no $KUBECONFIG_FILE): run scripts/dev-cluster.sh up"
+         echo "export KUBECONFIG=$KUBECONFIG_FILE" ;;
+    status) status ;;
+    *) echo "usage: $0 up|down|env|status" >&2; exit 2 ;;
+esac
