@@ -103,6 +103,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, let in-flight requests finish for up to this long (new ones get 503)")
 
 
+# Idle keep-alive connections stay open this long. uvicorn's default (5 s) is shorter than what clients keep
+# pooled connections for (aiohttp, the gateway's client: 15 s; httpx: 5 s, the same instant), so a request sent
+# on a connection the server was closing met "Server disconnected without sending a response" (seen in the
+# structured-output suite under load). A server outlives its clients' idle timeout (the load balancers' rule).
+KEEP_ALIVE_S = 75
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = EngineConfig.__dataclass_fields__
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -129,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     engine = async_engine.engine
     app = build_app(async_engine)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5), async_engine, args.shutdown_timeout)
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),
+                            async_engine, args.shutdown_timeout)
 
     def on_dead(e: BaseException) -> None:
         # /health already says 503; give open streams a moment to carry their error event, then stop

@@ -214,3 +214,30 @@ def test_burst_against_a_queue_of_4(start_server, probe, assert_settled):
                for r in responses if r.status_code == 503)
     assert max(seen_waiting) <= 4, max(seen_waiting)
     assert_settled(server, expected)
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_timeout(server):
+    """Regression: uvicorn's default keep-alive (5 s) closed idle connections that clients still pool (aiohttp,
+    the gateway's client, keeps them 15 s; httpx 5 s): a request sent on one as the server closed it got "Server
+    disconnected without sending a response" (the structured-output suite, under load). Two requests on one
+    connection, 6 s apart, are both answered on it."""
+    import http.client
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = json.dumps({"model": server.model, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    try:
+        first_socket = None
+        for _ in range(2):
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200, response.read()
+            response.read()
+            if first_socket is None:
+                first_socket = conn.sock
+                time.sleep(6)
+        assert conn.sock is first_socket  # the same connection, not a reconnect
+    finally:
+        conn.close()
