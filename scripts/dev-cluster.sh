@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on this machine, no containers: etcd, kube-apiserver (TLS, RBAC, a
 # service-account issuer), kube-controller-manager, kube-scheduler and kwok, whose simulated nodes (two CPU
-# nodes, two with nvidia.com/gpu) run pods as Running and Ready. Everything listens on 127.0.0.1 only, on
-# free ports. Binaries come from scripts/get-control-plane.sh (built on first use).
+# nodes; four with 8 nvidia.com/gpu each, two H100, an L40S and an A100, the products the examples ask for)
+# run pods as Running and Ready. Everything listens on 127.0.0.1 only, on free ports.
+# Binaries come from scripts/get-control-plane.sh (built on first use).
 #
 #   scripts/dev-cluster.sh up      start it (waits for /readyz, Ready nodes and the default ServiceAccount)
 #   scripts/dev-cluster.sh env     print `export KUBECONFIG=...` (eval "$(scripts/dev-cluster.sh env)")
@@ -17,6 +18,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 STATE=${SLUICE_DEV_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/dev-cluster}
 KUBECONFIG_FILE="$STATE/admin.kubeconfig"
 COMPONENTS=(kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
+# The project's kubectl (scripts/get-helm.sh) where it is there, else the one on PATH.
+KUBECTL=${KUBECTL:-$( [[ -x "$HERE/../.tools/bin/kubectl" ]] && echo "$HERE/../.tools/bin/kubectl" || echo kubectl)}
 
 say() { echo "dev-cluster: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -66,12 +69,12 @@ keyUsage=digitalSignature,keyEncipherment"
 
 kubeconfig() {  # file, client cert name, user
     local f=$1
-    kubectl config --kubeconfig="$f" set-cluster sluice-dev --server="https://127.0.0.1:$API_PORT" \
+    "$KUBECTL" config --kubeconfig="$f" set-cluster sluice-dev --server="https://127.0.0.1:$API_PORT" \
         --certificate-authority="$STATE/pki/ca.crt" --embed-certs >/dev/null
-    kubectl config --kubeconfig="$f" set-credentials "$3" --client-certificate="$STATE/pki/$2.crt" \
+    "$KUBECTL" config --kubeconfig="$f" set-credentials "$3" --client-certificate="$STATE/pki/$2.crt" \
         --client-key="$STATE/pki/$2.key" --embed-certs >/dev/null
-    kubectl config --kubeconfig="$f" set-context sluice-dev --cluster=sluice-dev --user="$3" >/dev/null
-    kubectl config --kubeconfig="$f" use-context sluice-dev >/dev/null
+    "$KUBECTL" config --kubeconfig="$f" set-context sluice-dev --cluster=sluice-dev --user="$3" >/dev/null
+    "$KUBECTL" config --kubeconfig="$f" use-context sluice-dev >/dev/null
 }
 
 # Simulated nodes: kwok manages nodes annotated kwok.x-k8s.io/node=fake. The GPU nodes say what a real
@@ -119,10 +122,12 @@ nodes() {
     node kwok-cpu-1 16 64Gi 0 ""
     node kwok-gpu-0 64 512Gi 8 NVIDIA-H100-80GB-HBM3
     node kwok-gpu-1 64 512Gi 8 NVIDIA-H100-80GB-HBM3
+    node kwok-gpu-2 64 512Gi 8 NVIDIA-L40S
+    node kwok-gpu-3 64 512Gi 8 NVIDIA-A100-SXM4-80GB
 }
 
 untainted() {
-    [[ -z $(kubectl --kubeconfig="$KUBECONFIG_FILE" get nodes -o jsonpath='{.items[*].spec.taints}') ]]
+    [[ -z $("$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get nodes -o jsonpath='{.items[*].spec.taints}') ]]
 }
 
 up() {
@@ -157,42 +162,46 @@ up() {
     kubeconfig "$KUBECONFIG_FILE" admin sluice-admin
     kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager system:kube-controller-manager
     kubeconfig "$STATE/scheduler.kubeconfig" scheduler system:kube-scheduler
-    wait_for "kube-apiserver /readyz" 60 kubectl --kubeconfig="$KUBECONFIG_FILE" get --raw=/readyz
+    wait_for "kube-apiserver /readyz" 60 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get --raw=/readyz
 
     # Controllers that make a Deployment into pods and clean up after it, and the node lifecycle controller:
     # it lifts the not-ready taint the apiserver puts on a new Node once kwok reports it Ready (kwok then
-    # keeps each node's Lease fresh). No cloud, no volumes.
+    # keeps each node's Lease fresh), and the binder that binds PersistentVolumeClaims to pre-made
+    # PersistentVolumes. No cloud, no provisioner.
     start kube-controller-manager "$bin/kube-controller-manager" \
         --kubeconfig="$STATE/controller-manager.kubeconfig" --secure-port=0 --leader-elect=false \
         --use-service-account-credentials=true --service-account-private-key-file="$STATE/pki/sa.key" \
         --root-ca-file="$STATE/pki/ca.crt" \
-        --controllers=serviceaccount-token-controller,serviceaccount-controller,root-ca-certificate-publisher-controller,garbage-collector-controller,namespace-controller,deployment-controller,replicaset-controller,statefulset-controller,job-controller,disruption-controller,endpointslice-controller,horizontal-pod-autoscaler-controller,clusterrole-aggregation-controller,node-lifecycle-controller
+        --controllers=serviceaccount-token-controller,serviceaccount-controller,root-ca-certificate-publisher-controller,garbage-collector-controller,namespace-controller,deployment-controller,replicaset-controller,statefulset-controller,job-controller,disruption-controller,endpointslice-controller,horizontal-pod-autoscaler-controller,clusterrole-aggregation-controller,node-lifecycle-controller,persistentvolume-binder-controller
     start kube-scheduler "$bin/kube-scheduler" --kubeconfig="$STATE/scheduler.kubeconfig" \
         --authentication-kubeconfig="$STATE/scheduler.kubeconfig" --authorization-kubeconfig="$STATE/scheduler.kubeconfig" \
         --secure-port=0 --leader-elect=false
-    kubectl --kubeconfig="$KUBECONFIG_FILE" apply -f - >/dev/null <<<"$(nodes)"
+    "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply -f - >/dev/null <<<"$(nodes)"
     start kwok "$bin/kwok" --kubeconfig="$KUBECONFIG_FILE" --config="$bin/../share/kwok-stages.yaml" \
         --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
         --node-ip=127.0.0.1 --cidr=10.244.0.0/16
 
-    wait_for "kwok's nodes to be Ready" 30 kubectl --kubeconfig="$KUBECONFIG_FILE" wait node \
+    wait_for "kwok's nodes to be Ready" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" wait node \
         --all --for=condition=Ready --timeout=1s
     wait_for "the nodes' not-ready taints to be lifted" 30 untainted
-    wait_for "the default ServiceAccount" 30 kubectl --kubeconfig="$KUBECONFIG_FILE" get serviceaccount default
-    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 4 kwok nodes (2 with 8 GPUs)"
+    wait_for "the default ServiceAccount" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get serviceaccount default
+    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs)"
     say "state and logs: $STATE"
     echo "export KUBECONFIG=$KUBECONFIG_FILE"
 }
 
-down() {
-    local name pid
+alive() { local pid; for pid; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
+
+down() {  # SIGTERM to all, then SIGKILL what is left after 5 s: the state is thrown away anyway
+    local name pids=()
     for name in "${COMPONENTS[@]}"; do
-        running "$name" || continue
-        pid=$(cat "$STATE/pids/$name")
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$pid" 2>/dev/null || true
+        running "$name" && pids+=("$(cat "$STATE/pids/$name")")
     done
+    if [[ ${#pids[@]} -gt 0 ]]; then
+        kill "${pids[@]}" 2>/dev/null || true
+        for _ in $(seq 50); do alive "${pids[@]}" || break; sleep 0.1; done
+        kill -9 "${pids[@]}" 2>/dev/null || true
+    fi
     rm -rf "$STATE"
     say "down"
 }
@@ -203,7 +212,7 @@ status() {
         if running "$name"; then echo "$name: running (pid $(cat "$STATE/pids/$name"))"
         else echo "$name: not running"; rc=1; fi
     done
-    [[ $rc -eq 0 ]] && kubectl --kubeconfig="$KUBECONFIG_FILE" get nodes -L nvidia.com/gpu.product
+    [[ $rc -eq 0 ]] && "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get nodes -L nvidia.com/gpu.product
     return $rc
 }
 

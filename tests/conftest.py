@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from dev_cluster import cluster  # noqa: F401  (the session's real control plane, for the cluster tests)
 
 # httpx and the model cache's packages are imported where used, so that modules needing neither (the Triton kernel
 # tests run by benchmarks/gpu_check.sh on a bare GPU machine) collect with torch, triton and pytest alone.

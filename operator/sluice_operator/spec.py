@@ -272,7 +272,9 @@ class Parallelism(_Object):
     count."""
 
     RULES = (
-        Rule("!has(self.nodes) || self.pipeline % self.nodes == 0",
+        # `self.nodes < 1 ||`: the schema's minimum refuses 0 too, but the server evaluates every rule, and a
+        # modulus by zero is an evaluation error beside that message.
+        Rule("!has(self.nodes) || self.nodes < 1 || self.pipeline % self.nodes == 0",
              "parallelism.pipeline must be a multiple of parallelism.nodes: every node holds whole pipeline stages",
              lambda p: p.nodes is None or p.pipeline % p.nodes == 0, field_path=".nodes"),
     )
@@ -551,7 +553,7 @@ class EndpointSpec(_Object):
              lambda s: s.parallelism.nodes is not None or (
                  lambda t, p, g: g is None or t * p <= g or p % -(-(t * p) // g) == 0)(*_tp(s)),
              field_path=".parallelism"),
-        Rule(f"!({_HAS_N} && {_HAS_G}) || {_T} * {_P} / {_N} <= {_G}",
+        Rule(f"!({_HAS_N} && {_HAS_G}) || {_N} < 1 || {_T} * {_P} / {_N} <= {_G}",
              "parallelism.nodes is too few: tensor x pipeline / nodes GPUs per node must not exceed "
              "accelerator.gpusPerNode",
              lambda s: (lambda t, p, g, n: n is None or g is None or t * p // n <= g)(
