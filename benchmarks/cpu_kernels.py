@@ -17,7 +17,6 @@ import argparse
 import os
 import random
 import statistics
-import tempfile
 import time
 from functools import partial
 
@@ -115,19 +114,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--extra-cflags", default="",
-                    help="build the kernels with these flags appended (into a temporary cache), e.g. "
-                         "'-mno-avx512f' for the AVX2 path; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the "
-                         "environment so that F.linear is held to the same instruction set")
+    ap.add_argument("--isa", default=None, choices=list(cpu_kernels.ISAS),
+                    help="the kernel level to run (as SLUICE_CPU_ISA; default: this CPU's best), e.g. avx2 for the "
+                         "AVX2 path on an AVX-512 CPU; pair it with MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment "
+                         "so that F.linear is held to the same instruction set")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.extra_cflags:
-        extra = args.extra_cflags.split()
-        os.environ["SLUICE_CACHE_DIR"] = tempfile.mkdtemp(prefix="sluice-kernels-")
-        cpu_kernels.FLAGS = [*cpu_kernels.FLAGS, *extra]
-        cpu_kernels.PORTABLE_FLAGS = [*cpu_kernels.PORTABLE_FLAGS, *extra]
-        print(f"kernels built with extra flags {extra}; MKL_ENABLE_INSTRUCTIONS="
-              f"{os.environ.get('MKL_ENABLE_INSTRUCTIONS', '(unset)')}")
+    if args.isa:
+        os.environ["SLUICE_CPU_ISA"] = args.isa
+    print(f"kernel level {cpu_kernels.selected_isa()}; MKL_ENABLE_INSTRUCTIONS="
+          f"{os.environ.get('MKL_ENABLE_INSTRUCTIONS', '(unset)')}")
     print(f"machine: {cpu_name()}, {args.threads} torch threads, torch {torch.__version__}\n")
     lib = cpu_kernels.load()
     if lib is not None:

@@ -56,7 +56,7 @@ TMP=$(mktemp -d "${TMPDIR:-/tmp}/sluice-gpu-check.XXXXXX")
 # An empty model cache of its own: nothing is fetched offline (tests needing the bundled model skip), and
 # platformdirs, which only locates the default cache, need not be on the node (benchmarks/gpu_wheels.txt).
 export SLUICE_CACHE_DIR=${SLUICE_CACHE_DIR:-$TMP/cache}
-# No C++ CPU-kernel builds here (-march=native, seconds each, nothing a GPU check measures): engines that a test
+# No C++ CPU-kernel builds here (seconds each, nothing a GPU check measures): engines that a test
 # starts on CPU take the torch paths.
 export SLUICE_CPU_KERNELS=off
 

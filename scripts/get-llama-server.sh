@@ -16,10 +16,22 @@
 # first `ldtilecfg` (GCC 12's _tile_loadconfig declares 8 of the tile config's 64 bytes as its input, so
 # -O3 drops the stores of the rows/columns and the CPU gets an invalid config; found with gdb, see
 # docs/BENCHMARKS.md). --no-repack keeps the weights in the CPU buffer and its AVX-512 VNNI dot products.
+#
+# LLAMA_CPU_ISA=avx2 builds the same tools for AVX2+FMA+F16C+BMI2 only (no AVX-512, whatever this CPU has)
+# into .tools/bin/avx2 from the build tree build-avx2: the peer, and the reference for the bit-exact checks
+# (tests/test_ggml_attention.py, tests/test_llama_cpp_parity.py), of sluice's avx2 kernels (SLUICE_CPU_ISA=avx2).
+# The default, native, is llama.cpp's own GGML_NATIVE build for this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}  # pinned: the llama.cpp revision it vendors
-BIN=.tools/bin
+ISA=${LLAMA_CPU_ISA:-native}
+case "$ISA" in
+  native) BIN=.tools/bin; BUILD_DIR=build; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) BIN=.tools/bin/avx2; BUILD_DIR=build-avx2
+        ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                   -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
+  *) echo "get-llama-server: LLAMA_CPU_ISA must be native or avx2, not $ISA" >&2; exit 1 ;;
+esac
 MODELS=.tools/models
 PY=${PYTHON:-.venv/bin/python}
 JOBS=${JOBS:-$(nproc)}
@@ -46,12 +58,12 @@ if [ ! -x "$BIN/llama-server" ] || [ ! -x "$BIN/llama-quantize" ] || [ ! -x "$BI
   echo "get-llama-server: building llama-server, llama-quantize and llama-perplexity with $JOBS jobs (CPU only; ~10 min on 2 cores)"
   generator=()
   command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
-  cmake -S "$SRC/vendor/llama.cpp" -B "$SRC/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  cmake -S "$SRC/vendor/llama.cpp" -B "$SRC/$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON >/dev/null
-  cmake --build "$SRC/build" --target llama-server llama-quantize llama-perplexity -j "$JOBS"
+    -DBUILD_SHARED_LIBS=OFF "${ISA_FLAGS[@]}" >/dev/null
+  cmake --build "$SRC/$BUILD_DIR" --target llama-server llama-quantize llama-perplexity -j "$JOBS"
   for tool in llama-quantize llama-perplexity llama-server; do  # llama-server last: the check above
-    install -m 0755 "$SRC/build/bin/$tool" "$BIN/$tool.partial"
+    install -m 0755 "$SRC/$BUILD_DIR/bin/$tool" "$BIN/$tool.partial"
     mv -f "$BIN/$tool.partial" "$BIN/$tool"
   done
 fi

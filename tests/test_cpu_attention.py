@@ -1,8 +1,15 @@
 """The C++ CPU attention kernel (attention/cpu_paged.py) against dense causal attention, the torch
-reference path, and an engine run; plus its build cache and the fallback without a compiler."""
+reference path, and an engine run, on each kernel level this CPU runs; plus its build cache, the fallback without
+a compiler, and the choice of level (SLUICE_CPU_ISA, and a library never loaded on a CPU that lacks its level)."""
+
+import ctypes
+import logging
+import platform
+import shutil
 
 import pytest
 import torch
+from cpu_isas import CPU_ISAS, isa_lib
 from test_torch_attention import _case, _dense
 
 from sluice_engine import cpu_kernels
@@ -13,12 +20,9 @@ from sluice_engine.attention.torch_paged import TorchPagedAttention
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.fail("the CPU attention kernel did not build (is g++ installed?); see the log")
-    return CpuPagedAttention(lib)
+@pytest.fixture(scope="module", params=CPU_ISAS)
+def kernel(request):
+    return CpuPagedAttention(isa_lib(request.param))
 
 
 @pytest.mark.parametrize("q_lens,seq_lens,hq,hkv,d,bs", [
@@ -99,7 +103,7 @@ def test_cpu_kernels_off_builds_nothing(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "off")
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "_build", lambda *a: pytest.fail("built with SLUICE_CPU_KERNELS=off"))
+    monkeypatch.setattr(cpu_kernels, "build", lambda *a: pytest.fail("built with SLUICE_CPU_KERNELS=off"))
     assert cpu_kernels.load() is None
     assert "SLUICE_CPU_KERNELS=off" in caplog.text
     assert select_backend("auto", CPU).name == "torch"
@@ -110,26 +114,107 @@ def test_broken_build_is_reported_not_raised(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     broken = ["-include", "/nonexistent.h"]
-    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, *broken])
-    monkeypatch.setattr(cpu_kernels, "PORTABLE_FLAGS", [*cpu_kernels.PORTABLE_FLAGS, *broken])
+    monkeypatch.setattr(cpu_kernels, "BASE_FLAGS", [*cpu_kernels.BASE_FLAGS, *broken])
     assert cpu_kernels.load() is None
-    assert "kernels unavailable" in caplog.text
+    assert "unavailable, using the torch paths" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))
 
 
-def test_build_retries_without_march_native(tmp_path, monkeypatch, caplog):
-    """A compiler that rejects the native flags (an unknown CPU): the portable build still loads."""
+AVX2_CPU = frozenset(cpu_kernels.ISAS["avx2"].cpu_flags)  # an AVX2-only CPU (an AMD EPYC of the Zen 2/3 kind)
+
+
+def test_levels_are_explicit_flags_never_march_native():
+    assert list(cpu_kernels.ISAS) == ["avx512-vnni", "avx512", "avx2", "portable"]
+    for isa in cpu_kernels.ISAS:
+        flags = cpu_kernels.isa_flags(isa)
+        assert not any(f.startswith(("-march", "-mtune", "-mcpu")) for f in flags), flags
+    assert "-mavx512f" not in cpu_kernels.isa_flags("avx2") and "-mavx2" not in cpu_kernels.isa_flags("portable")
+    assert cpu_kernels.supported_isas()[-1] == "portable"
+
+
+def test_levels_follow_the_cpus_flags(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert cpu_kernels.supported_isas(AVX2_CPU) == ["avx2", "portable"]
+    assert cpu_kernels.supported_isas(frozenset({"avx", "avx2", "fma"})) == ["portable"]  # no F16C
+    vnni = frozenset(cpu_kernels.ISAS["avx512-vnni"].cpu_flags)
+    assert cpu_kernels.supported_isas(vnni) == ["avx512-vnni", "avx512", "avx2", "portable"]
+    assert cpu_kernels.supported_isas(vnni - {"avx512_vnni"})[0] == "avx512"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.supported_isas(vnni) == ["portable"]
+
+
+def test_auto_takes_the_best_level_and_says_which(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="sluice.engine")
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SLUICE_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    lib = cpu_kernels.load()
+    assert lib.sluice_kernels_isa().decode() == CPU_ISAS[0]
+    assert f"CPU kernels: {CPU_ISAS[0]} " in caplog.text
+    [built] = (tmp_path / "kernels").glob("*.so")
+    assert built.name.startswith(f"sluice_cpu_kernels-{CPU_ISAS[0]}-")
+    assert cpu_kernels.library_isa(built) == CPU_ISAS[0]
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_sluice_cpu_isa_forces_a_level(monkeypatch, isa):
+    monkeypatch.setenv("SLUICE_CPU_ISA", isa)
+    assert cpu_kernels.selected_isa() == isa
+    assert cpu_kernels.load().sluice_kernels_isa().decode() == isa
+
+
+def test_sluice_cpu_isa_refuses_a_level_the_cpu_lacks(tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "FLAGS", [*cpu_kernels.FLAGS, "-march=no-such-cpu"])
-    assert cpu_kernels.load() is not None
-    assert "-march=no-such-cpu" in caplog.text  # the first attempt failed, and said so
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX2_CPU)
+    monkeypatch.setenv("SLUICE_CPU_ISA", "avx512-vnni")
+    with pytest.raises(cpu_kernels.CpuIsaError, match="SLUICE_CPU_ISA=avx512-vnni: this CPU .* lacks it; it runs avx2, portable"):
+        cpu_kernels.load()
+    monkeypatch.setenv("SLUICE_CPU_ISA", "avx3")
+    with pytest.raises(cpu_kernels.CpuIsaError, match="not a level"):
+        cpu_kernels.load()
+    with pytest.raises(cpu_kernels.CpuIsaError, match="lacks it"):
+        cpu_kernels.load("avx512")
+    assert not (tmp_path / "kernels").exists()  # refused before any build
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None,
+                    reason="x86-64 levels, built with g++")
+def test_a_library_for_a_level_the_cpu_lacks_is_never_loaded(tmp_path, monkeypatch, caplog):
+    """An AVX-512 library (built here: any x86-64 CPU can compile it) in the cache of a CPU without AVX-512,
+    under its own name and copied over the AVX2 one (an image or cache from another machine): auto takes avx2,
+    and no call ever opens the AVX-512 file."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SLUICE_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    avx512 = cpu_kernels.library_path("g++", "avx512-vnni")
+    cpu_kernels.build("g++", "avx512-vnni", avx512)
+    assert cpu_kernels.library_isa(avx512) == "avx512-vnni"
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: AVX2_CPU)
+    opened = []
+    real_cdll = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda path, *a, **kw: (opened.append(str(path)), real_cdll(path, *a, **kw))[1])
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "g++")
+    lib = cpu_kernels.load()
+    assert lib.sluice_kernels_isa() == b"avx2" and opened == [str(cpu_kernels.library_path("g++", "avx2"))]
+    with pytest.raises(cpu_kernels.CpuIsaError, match="lacks"):
+        cpu_kernels.open_library(avx512, "avx512-vnni")
+    # the AVX-512 file where the AVX2 one should be: read, refused, never opened
+    shutil.copyfile(avx512, cpu_kernels.library_path("g++", "avx2"))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    opened.clear()
+    assert cpu_kernels.load() is None
+    assert "built for avx512-vnni, not avx2" in caplog.text
+    assert opened == []
 
 
 @pytest.mark.slow
-def test_engine_tokens_and_logprobs_match_the_torch_path(model_dir, kernel):
+def test_engine_tokens_and_logprobs_match_the_torch_path(model_dir):
     """The real model through the whole engine -- chunked prefill, decode, n-gram verification rows --
-    with the kernel and with the torch reference: the same greedy tokens, logprobs within float noise."""
+    with the kernel (this CPU's best level) and with the torch reference: the same greedy tokens, logprobs
+    within float noise."""
+    isa_lib(CPU_ISAS[0])
     from sluice_engine.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cpu_isas import CPU_ISAS, isa_lib
 
-from sluice_engine import cpu_kernels
 from sluice_engine.layer_ops import select_layer_ops
 from sluice_engine.layer_ops.cpu_ops import CpuLayerOps
 from sluice_engine.layer_ops.ggml_ops import GgmlLayerOps, ggml_freq_scale
@@ -22,12 +22,9 @@ from sluice_engine.models.rotary import RotaryEmbedding
 ROWS = [1, 3, 15, 16, 17, 70]  # around the kernels' parallel threshold (16)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.fail("the CPU kernels did not build (is g++ installed?); see the log")
-    return CpuLayerOps(lib)
+@pytest.fixture(scope="module", params=CPU_ISAS)
+def ops(request):
+    return CpuLayerOps(isa_lib(request.param))
 
 
 REF = TorchLayerOps()
@@ -95,12 +92,9 @@ def test_the_cpu_backend_selects_them():
 # -- the ggml-exact ops ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ggml_ops():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.fail("the CPU kernels did not build (is g++ installed?); see the log")
-    return GgmlLayerOps(lib)
+@pytest.fixture(scope="module", params=CPU_ISAS)
+def ggml_ops(request):
+    return GgmlLayerOps(isa_lib(request.param))
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -2,20 +2,15 @@
 quantized to 8 bits per block of 32 as GGUF's Q8_0/Q8_1 define it, integer dot products per block, over
 weights repacked into the kernel's interleaved layout. Checked against a torch reference built from the
 gguf package's own quantize/dequantize of the weights and the same activation quantization written out
-here; on the build for this CPU, the portable (plain loops) build and an AVX2 build."""
-
-import ctypes
-import platform
-import subprocess
-from pathlib import Path
+here; on every kernel level this CPU runs (tests/cpu_isas.py), which agree bit for bit."""
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isas import CPU_ISAS, isa_lib
 from gguf import GGMLQuantizationType, dequantize, quantize
 
-from sluice_engine import cpu_kernels
 from sluice_engine.cpu_kernels.quant import (
     FORMAT_CODE,
     QuantEmbedding,
@@ -29,44 +24,18 @@ FORMATS = ["q8_0", "q4_0", "q4_1"]
 
 @pytest.fixture(scope="module")
 def lib():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.fail("the CPU kernels did not build (is g++ installed?); see the log")
-    return lib
+    return isa_lib(CPU_ISAS[0])
 
 
-def _build(tmp_path_factory, name: str, extra: list[str]) -> ctypes.CDLL:
-    compiler = cpu_kernels._compiler()
-    if compiler is None:
-        pytest.fail("no C++ compiler")
-    out = tmp_path_factory.mktemp(name) / "kernels.so"
-    subprocess.run([compiler, *cpu_kernels.PORTABLE_FLAGS, *extra, *map(str, cpu_kernels.SOURCES), "-o", str(out)],
-                   check=True, capture_output=True)
-    return cpu_kernels._bind(ctypes.CDLL(str(out)))
+QUANT_ISA = {"avx512-vnni": 2, "avx512": 1, "avx2": 1, "portable": 0}  # sluice_quant_isa(): the path each level takes
 
 
-@pytest.fixture(scope="module")
-def portable_lib(tmp_path_factory):
-    """The same sources without -march=native: the plain-loop paths every other CPU runs."""
-    lib = _build(tmp_path_factory, "portable", [])
-    assert lib.sluice_quant_isa() == 0
-    return lib
-
-
-@pytest.fixture(scope="module")
-def avx2_lib(tmp_path_factory):
-    """The AVX2 path (what an AVX2-only CPU such as an AMD EPYC of the Zen 2/3 kind runs), where this CPU runs it."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if platform.machine() not in ("x86_64", "AMD64") or not all(f in flags.split() for f in ("avx2", "fma", "f16c")):
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
-    lib = _build(tmp_path_factory, "avx2", ["-mavx2", "-mfma", "-mf16c"])
-    assert lib.sluice_quant_isa() == 1
-    return lib
-
-
-@pytest.fixture(scope="module", params=["native", "portable", "avx2"])
+@pytest.fixture(scope="module", params=CPU_ISAS)
 def any_lib(request):
-    return request.getfixturevalue({"native": "lib", "portable": "portable_lib", "avx2": "avx2_lib"}[request.param])
+    """Each level this CPU runs: AVX-512 VNNI, AVX2 (also the avx512 level's), and the plain loops."""
+    lib = isa_lib(request.param)
+    assert lib.sluice_quant_isa() == QUANT_ISA[request.param]
+    return lib
 
 
 def reference(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -269,6 +238,18 @@ def test_float_order_is_llama_cpps(any_lib, fmt):
         x[1, 32:64] = 0
         y = QuantLinear(blocks, fmt, k, None, any_lib)(x).numpy()
         assert np.array_equal(y.view(np.uint32), llama_order(x, blocks, fmt).view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_level_gives_the_same_bits(fmt):
+    """Each level this CPU runs against the others, few rows (decode) and many (a prefill chunk)."""
+    g = torch.Generator().manual_seed(12)
+    blocks = random_blocks(g, 40, 576, fmt)
+    for m in (1, 5, 70):
+        x = torch.randn(m, 576, generator=g)
+        outs = {isa: QuantLinear(blocks, fmt, 576, None, isa_lib(isa))(x) for isa in CPU_ISAS}
+        for isa, y in outs.items():
+            assert torch.equal(y, outs["portable"]), (isa, m)
 
 
 def test_big_prefill_chunks(lib):

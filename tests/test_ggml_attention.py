@@ -1,29 +1,29 @@
 """The llama.cpp-arithmetic attention (attention/ggml_cpu.py, cpu_kernels/ggml_attention.cpp): against dense
 causal attention within fp16 rounding, and its results' independence of the cache's block layout and of the
-batch. Bit-exactness against llama.cpp itself is checked by benchmarks/ggml_check/attention_check.cpp, run
-here where llama.cpp's build is at hand (scripts/get-llama-server.sh), skipped elsewhere."""
+batch, on each kernel level this CPU runs. Bit-exactness against llama.cpp itself (this op, the layer ops and
+the quantized GEMM) is checked by benchmarks/ggml_check/ (run_checks.py), run here for each level whose
+llama.cpp build is at hand (scripts/get-llama-server.sh), skipped elsewhere."""
 
-import subprocess
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from cpu_isas import CPU_ISAS, isa_lib
 from test_torch_attention import _case, _dense
 
-from sluice_engine import cpu_kernels
 from sluice_engine.attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention
 from sluice_engine.forward_context import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA = ROOT / ".tools/src/llama-cpp-python-0.3.36"
+_spec = importlib.util.spec_from_file_location("run_checks", ROOT / "benchmarks/ggml_check/run_checks.py")
+run_checks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_checks)
 
 
-@pytest.fixture(scope="module")
-def backend():
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.fail("the CPU kernels did not build (is g++ installed?); see the log")
-    return GgmlCpuAttention(lib)
+@pytest.fixture(scope="module", params=CPU_ISAS)
+def backend(request):
+    return GgmlCpuAttention(isa_lib(request.param))
 
 
 def _ggml_cache(backend, fp32_cache, meta):
@@ -79,16 +79,14 @@ def test_results_do_not_depend_on_block_layout_or_batch(backend):
     assert torch.equal(backend.attend(q[70:71], None, None, cache, alone, 0.125), base[70:71])
 
 
-@pytest.mark.skipif(not (LLAMA / "build/ggml/src/libggml-cpu.a").exists(),
-                    reason="llama.cpp's build is not here (scripts/get-llama-server.sh)")
-def test_bit_identical_to_llama_cpp(tmp_path):
-    src = LLAMA / "vendor/llama.cpp/ggml"
-    lib = LLAMA / "build/ggml/src"
-    exe = tmp_path / "attention_check"
-    subprocess.run(["c++", "-O3", "-march=native", "-fopenmp", "-std=c++17", f"-I{src / 'include'}",
-                    str(ROOT / "benchmarks/ggml_check/attention_check.cpp"),
-                    str(ROOT / "engine_image/sluice_engine/cpu_kernels/ggml_attention.cpp"),
-                    str(lib / "libggml.a"), str(lib / "libggml-cpu.a"), str(lib / "libggml-base.a"), "-lpthread", "-lm",
-                    "-o", str(exe)], check=True, capture_output=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "all bit-identical" in out.stdout, out.stdout
+# Each level that has a llama.cpp build of its own instruction set to be exact against.
+EXACT_LEVELS = [isa for isa in ("avx512-vnni",) if isa in CPU_ISAS]
+
+
+@pytest.mark.parametrize("check", ["attention"])
+@pytest.mark.parametrize("isa", EXACT_LEVELS)
+def test_bit_identical_to_llama_cpp(tmp_path, isa, check):
+    if run_checks.llama_libs(isa) is None:
+        pytest.skip(f"llama.cpp's {run_checks.BUILD_DIR[isa]} is not here (scripts/get-llama-server.sh)")
+    ok, out = run_checks.run_check(check, isa, tmp_path)
+    assert ok, out

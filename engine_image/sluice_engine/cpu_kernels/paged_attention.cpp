@@ -167,7 +167,16 @@ void paged_attention(T* out, int64_t out_row_stride, const T* q, int64_t q_row_s
 
 }  // namespace
 
+#ifndef SLUICE_CPU_ISA_NAME  // the level this library is built for (cpu_kernels/__init__.py passes it)
+#define SLUICE_CPU_ISA_NAME "unknown"
+#endif
+
 extern "C" {
+
+// The level's name in the library's bytes, which cpu_kernels/__init__.py reads before it loads the file: a
+// library for instructions this CPU lacks is never loaded.
+__attribute__((used)) const char sluice_kernels_isa_tag[] = "sluice-kernels-isa:" SLUICE_CPU_ISA_NAME;
+const char* sluice_kernels_isa() { return sluice_kernels_isa_tag + sizeof("sluice-kernels-isa:") - 1; }
 
 int sluice_paged_attention_abi_version() { return 2; }
 
