@@ -164,10 +164,12 @@ up() {
     kubeconfig "$STATE/scheduler.kubeconfig" scheduler system:kube-scheduler
     wait_for "kube-apiserver /readyz" 60 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get --raw=/readyz
 
-    # Controllers that make a Deployment into pods and clean up after it, and the node lifecycle controller:
-    # it lifts the not-ready taint the apiserver puts on a new Node once kwok reports it Ready (kwok then
-    # keeps each node's Lease fresh), and the binder that binds PersistentVolumeClaims to pre-made
-    # PersistentVolumes. No cloud, no provisioner.
+    # Controllers that make a Deployment into pods and clean up after it; the binder that binds
+    # PersistentVolumeClaims to pre-made PersistentVolumes (no cloud, no provisioner); and the node lifecycle
+    # controller: it lifts the not-ready taint the apiserver puts on a new Node once kwok reports it Ready.
+    # kwok must then keep each node's Lease fresh (--node-lease-duration-seconds): its Stage patches node
+    # status only now and then, and without Leases the controller finds every node silent after its grace
+    # period (~40 s) and marks every pod NotReady.
     start kube-controller-manager "$bin/kube-controller-manager" \
         --kubeconfig="$STATE/controller-manager.kubeconfig" --secure-port=0 --leader-elect=false \
         --use-service-account-credentials=true --service-account-private-key-file="$STATE/pki/sa.key" \
@@ -179,7 +181,7 @@ up() {
     "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply -f - >/dev/null <<<"$(nodes)"
     start kwok "$bin/kwok" --kubeconfig="$KUBECONFIG_FILE" --config="$bin/../share/kwok-stages.yaml" \
         --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
-        --node-ip=127.0.0.1 --cidr=10.244.0.0/16
+        --node-ip=127.0.0.1 --cidr=10.244.0.0/16 --node-lease-duration-seconds=40
 
     wait_for "kwok's nodes to be Ready" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" wait node \
         --all --for=condition=Ready --timeout=1s

@@ -35,6 +35,14 @@ def info(k8s: Any) -> kopf.ConnectionInfo:
     return kopf.ConnectionInfo(server=str(k8s.url).rstrip("/"))
 
 
+def login(k8s: Any) -> Any:
+    """A login handler with kopf's own signature (settings is keyword-only and required), as default_login is."""
+    def handler(*, settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        assert isinstance(settings, kopf.OperatorSettings)
+        return info(k8s)
+    return handler
+
+
 def elector(k8s: Any, identity: str, loop: Loop | None = None, **timing: float) -> LeaseElector:
     on_request = loop.metrics.count_request if loop is not None else None
     timing = {"lease_s": 3.0, "renew_deadline_s": 2.0, "renew_s": 0.25, **timing}
@@ -46,12 +54,12 @@ class Replica:
 
     def __init__(self, k8s: Any, identity: str):
         self.loop = Loop()
-        registry = build_registry(self.loop, namespaces=[NS], login=lambda **_: info(k8s), resync_seconds=0.5,
+        registry = build_registry(self.loop, namespaces=[NS], login=login(k8s), resync_seconds=0.5,
                                   retry_seconds=0.5)
         self.elector = elector(k8s, identity, self.loop)
         self.stop = asyncio.Event()
         self.task = asyncio.create_task(serve(self.loop, registry, [NS], elector=self.elector,
-                                              login=lambda **_: info(k8s), stop=self.stop))
+                                              login=login(k8s), stop=self.stop))
 
     def reconciles(self) -> float:
         return self.loop.metrics.reconciles_total()

@@ -6,6 +6,7 @@ operator has one login path. Only what the loop needs: every child is namespaced
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -69,8 +70,18 @@ class ApiError(Exception):
         self.message = message  # the API server's own words (Status.message)
 
 
+def _retry_after(value: str | None) -> float:
+    try:
+        return max(float(value or 1), 0.1)
+    except ValueError:
+        return 1.0
+
+
 class KubeApi:
     """`async with KubeApi(info) as api:` one aiohttp session per reconcile pass."""
+
+    THROTTLE_RETRIES = 5  # answers 429 waited out (Retry-After, at most THROTTLE_MAX_WAIT_S each) before failing
+    THROTTLE_MAX_WAIT_S = 5.0
 
     def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0,
                  on_request: Callable[[str, int | str], None] | None = None):
@@ -96,16 +107,22 @@ class KubeApi:
         assert self._session is not None, "use `async with KubeApi(...)`"
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
-        try:
-            async with self._session.request(method, self._server + path, params=params, data=data,
-                                             headers=headers) as resp:
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError):
+        for attempt in range(self.THROTTLE_RETRIES + 1):
+            try:
+                async with self._session.request(method, self._server + path, params=params, data=data,
+                                                 headers=headers) as resp:
+                    text = await resp.text()
+            except (aiohttp.ClientError, TimeoutError):
+                if self._on_request is not None:
+                    self._on_request(method, "error")
+                raise
             if self._on_request is not None:
-                self._on_request(method, "error")
-            raise
-        if self._on_request is not None:
-            self._on_request(method, resp.status)
+                self._on_request(method, resp.status)
+            # 429: the server asks to come back (API priority and fairness, or a CRD's storage still starting
+            # right after it was installed, "storage is (re)initializing"); client-go waits Retry-After too.
+            if resp.status != 429 or attempt == self.THROTTLE_RETRIES:
+                break
+            await asyncio.sleep(min(_retry_after(resp.headers.get("Retry-After")), self.THROTTLE_MAX_WAIT_S))
         if resp.status >= 400:
             try:
                 message = json.loads(text).get("message", text)

@@ -50,7 +50,8 @@ async def serve(loop: Loop, registry: kopf.OperatorRegistry, namespaces: list[st
     stop = stop or asyncio.Event()
     if elector is not None:
         if loop.credentials is None:
-            info = login(logger=log)
+            # kopf's login handlers take its settings (keyword-only): kopf passes them when it logs in itself.
+            info = login(logger=log, settings=operator_settings())
             loop.credentials = (await info) if asyncio.iscoroutine(info) else info
         # A candidate is alive while it waits: its liveness probe must pass, or Kubernetes would keep
         # restarting every standby replica.

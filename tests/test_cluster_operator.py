@@ -1,0 +1,390 @@
+"""The operator, installed by the chart, against a real control plane (marker `cluster`; tests/dev_cluster.py).
+
+`helm install charts/sluice` puts the CRD, RBAC, the operator's and the gateway's Deployments into the cluster
+(their pods run on kwok's simulated nodes, which run no process). The operator under test is a real
+`sluice operator` process on this machine, started with the args and SLUICE_* environment of the chart's own
+Deployment and authenticated as the chart's ServiceAccount with a token from the TokenRequest API, so what the
+chart's RBAC allows is what it can do. The optional kinds it renders come from their projects' own CRDs
+(../shared/reference-crds: KEDA, the Prometheus operator, LeaderWorkerSet), so the real server validates them.
+No KEDA or LWS controller runs here (not built yet): ScaledObjects and LeaderWorkerSets are admitted and
+stored, and scaling is what KEDA's HPA would do, through the Deployment's scale subresource.
+
+In file order: every example reconciles with no 403, the printer columns and the scale subresource, a spec edit
+rolls the pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, and
+last the leader hand-over between two operator processes on the real Lease.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import free_port, stop_process
+from dev_cluster import ROOT, Cluster, tool, wait_until
+from operator_schemas import CRD_FILE, EXAMPLES, load_yaml
+
+from sluice_operator.meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING
+
+pytestmark = pytest.mark.cluster
+
+RELEASE, RELEASE_NS = "sluice", "sluice-system"
+REFERENCE_CRDS = ROOT.parent / "shared" / "reference-crds"
+# The chart's values for this cluster: the scaler's client certificate copied into the endpoint namespaces (the
+# operator renders a TriggerAuthentication naming it), and a short resync so repairs show within seconds.
+HELM_VALUES = ["--set", "gateway.scalerTLS.generate=true", "--set", "gateway.scalerTLS.namespaces={default,inference}",
+               "--set-json", "extraArgs=[\"--resync-seconds\",\"3\"]"]
+EXAMPLE_NAMESPACES = ("default", "inference")
+LEASE = "sluice-operator"  # operator/sluice_operator/main.py LEASE_NAME
+
+
+@dataclass
+class OperatorProcess:
+    """`sluice operator` as the chart's pod runs it, under the chart's ServiceAccount."""
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        log = open(self.log_path, "w")  # noqa: SIM115 - the child holds it; closed with the test session
+        self.proc = subprocess.Popen([sys.executable, "-m", "sluice_engine.cli", "operator", *self.args],
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: a node lost, no clean release of the Lease."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process(self.proc)
+
+
+@dataclass
+class Stack:
+    cluster: Cluster
+    service_account: str
+    kubeconfig: Path
+    args: list[str]
+    env: dict[str, str]
+    workdir: Path
+    operators: list[OperatorProcess] = field(default_factory=list)
+
+    def operator(self, name: str) -> OperatorProcess:
+        args = [a.replace("0.0.0.0:8080", f"127.0.0.1:{free_port()}") for a in self.args]  # the liveness URL
+        if "--metrics-port" in args:
+            args[args.index("--metrics-port") + 1] = str(free_port())
+        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": name,
+               "POD_NAMESPACE": RELEASE_NS, "PYTHONUNBUFFERED": "1"}
+        op = OperatorProcess(name, args, env, self.workdir / f"{name}.log").start()
+        self.operators.append(op)
+        return op
+
+    def logs(self) -> str:
+        return "".join(f"\n--- operator {op.name}\n{op.log()[-6000:]}" for op in self.operators)
+
+
+def _chart_container(cluster: Cluster) -> dict[str, Any]:
+    deploy = cluster.json("get", "deployment", RELEASE, "-n", RELEASE_NS)
+    (container,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"]
+    return {**container, "serviceAccountName": deploy["spec"]["template"]["spec"]["serviceAccountName"]}
+
+
+def _install_optional_crds(cluster: Cluster) -> None:
+    if not REFERENCE_CRDS.is_dir():
+        pytest.skip(f"{REFERENCE_CRDS} is missing (KEDA's, LWS's and the Prometheus operator's CRDs)")
+    names = []
+    for path in sorted(REFERENCE_CRDS.glob("*.yaml")):
+        cluster.kubectl("apply", "--server-side", "-f", str(path))
+        names.append(load_yaml(path)["metadata"]["name"])
+    cluster.wait_established(*names)
+
+
+def _model_storage(cluster: Cluster, tmp: Path) -> None:
+    """What the examples expect to exist: their Secrets, and the claims they name (bound to pre-made hostPath
+    PersistentVolumes: this cluster has no provisioner)."""
+    for ns in EXAMPLE_NAMESPACES:
+        cluster.kubectl("create", "namespace", ns, check=False)
+    for name, key in (("hf-token", "HF_TOKEN"), ("s3-credentials", "AWS_ACCESS_KEY_ID")):
+        cluster.kubectl("create", "secret", "generic", name, "-n", "inference", f"--from-literal={key}=x", check=False)
+    for claim, mode in (("model-cache", "ReadWriteMany"), ("llama-weights", "ReadOnlyMany")):
+        cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{claim}"},
+                       "spec": {"capacity": {"storage": "500Gi"}, "accessModes": [mode], "storageClassName": "",
+                                "hostPath": {"path": str(tmp / claim)},
+                                "claimRef": {"namespace": "inference", "name": claim}}})
+        cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                       "metadata": {"name": claim, "namespace": "inference"},
+                       "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": f"pv-{claim}",
+                                "resources": {"requests": {"storage": "500Gi"}}}})
+    for claim in ("model-cache", "llama-weights"):
+        wait_until(f"PVC {claim} bound", lambda c=claim: (cluster.get("pvc", c, "-n", "inference") or {})
+                   .get("status", {}).get("phase") == "Bound", 30)
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    helm = tool("helm")
+    if helm is None:
+        pytest.skip("no helm (scripts/get-helm.sh fetches one into .tools/bin)")
+    workdir = tmp_path_factory.mktemp("operator")
+    _install_optional_crds(cluster)
+    _model_storage(cluster, workdir)
+    install = subprocess.run([helm, "install", RELEASE, str(ROOT / "charts" / "sluice"), "-n", RELEASE_NS,
+                              "--create-namespace", f"--kubeconfig={cluster.kubeconfig}", *HELM_VALUES],
+                             capture_output=True, text=True, timeout=120)
+    assert install.returncode == 0, install.stderr
+    stack: Stack | None = None
+    try:
+        # The chart's own pods (operator and gateway) are scheduled and Ready on simulated nodes.
+        for deploy in cluster.json("get", "deployments", "-n", RELEASE_NS)["items"]:
+            cluster.kubectl("rollout", "status", f"deployment/{deploy['metadata']['name']}", "-n", RELEASE_NS,
+                            "--timeout=90s", timeout=100)
+        container = _chart_container(cluster)
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        kubeconfig = cluster.token_kubeconfig(workdir / "operator.kubeconfig", RELEASE_NS,
+                                              container["serviceAccountName"])
+        stack = Stack(cluster, container["serviceAccountName"], kubeconfig, container["args"], env, workdir)
+        stack.operator("operator-a")
+        wait_until("operator-a to hold the Lease", lambda: _holder(cluster) == "operator-a", 60)
+        yield stack
+    finally:
+        if stack is not None:
+            for op in stack.operators:
+                op.stop()
+        subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, f"--kubeconfig={cluster.kubeconfig}",
+                        "--wait=false"], capture_output=True, timeout=120)
+
+
+def _holder(cluster: Cluster) -> str | None:
+    lease = cluster.get("lease", LEASE, "-n", RELEASE_NS)
+    return lease["spec"].get("holderIdentity") if lease else None
+
+
+def _endpoint(stack: Stack, name: str, ns: str) -> dict[str, Any]:
+    ep = stack.cluster.get("inferenceendpoint", name, "-n", ns)
+    assert ep is not None, f"endpoint {ns}/{name} is gone"
+    return ep
+
+
+def _condition(ep: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in ep.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def _wait_phase(stack: Stack, name: str, ns: str, phases: set[str], timeout: float = 90) -> dict[str, Any]:
+    def probe() -> Any:
+        ep = _endpoint(stack, name, ns)
+        status = ep.get("status", {})
+        current = status.get("observedGeneration") == ep["metadata"]["generation"]
+        return ep if current and status.get("phase") in phases else None
+    try:
+        return wait_until(f"{ns}/{name} in phase {sorted(phases)}", probe, timeout)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nstatus: {json.dumps(_endpoint(stack, name, ns).get('status'), indent=1)}"
+                             f"{stack.logs()}") from None
+
+
+def _apply_endpoint(stack: Stack, doc: dict[str, Any]) -> tuple[str, str]:
+    doc = copy.deepcopy(doc)
+    ns = doc["metadata"].setdefault("namespace", "default")
+    stack.cluster.apply(doc)
+    return doc["metadata"]["name"], ns
+
+
+def _small(name: str, **spec: Any) -> dict[str, Any]:
+    doc = load_yaml(ROOT / "examples" / "cpu-smollm2.yaml")
+    doc["metadata"] = {"name": name, "namespace": "default"}
+    doc["spec"].update(spec)
+    return doc
+
+
+def _serving_pods(stack: Stack, name: str, ns: str) -> list[dict[str, Any]]:
+    selector = f"{ENDPOINT_LABEL}={name},{ROLE_LABEL}={SERVING}"  # the endpoint's status.selector
+    return stack.cluster.json("get", "pods", "-n", ns, "-l", selector)["items"]
+
+
+def _forbidden(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "403" in line or "forbidden" in line.lower()]
+
+
+# -- every example, under the chart's RBAC ---------------------------------------------------------------------
+# What each example reaches here: single-node ones serve on simulated pods (an autoscaled one starts at the
+# Deployment's default of 1 replica, the operator applying no count, until KEDA scales it); multi-node ones
+# are LeaderWorkerSets, admitted and stored, with no LWS controller to make their pods (Pending).
+EXPECTED_PHASE = {"cpu-smollm2.yaml": {"Ready"}, "gpu-8b.yaml": {"Ready"}, "scale-to-zero.yaml": {"Ready"},
+                  "multinode-70b.yaml": {"Pending"}, "cpu-pipeline-2node.yaml": {"Pending"}}
+
+
+def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> None:
+    assert set(EXPECTED_PHASE) == {p.name for p in EXAMPLES}
+    applied = {path.name: _apply_endpoint(stack, load_yaml(path)) for path in EXAMPLES}
+    for example, (name, ns) in applied.items():
+        ep = _wait_phase(stack, name, ns, EXPECTED_PHASE[example])
+        reconciled = _condition(ep, "Reconciled")
+        assert reconciled.get("status") == "True", (example, ep["status"])
+        if EXPECTED_PHASE[example] == {"Ready"}:
+            assert ep["status"]["replicas"]["ready"] == ep["status"]["replicas"]["desired"] >= 1, ep["status"]
+    # Every child the renderer makes exists, owned by its endpoint.
+    for example, (name, ns) in applied.items():
+        ep = _endpoint(stack, name, ns)
+        rendered = json.loads(subprocess.run([sys.executable, "-m", "sluice_engine.cli", "render", "-f",
+                                              str(ROOT / "examples" / example), "-o", "json"],
+                                             capture_output=True, text=True, check=True).stdout)
+        for child in rendered["items"]:
+            kind = child["kind"].lower() + "." + child["apiVersion"].split("/")[0] if "/" in child["apiVersion"] \
+                else child["kind"].lower()
+            live = stack.cluster.get(kind, child["metadata"]["name"], "-n", ns)
+            assert live is not None, f"{example}: {child['kind']} {child['metadata']['name']} was not applied"
+            owners = live["metadata"].get("ownerReferences", [])
+            assert any(o["uid"] == ep["metadata"]["uid"] and o.get("controller") for o in owners), owners
+    assert not _forbidden(stack.logs()), _forbidden(stack.logs())
+    # The GPU example's pods landed on the nodes with the product it asks for.
+    nodes = {p["spec"]["nodeName"] for p in _serving_pods(stack, "llama-8b", "inference")}
+    assert nodes and all(stack.cluster.json("get", "node", n)["metadata"]["labels"]["nvidia.com/gpu.product"]
+                         == "NVIDIA-L40S" for n in nodes), nodes
+
+
+def test_printer_columns_and_the_scale_subresource(stack: Stack) -> None:
+    table = stack.cluster.kubectl("get", "inferenceendpoint", "smollm2", "-n", "default").stdout.split("\n")
+    header, row = table[0].split(), table[1].split()
+    assert header[:6] == ["NAME", "MODEL", "PHASE", "READY", "DESIRED", "URL"], header
+    assert row[:5] == ["smollm2", "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "Ready", "1", "1"], row
+    stack.cluster.kubectl("scale", "inferenceendpoint/smollm2", "-n", "default", "--replicas=2")
+    ep = wait_until("2 ready replicas", lambda: (e := _endpoint(stack, "smollm2", "default")).get("status", {})
+                    .get("replicas", {}).get("ready") == 2 and e, 90)
+    assert ep["spec"]["replicas"] == 2
+    scale = stack.cluster.json("get", "inferenceendpoint", "smollm2", "-n", "default", "--subresource=scale")
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2, scale
+    assert scale["status"]["selector"], scale  # what an HPA would select the pods by
+    assert stack.cluster.json("get", "deployment", "smollm2", "-n", "default")["spec"]["replicas"] == 2
+    stack.cluster.kubectl("scale", "inferenceendpoint/smollm2", "-n", "default", "--replicas=1")
+
+
+def test_spec_edit_rolls_the_pods_as_rollout_says(stack: Stack) -> None:
+    name, ns = _apply_endpoint(stack, _small("rolling", replicas=2, rollout={"maxSurge": 1, "maxUnavailable": 0}))
+    _wait_phase(stack, name, ns, {"Ready"})
+    deploy = stack.cluster.json("get", "deployment", name, "-n", ns)
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    before = {p["metadata"]["name"] for p in _serving_pods(stack, name, ns)}
+    stack.cluster.kubectl("patch", "inferenceendpoint", name, "-n", ns, "--type=merge",
+                          "-p", json.dumps({"spec": {"engine": {"maxModelLen": 1024}}}))
+    _wait_phase(stack, name, ns, {"Ready"})
+    stack.cluster.kubectl("rollout", "status", f"deployment/{name}", "-n", ns, "--timeout=90s", timeout=100)
+    deploy = stack.cluster.json("get", "deployment", name, "-n", ns)
+    assert deploy["metadata"]["generation"] >= 2 and deploy["status"]["updatedReplicas"] == 2
+
+    def replaced() -> Any:
+        live = {p["metadata"]["name"] for p in _serving_pods(stack, name, ns) if not p["metadata"].get("deletionTimestamp")}
+        return live if len(live) == 2 and not live & before else None
+    wait_until("both pods replaced", replaced, 60)
+
+
+def test_scale_from_zero_through_the_deployments_scale_subresource(stack: Stack) -> None:
+    # KEDA (its HPA above one replica) scales the Deployment through its scale subresource; the operator owns
+    # no replica count of an autoscaled endpoint, so its resyncs leave that alone: Ready -> Idle -> Ready.
+    stack.cluster.kubectl("scale", "deployment/qwen-7b", "-n", "inference", "--replicas=0")
+    ep = _wait_phase(stack, "qwen-7b", "inference", {"Idle"})
+    assert not _serving_pods(stack, "qwen-7b", "inference") or wait_until(
+        "the serving pod to go", lambda: not _serving_pods(stack, "qwen-7b", "inference"), 60)
+    assert stack.cluster.get("deployment", "qwen-7b-warm", "-n", "inference")["status"]["readyReplicas"] == 1
+    stack.cluster.kubectl("scale", "deployment/qwen-7b", "-n", "inference", "--replicas=1")
+    ep = _wait_phase(stack, "qwen-7b", "inference", {"Ready"})
+    assert ep["status"]["replicas"]["ready"] == 1
+    generation = ep["status"].get("observedGeneration")
+    time.sleep(7)  # two of the operator's 3 s resyncs (HELM_VALUES) pass
+    assert stack.cluster.json("get", "deployment", "qwen-7b", "-n", "inference")["spec"]["replicas"] == 1
+    assert _endpoint(stack, "qwen-7b", "inference")["status"]["phase"] == "Ready"
+    assert _endpoint(stack, "qwen-7b", "inference")["status"].get("observedGeneration") == generation
+
+
+def test_deleting_an_endpoint_garbage_collects_its_children(stack: Stack) -> None:
+    name, ns = _apply_endpoint(stack, _small("collected"))
+    _wait_phase(stack, name, ns, {"Ready"})
+    children = [("deployment", name), ("service", name), ("configmap", f"{name}-engine"),
+                ("poddisruptionbudget", name)]
+    assert all(stack.cluster.get(kind, n, "-n", ns) for kind, n in children)
+    stack.cluster.kubectl("delete", "inferenceendpoint", name, "-n", ns, "--timeout=60s")
+    wait_until("the garbage collector to delete every child",
+               lambda: [c for c in children if stack.cluster.get(c[0], c[1], "-n", ns)] == [] or None, 60)
+    wait_until("the pods to go", lambda: not _serving_pods(stack, name, ns), 60)
+
+
+def test_an_unowned_object_of_a_childs_name_is_left_alone(stack: Stack) -> None:
+    mine = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "squatter", "namespace": "default",
+                                                                "labels": {"owner": "someone-else"}},
+            "spec": {"ports": [{"port": 1234}], "selector": {"app": "theirs"}}}
+    stack.cluster.kubectl("create", "-f", "-", stdin=json.dumps(mine))
+    try:
+        name, ns = _apply_endpoint(stack, _small("squatter"))
+        ep = _wait_phase(stack, name, ns, {"Failed"})
+        reconciled = _condition(ep, "Reconciled")
+        assert reconciled["status"] == "False" and reconciled["reason"] == "NameConflict", ep["status"]
+        assert "Service" in reconciled["message"] and "squatter" in reconciled["message"], reconciled
+        live = stack.cluster.json("get", "service", "squatter", "-n", "default")
+        assert live["spec"]["ports"][0]["port"] == 1234 and live["metadata"]["labels"] == {"owner": "someone-else"}
+        assert not live["metadata"].get("ownerReferences")
+        stack.cluster.kubectl("delete", "inferenceendpoint", name, "-n", ns, "--timeout=60s")
+        assert stack.cluster.get("service", "squatter", "-n", "default") is not None  # not collected either
+    finally:
+        stack.cluster.kubectl("delete", "service", "squatter", "-n", "default", check=False)
+
+
+def test_a_verb_removed_from_the_cluster_role_fails_that_operation_clearly(stack: Stack) -> None:
+    role = stack.cluster.json("get", "clusterrole", RELEASE)
+    original = copy.deepcopy(role["rules"])
+    rule = next(r for r in role["rules"] if r.get("apiGroups") == ["apps"] and "deployments" in r["resources"])
+    rule["verbs"] = [v for v in rule["verbs"] if v != "patch"]
+    stack.cluster.kubectl("patch", "clusterrole", RELEASE, "--type=merge", "-p", json.dumps({"rules": role["rules"]}))
+    try:
+        name, ns = _apply_endpoint(stack, _small("no-patch"))
+        ep = _wait_phase(stack, name, ns, {"Failed"})
+        reconciled = _condition(ep, "Reconciled")
+        assert reconciled["status"] == "False" and reconciled["reason"] == "ApplyFailed", ep["status"]
+        who = f"system:serviceaccount:{RELEASE_NS}:{stack.service_account}"
+        assert "forbidden" in reconciled["message"] and who in reconciled["message"], reconciled
+        assert 'cannot patch resource "deployments" in API group "apps"' in reconciled["message"], reconciled
+        assert stack.cluster.get("deployment", name, "-n", ns) is None
+        assert stack.cluster.get("service", name, "-n", ns) is not None  # the rest was applied
+    finally:
+        stack.cluster.kubectl("patch", "clusterrole", RELEASE, "--type=merge", "-p", json.dumps({"rules": original}))
+    _wait_phase(stack, name, ns, {"Ready"})  # with the verb back, the next resync completes it
+    stack.cluster.kubectl("delete", "inferenceendpoint", name, "-n", ns, "--timeout=60s")
+
+
+def test_leader_hand_over_on_the_real_lease(stack: Stack) -> None:
+    (leader,) = [op for op in stack.operators if op.proc and op.proc.poll() is None]
+    assert _holder(stack.cluster) == leader.name
+    standby = stack.operator("operator-b")
+    wait_until("operator-b to wait as a candidate", lambda: standby.log().strip() or None, 30)
+    # The standby reconciles nothing while the leader holds the Lease.
+    name, ns = _apply_endpoint(stack, _small("while-a-leads"))
+    _wait_phase(stack, name, ns, {"Ready"})
+    assert _holder(stack.cluster) == leader.name and "while-a-leads" not in standby.log()
+    leader.kill()
+    wait_until("operator-b to take the Lease", lambda: _holder(stack.cluster) == "operator-b", 60)
+    name, ns = _apply_endpoint(stack, _small("after-hand-over"))
+    _wait_phase(stack, name, ns, {"Ready"})
+    assert standby.proc is not None and standby.proc.poll() is None, standby.log()
+    for n in ("while-a-leads", "after-hand-over"):
+        stack.cluster.kubectl("delete", "inferenceendpoint", n, "-n", ns, "--timeout=60s")
+
+
+def test_crd_comes_from_the_chart(stack: Stack) -> None:
+    # The chart's CRD is the one the operator tests and the docs describe (charts/sluice/crds is a copy).
+    served = stack.cluster.json("get", "crd", load_yaml(CRD_FILE)["metadata"]["name"])
+    assert served["spec"]["versions"][0]["schema"] == load_yaml(CRD_FILE)["spec"]["versions"][0]["schema"]
