@@ -9,9 +9,11 @@ if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     python -m pip install -q "torch>=2.4"
   else
-    # No GPU: take the CPU build (on these machines a wheel of 2.13.0 lies on disk); a plain
-    # `pip install torch` would pull several GB of CUDA wheels.
-    python -m pip install -q torch==2.13.0 || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    # No GPU: PyTorch's CPU build where its index answers (a few hundred MB); else the registry's default
+    # build of 2.13.0, the CUDA one (several GB with its nvidia-* wheels), which runs fine on CPU. pip's
+    # cache keeps whichever it got for the next set-up.
+    python -m pip install -q --timeout 5 --retries 0 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+      2>/dev/null || python -m pip install -q torch==2.13.0
   fi
 fi
 python -m pip install -q -e '.[dev]'
