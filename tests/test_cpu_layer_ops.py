@@ -97,6 +97,24 @@ def ggml_ops(request):
     return GgmlLayerOps(isa_lib(request.param))
 
 
+def test_ggml_levels_agree():
+    """The ggml-exact ops on each level this CPU runs: the same bits but for SwiGLU on avx2 (llama.cpp's AVX2
+    expf, within float rounding of AVX-512's)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(17, 576, generator=g), torch.randn(576, generator=g)
+    gate_up = torch.randn(17, 2 * 1547, generator=g) * 4
+    runs = {}
+    for isa in CPU_ISAS:
+        ops = GgmlLayerOps(isa_lib(isa))
+        runs[isa] = ops.rms_norm(x, w, 1e-5), ops.silu_and_mul(gate_up)
+    for isa, (norm, act) in runs.items():
+        assert torch.equal(norm, runs["portable"][0]), isa
+        if isa == "avx2":
+            torch.testing.assert_close(act, runs["portable"][1], atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(act, runs["portable"][1]), isa
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_ggml_norms(ggml_ops, rows):
     g = torch.Generator().manual_seed(rows)

@@ -1,9 +1,7 @@
 // Dev check: cpu_kernels/ggml_attention.cpp against llama.cpp's own flash attention (ggml_flash_attn_ext on
-// the CPU backend), bit for bit. Needs llama.cpp built by scripts/get-llama-server.sh. Build and run:
-//   S=.tools/src/llama-cpp-python-0.3.36; B=$S/build/ggml/src
-//   c++ -O3 -march=native -fopenmp -std=c++17 -I$S/vendor/llama.cpp/ggml/include \
-//     benchmarks/ggml_check/attention_check.cpp engine_image/sluice_engine/cpu_kernels/ggml_attention.cpp \
-//     $B/libggml.a $B/libggml-cpu.a $B/libggml-base.a -lpthread -lm -o /tmp/attention_check && /tmp/attention_check
+// the CPU backend), bit for bit, for one kernel level against llama.cpp's build of the same instruction set
+// (scripts/get-llama-server.sh; LLAMA_CPU_ISA=avx2 for the AVX2 one). Build and run with
+//   .venv/bin/python benchmarks/ggml_check/run_checks.py --isa avx2 --check attention   (or --isa avx512-vnni)
 // Prints, per case, how many output floats differ from ggml's (0 is the point) and the largest difference.
 #include <cmath>
 #include <cstdint>
@@ -103,6 +101,10 @@ int main() {
     for (int threads : {1, 2}) {  // a GQA group of 8 (query heads per KV head), decode and a short prompt
         bad += run_case(8, 1, 64, 1, 150, 256, threads, 99u) != 0;
         bad += run_case(8, 1, 64, 9, 40, 256, threads, 98u) != 0;
+    }
+    for (int d : {128, 80}) {  // other head dims: the generic vec path's sums (d % 32, d % 64 left over), tiled
+        bad += run_case(4, 2, d, 1, 90, 256, 2, 77u + d) != 0;
+        bad += run_case(4, 2, d, 70, 100, 256, 2, 76u + d) != 0;
     }
     std::printf(bad ? "MISMATCH in %d cases\n" : "all bit-identical\n", bad);
     return bad != 0;

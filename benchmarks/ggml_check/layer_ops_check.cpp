@@ -5,15 +5,11 @@
 // 3 key heads of 64, ffn 1536) and edge values for the exp. Prints the number of bit-different floats per
 // op; every count must be 0 (exit status 1 otherwise).
 //
-// Needs llama.cpp's static libraries (llama-cpp-python 0.3.36's vendored llama.cpp, built -O3 -march=native
-// under .tools/ on this AVX-512 machine). layer_ops.cpp is compiled in with the engine's flags
-// (cpu_kernels/__init__.py FLAGS). From the repository root, the g++ command being one line:
+// Needs llama.cpp's static libraries (llama-cpp-python 0.3.36's vendored llama.cpp under .tools, from
+// scripts/get-llama-server.sh), of the instruction set of the kernel level checked; layer_ops.cpp is compiled in
+// with that level's flags (cpu_kernels.isa_flags). From the repository root:
 //
-//   L=.tools/src/llama-cpp-python-0.3.36; A=$L/build/ggml/src
-//   g++ -O3 -march=native -fopenmp -std=c++17 -I$L/vendor/llama.cpp/ggml/include
-//       benchmarks/ggml_check/layer_ops_check.cpp engine_image/sluice_engine/cpu_kernels/layer_ops.cpp
-//       $A/libggml.a $A/libggml-cpu.a $A/libggml-base.a -o /tmp/layer_ops_check
-//   /tmp/layer_ops_check
+//   .venv/bin/python benchmarks/ggml_check/run_checks.py --isa avx2 --check layer_ops   (or --isa avx512-vnni)
 //
 // GGML_CPU_DISABLE_FUSION=1 runs ggml's RMSNorm and weight multiply as two ops instead of its fused one.
 

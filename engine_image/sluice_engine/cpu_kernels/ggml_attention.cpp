@@ -1,6 +1,7 @@
 // Paged causal attention over an fp16 KV cache with llama.cpp's CPU arithmetic, bit for bit
 // (attention/ggml_cpu.py; the numerics of llama.cpp as vendored by llama-cpp-python 0.3.36, built for x86 with
-// AVX-512 as llama-server is on such a CPU).
+// AVX-512 as llama-server is on such a CPU; the avx2 level's build matches llama.cpp's AVX2+FMA+F16C build, which
+// sums the vec path's dot products and the tiled path's softmax in another order and has another vector expf).
 //
 // Why bit for bit: a GGUF served in its blocks quantizes every matmul's activations to 8 bits per block, as
 // llama.cpp does. Such rounding turns any difference, however small, into a whole quantization step in some
@@ -11,12 +12,14 @@
 // llama.cpp's CPU flash attention (ggml_compute_forward_flash_attn_ext_f16) takes one of two paths per
 // micro-batch, with different rounding, and we take the same one per sequence:
 // - "vec" (fewer than 64 query rows: decode and short prompts). Q is rounded to fp16; each key's score is an
-//   fp16 x fp16 dot product (exact products, summed in float in the AVX-512 reduction order below, then
-//   through a double); online softmax over keys in order with libm's expf; the output accumulates in fp16:
+//   fp16 x fp16 dot product (exact products, summed in float in the AVX-512 reduction order below, or the AVX2
+//   one in the avx2 build: 4 accumulators of 8 lanes, FMA per 32 dims, then halves and pairs; then through a
+//   double); online softmax over keys in order with libm's expf; the output accumulates in fp16:
 //   acc = fp16(acc * ms) on a new maximum, then acc = fp16(acc + v * vs) per key; out = float(acc) * (1 / S).
 // - "tiled" (64 or more query rows: longer prompts). Q stays fp32; keys in tiles of 64: scores are FMA
 //   chains over the head dim, times the scale, masked; per tile a running max, exp(x - max) by ggml's
-//   vector expf polynomial, the tile's sum added through a double; the output accumulates in fp32 as FMA
+//   vector expf polynomial (ggml_expf.h: AVX-512's form, or AVX2's in the avx2 build), the tile's sum added
+//   through a double per vector of 16 (AVX2: 8); the output accumulates in fp32 as FMA
 //   chains over the tile's keys; out = acc * (1 / S).
 // The dimension order matters for the sums: llama.cpp's K (and Q) hold each rotary pair side by side
 // (GGUF's layout), ours holds the two halves of a head apart (HF's), so the cache keeps K in llama.cpp's
@@ -83,6 +86,30 @@ struct Geometry {
     int64_t slot(int pos) const { return static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size; }
 };
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SLUICE_GGML_AVX2_ORDER 1  // llama.cpp's AVX2 build: its ggml_vec_dot_f16 and softmax orders
+#endif
+
+#if defined(SLUICE_GGML_AVX2_ORDER)
+// ggml_vec_dot_f16 as llama.cpp's AVX2 build computes it: 4 accumulators of 8 lanes, accumulator j taking dims
+// 32 i + 8 j + lane by FMA for each whole 32 dims; then accumulators 0 + 2 and 1 + 3, those two added, the
+// register's halves added (lane + lane 4), then pairs ((0 + 1) + (2 + 3)); the last d % 32 dims' products
+// (rounded to float) added one by one in double.
+inline double dot_avx2_order(const float* qh, const uint16_t* k, int d) {
+    float sum[4][8] = {};
+    const int np = d / 32 * 32;
+    for (int i = 0; i < np; i += 32)
+        for (int j = 0; j < 4; ++j)
+            for (int l = 0; l < 8; ++l) sum[j][l] = std::fma(qh[i + 8 * j + l], h2f(k[i + 8 * j + l]), sum[j][l]);
+    float x[8], t[4];
+    for (int l = 0; l < 8; ++l) x[l] = (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]);
+    for (int l = 0; l < 4; ++l) t[l] = x[l] + x[l + 4];
+    double sumf = static_cast<float>((t[0] + t[1]) + (t[2] + t[3]));
+    for (int e = np; e < d; ++e) sumf += static_cast<double>(qh[e] * h2f(k[e]));
+    return sumf;
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__F16C__)
 // The "vec" path for a 64-dim head with AVX-512: the same operations as attend_vec below, 16 lanes at a time.
 // Up to 4 query heads of one KV head at once (GQA): each key and value is loaded and widened once for all of
@@ -140,7 +167,95 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
         for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + 16 * j, _mm512_mul_ps(acc[h][j], inv));
     }
 }
+#elif defined(SLUICE_GGML_AVX2_ORDER) && defined(__F16C__)
+// The same with AVX2, 8 lanes at a time and dot_avx2_order's sums: each key and value widened once into L1
+// for up to 4 query heads (16 ymm registers hold neither 4 heads' Q nor their accumulators, so both live in
+// L1 and each head streams them: the heads' update chains still overlap).
+constexpr int kVecHeads = 4;
+
+void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos, float scale, float* out) {
+    alignas(32) float qh[kVecHeads][64], acc[kVecHeads][64], kf[64], vf[64];
+    float S[kVecHeads], M[kVecHeads];
+    for (int h = 0; h < nh; ++h) {
+        for (int e = 0; e < 64; ++e) qh[h][e] = h2f(f2h(q_hf[h * 64 + hf_index(e, 64)]));
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+        S[h] = 0.f;
+        M[h] = -INFINITY;
+    }
+    const auto round8 = [](__m256 x) { return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); };
+    for (int p = 0; p <= pos; ++p) {
+        const uint16_t* kp = g.k_at(p, kvh);
+        const uint16_t* vp = g.v_at(p, kvh);
+        for (int j = 0; j < 8; ++j) {
+            _mm256_store_ps(kf + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kp + 8 * j))));
+            _mm256_store_ps(vf + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vp + 8 * j))));
+        }
+        for (int h = 0; h < nh; ++h) {
+            __m256 sum[4];
+            for (int j = 0; j < 4; ++j) {  // dims 0..31 (exact products), then 32..63 by FMA
+                sum[j] = _mm256_mul_ps(_mm256_load_ps(qh[h] + 8 * j), _mm256_load_ps(kf + 8 * j));
+                sum[j] = _mm256_fmadd_ps(_mm256_load_ps(qh[h] + 32 + 8 * j), _mm256_load_ps(kf + 32 + 8 * j), sum[j]);
+            }
+            const __m256 x = _mm256_add_ps(_mm256_add_ps(sum[0], sum[2]), _mm256_add_ps(sum[1], sum[3]));
+            const __m128 t = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+            alignas(16) float tl[4];
+            _mm_store_ps(tl, t);
+            float s = static_cast<float>(static_cast<double>((tl[0] + tl[1]) + (tl[2] + tl[3])));
+            s = s * scale;
+            const float Mold = M[h];
+            float ms = 1.f, vs = 1.f;
+            if (s > M[h]) {
+                M[h] = s;
+                ms = std::exp(Mold - s);
+                const __m256 vms = _mm256_set1_ps(ms);
+                for (int j = 0; j < 8; ++j)
+                    _mm256_store_ps(acc[h] + 8 * j, round8(_mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * j), vms)));
+            } else {
+                vs = std::exp(s - M[h]);
+            }
+            const __m256 vvs = _mm256_set1_ps(vs);
+            for (int j = 0; j < 8; ++j)
+                _mm256_store_ps(acc[h] + 8 * j,
+                                round8(_mm256_fmadd_ps(_mm256_load_ps(vf + 8 * j), vvs, _mm256_load_ps(acc[h] + 8 * j))));
+            S[h] = std::fma(S[h], ms, vs);
+        }
+    }
+    for (int h = 0; h < nh; ++h) {
+        const __m256 inv = _mm256_set1_ps(S[h] == 0.f ? 0.f : 1.f / S[h]);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + h * 64 + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * j), inv));
+    }
+}
 #endif
+
+// ggml_vec_dot_f16 as llama.cpp's AVX-512 build computes it: blocks of 64 dims (4 accumulators of 16 lanes by
+// FMA), the accumulators (0 + 2) + (1 + 3), the 16 lanes in _mm512_reduce_add_ps's order, then the last d % 64
+// dims' products one by one in double.
+inline double dot_avx512_order(const float* qh, const uint16_t* k, int d) {
+    const int groups = d / 64, rest = d % 64;
+    double sumf = 0.0;
+    if (groups == 1) {  // the only case a 64-dim head has (the reduction of a single block of 64)
+        float lane[16];
+        for (int l = 0; l < 16; ++l) {
+            const float a = qh[l] * h2f(k[l]) + qh[32 + l] * h2f(k[32 + l]);
+            const float b = qh[16 + l] * h2f(k[16 + l]) + qh[48 + l] * h2f(k[48 + l]);
+            lane[l] = a + b;
+        }
+        sumf = reduce16(lane);
+    } else {
+        float sum[4][16] = {};
+        for (int gi = 0; gi < groups; ++gi)
+            for (int j = 0; j < 4; ++j)
+                for (int l = 0; l < 16; ++l) {
+                    const int e = gi * 64 + j * 16 + l;
+                    sum[j][l] = std::fma(qh[e], h2f(k[e]), sum[j][l]);
+                }
+        float lane[16];
+        for (int l = 0; l < 16; ++l) lane[l] = (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]);
+        sumf = reduce16(lane);
+    }
+    for (int e = groups * 64; e < groups * 64 + rest; ++e) sumf += static_cast<double>(qh[e] * h2f(k[e]));
+    return sumf;
+}
 
 // The "vec" path for one query row of one head: keys 0..pos.
 void attend_vec(const Geometry& g, const float* q_hf, int kvh, int pos, float scale, float* out) {
@@ -150,32 +265,12 @@ void attend_vec(const Geometry& g, const float* q_hf, int kvh, int pos, float sc
     uint16_t acc[kMaxDim];
     std::memset(acc, 0, sizeof(acc));
     float S = 0.f, M = -INFINITY;
-    const int groups = d / 64, rest = d % 64;  // ggml_vec_dot_f16: blocks of 64 (4 x 16 lanes), then a tail
     for (int p = 0; p <= pos; ++p) {
-        const uint16_t* k = g.k_at(p, kvh);
-        double sumf = 0.0;
-        if (groups == 1) {  // the only case a 64-dim head has (the reduction of a single block of 64)
-            float lane[16];
-            for (int l = 0; l < 16; ++l) {
-                const float a = qh[l] * h2f(k[l]) + qh[32 + l] * h2f(k[32 + l]);
-                const float b = qh[16 + l] * h2f(k[16 + l]) + qh[48 + l] * h2f(k[48 + l]);
-                lane[l] = a + b;
-            }
-            sumf = reduce16(lane);
-        } else {
-            float sum[4][16] = {};
-            for (int gi = 0; gi < groups; ++gi)
-                for (int j = 0; j < 4; ++j)
-                    for (int l = 0; l < 16; ++l) {
-                        const int e = gi * 64 + j * 16 + l;
-                        sum[j][l] = std::fma(qh[e], h2f(k[e]), sum[j][l]);
-                    }
-            float lane[16];
-            for (int l = 0; l < 16; ++l) lane[l] = (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]);
-            sumf = reduce16(lane);
-        }
-        for (int e = groups * 64; e < groups * 64 + rest; ++e)
-            sumf += static_cast<double>(qh[e] * h2f(k[e]));
+#if defined(SLUICE_GGML_AVX2_ORDER)
+        const double sumf = dot_avx2_order(qh, g.k_at(p, kvh), d);
+#else
+        const double sumf = dot_avx512_order(qh, g.k_at(p, kvh), d);
+#endif
         float s = static_cast<float>(sumf);
         s = s * scale;
         const float Mold = M;
@@ -219,6 +314,29 @@ void tile_accumulate(const float* p, const float* vt, int d, float* acc) {
             for (int j = 0; j < nv; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(vt + c * d + i0 + 16 * j), pc, a[j]);
         }
         for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + i0 + 16 * j, a[j]);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+void tile_scores(const float* q, const float* ktile, int d, float* kq) {
+    __m256 a[kTile / 8];
+    for (auto& x : a) x = _mm256_setzero_ps();
+    for (int e = 0; e < d; ++e) {
+        const __m256 b = _mm256_set1_ps(q[e]);
+        for (int j = 0; j < kTile / 8; ++j) a[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(ktile + e * kTile + 8 * j), a[j]);
+    }
+    for (int j = 0; j < kTile / 8; ++j) _mm256_storeu_ps(kq + 8 * j, a[j]);
+}
+
+void tile_accumulate(const float* p, const float* vt, int d, float* acc) {
+    for (int i0 = 0; i0 < d; i0 += 64) {  // d is a multiple of 16 (sluice_ggml_attention_supports_head_dim)
+        const int nv = std::min(8, (d - i0) / 8);
+        __m256 a[8];
+        for (int j = 0; j < nv; ++j) a[j] = _mm256_loadu_ps(acc + i0 + 8 * j);
+        for (int c = 0; c < kTile; ++c) {
+            const __m256 pc = _mm256_set1_ps(p[c]);
+            for (int j = 0; j < nv; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(vt + c * d + i0 + 8 * j), pc, a[j]);
+        }
+        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(acc + i0 + 8 * j, a[j]);
     }
 }
 #else
@@ -277,9 +395,10 @@ void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, in
                 }
                 M = Mnew;
                 double sum = 0.0;
-                for (int c0 = 0; c0 < kTile; c0 += 16) {
-                    for (int c = c0; c < c0 + 16; ++c) kq[c] = sluice_ggml::ggml_v_expf_lane(kq[c] - Mnew);
-                    sum += static_cast<double>(reduce16(kq + c0));
+                constexpr int vw = sluice_ggml::kExpfBlock;  // ggml_vec_soft_max_f32: a double sum per vector
+                for (int c0 = 0; c0 < kTile; c0 += vw) {
+                    for (int c = c0; c < c0 + vw; ++c) kq[c] = sluice_ggml::ggml_expf_lane(kq[c] - Mnew);
+                    sum += static_cast<double>(sluice_ggml::expf_block_sum(kq + c0));
                 }
                 S = static_cast<float>(static_cast<double>(S) + sum);
                 const float* vt = &vf[(static_cast<size_t>(kvh) * tiles + t) * kTile * d];
@@ -339,7 +458,7 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
                 row_idx.push_back(query_start[s] + r);
             }
     }
-#if defined(__AVX512F__) && defined(__F16C__)
+#if (defined(__AVX512F__) || defined(SLUICE_GGML_AVX2_ORDER)) && defined(__F16C__)
     if (d == 64) {  // (row, KV head, up to 4 of its query heads) per work item
         const int chunks = (group + kVecHeads - 1) / kVecHeads;
         const int64_t n = static_cast<int64_t>(row_idx.size()) * kv_heads * chunks;

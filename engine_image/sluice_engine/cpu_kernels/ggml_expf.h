@@ -1,5 +1,7 @@
-// ggml's AVX-512 vector expf, one lane at a time: shared by the llama.cpp-exact ops (layer_ops.cpp's SwiGLU,
-// ggml_attention.cpp's tiled softmax), which must round exactly as llama.cpp does (see ggml_attention.cpp).
+// ggml's vector expf, one lane at a time, in the two forms llama.cpp's x86 builds round differently: AVX-512's
+// and AVX2's. Shared by the llama.cpp-exact ops (layer_ops.cpp's SwiGLU, ggml_attention.cpp's tiled softmax),
+// which must round exactly as llama.cpp's build of the same instruction set does (see ggml_attention.cpp);
+// ggml_expf_lane and kExpfBlock below pick the form of this build's level.
 #pragma once
 
 #include <cmath>
@@ -37,5 +39,64 @@ static inline float ggml_v_expf_lane(float x) {
     const float limit = n <= 0.0f ? 0.0f : std::numeric_limits<float>::infinity();
     return size > 192.0f ? limit : scaled;
 }
+
+static inline float from_bits(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// ggml_v_expf's AVX2+FMA form (ggml-cpu/vec.h), one lane at a time. The same reduction and polynomial
+// coefficients as above, but the polynomial leaves out its constant 1 (its linear term a plain product, not
+// an FMA with 1) and the scaling by 2^n is in the bits: k = 2^n from z's low bits shifted into the exponent,
+// e^x = fma(k, j, k) for |n| <= 126; for 126 < |n| <= 192 the scale is split in two factors (s2 from the bits
+// minus a bias, s1 = 2^127 or 2^-125), fma(s2, j, s2) * s1; beyond, s1 * s1 (inf above, 0 below). Branch-free.
+static inline float ggml_v_expf_avx2_lane(float x) {
+    const float r = 0x1.8p23f;
+    const float z = std::fma(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
+    uint32_t zb;
+    std::memcpy(&zb, &z, sizeof zb);
+    const uint32_t e = zb << 23;
+    const float k = from_bits(e + 0x3f800000u);  // + the bits of 1.0f
+    const float u = b * b;
+    const float lin = 0x1.ffffecp-1f * b;
+    const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                      std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                             u, lin);
+    const float size = std::fabs(n);
+    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const float s1 = from_bits(g + 0x7f000000u);
+    const float s2 = from_bits(e - g);
+    const float huge = s1 * s1;
+    const float split = std::fma(s2, j, s2) * s1;
+    const float plain = std::fma(k, j, k);
+    return size > 192.0f ? huge : size > 126.0f ? split : plain;
+}
+
+// The form of this build's level: the avx2 level's llama.cpp counterpart is its AVX2 build; every other level
+// (AVX-512, and the portable build, which has no llama.cpp twin to match) takes AVX-512's. kExpfBlock: the
+// vector width of that form, in floats (a row's softmax sums and SwiGLU's blocks go by it).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int kExpfBlock = 8;
+static inline float ggml_expf_lane(float x) { return ggml_v_expf_avx2_lane(x); }
+// The sum of 8 floats as ggml_vec_soft_max_f32's AVX2 branch adds them: the halves, then pairs, then the two.
+static inline float expf_block_sum(const float* v) {
+    const float a0 = v[4] + v[0], a1 = v[5] + v[1], a2 = v[6] + v[2], a3 = v[7] + v[3];
+    return (a0 + a2) + (a1 + a3);
+}
+#else
+constexpr int kExpfBlock = 16;
+static inline float ggml_expf_lane(float x) { return ggml_v_expf_lane(x); }
+// The sum of 16 floats in the order of GCC's _mm512_reduce_add_ps (halves, quarters, then pairs).
+static inline float expf_block_sum(const float* x) {
+    float t3[8], t6[4];
+    for (int i = 0; i < 8; ++i) t3[i] = x[i + 8] + x[i];
+    for (int i = 0; i < 4; ++i) t6[i] = t3[i + 4] + t3[i];
+    const float a = t6[0] + t6[2], b = t6[1] + t6[3];
+    return a + b;
+}
+#endif
 
 }  // namespace sluice_ggml

@@ -228,18 +228,18 @@ void sluice_ggml_rotary_f32(float* x, int64_t ldt, int64_t ldh, int tokens, int 
     }
 }
 
-// As sluice_silu_mul_f32, with ggml_vec_swiglu_f32's arithmetic (ggml-cpu/vec.cpp, its AVX-512 branch):
-// silu(g) = g / (1 + e^(0 - g)) with ggml_v_expf for each full 16-float block of a row, then times up; the
-// row's last inter % 16 floats with libm's expf (ggml_silu_f32).
+// As sluice_silu_mul_f32, with ggml_vec_swiglu_f32's arithmetic (ggml-cpu/vec.cpp, its AVX-512 branch, or its
+// AVX2 one in the avx2 build): silu(g) = g / (1 + e^(0 - g)) with ggml_v_expf for each full block of 16 (AVX2:
+// 8) floats of a row, then times up; the row's last floats with libm's expf (ggml_silu_f32).
 void sluice_ggml_swiglu_f32(const float* gate_up, int64_t ldg, float* out, int64_t ldo, int rows, int inter,
                             int threads) {
-    const int blocked = inter / 16 * 16;
+    const int blocked = inter / sluice_ggml::kExpfBlock * sluice_ggml::kExpfBlock;
 #pragma omp parallel for if (rows >= kParallelRows) num_threads(threads) schedule(static)
     for (int r = 0; r < rows; ++r) {
         const float* g = gate_up + r * ldg;
         const float* u = g + inter;
         float* o = out + r * ldo;
-        for (int i = 0; i < blocked; ++i) o[i] = g[i] / (1.0f + sluice_ggml::ggml_v_expf_lane(0.0f - g[i])) * u[i];
+        for (int i = 0; i < blocked; ++i) o[i] = g[i] / (1.0f + sluice_ggml::ggml_expf_lane(0.0f - g[i])) * u[i];
         for (int i = blocked; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
 }
