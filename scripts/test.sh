@@ -10,4 +10,5 @@ bash scripts/get-promtool.sh
 bash scripts/get-control-plane.sh || echo "test.sh: control plane not built; the cluster tests will skip" >&2
 . .venv/bin/activate
 ruff check .
+lint-imports
 python -m pytest "$@"

@@ -11,9 +11,8 @@ import torch
 
 from sluice_engine.config import EngineConfig
 from sluice_engine.memory_budget import DEFAULT_CPU_KV_CACHE_BYTES
+from sluice_engine.memory_meter import PeakMeter, dummy_step
 from sluice_engine.memory_profile import (
-    PeakMeter,
-    dummy_step,
     max_sampled_rows,
     plan_kv_cache,
     profile_target_step,

@@ -29,7 +29,8 @@ from .spec_decode import DraftQuery, build_proposer, resolve_draft
 from .step_sampler import StepResult, sample_step
 from .structured.constraint import warm_up_bitmask
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .warmup import WarmupReport, warm_up
+from .warmup import WarmupReport, WarmupTarget, warm_up
+from .warmup import limits as warmup_limits
 from .warmup import resolve_mode as resolve_warmup_mode
 
 log = logging.getLogger("sluice.engine")
@@ -156,7 +157,12 @@ class LLMEngine:
         mode = resolve_warmup_mode(self.cfg.warmup, self.runner.device)
         if mode != "off":  # the structured-output mask's Triton kernel on CUDA, before the first grammar request
             warm_up_bitmask(self.runner.device, self.runner.model_config.vocab_size)
-        return warm_up(self, mode, on_step)
+        target = WarmupTarget(
+            runner=self.runner, execute=self.executor.execute_model, pool=self.kv.pool,
+            block_size=self.cfg.block_size, take_freed=self.scheduler.take_freed,
+            note_freed=self.scheduler.note_freed, proposer=self.proposer,
+            limits=warmup_limits(self.cfg, self.runner, self.spec_config, self.max_model_len))
+        return warm_up(target, mode, on_step)
 
     # -- requests ------------------------------------------------------------------------------
     def default_max_tokens(self, num_prompt_tokens: int) -> int:

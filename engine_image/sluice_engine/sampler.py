@@ -157,9 +157,9 @@ class Sampler:
                 for proc in r.logits_processors:
                     logits[row] = proc(history, logits[row])
         if batch.any_bias:
-            apply_logit_bias(logits, batch)
+            apply_logit_bias(logits, batch.t)
         if batch.any_penalties:
-            apply_penalties(logits, batch)
+            apply_penalties(logits, batch.t)
         return logits
 
     def _noise(self, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

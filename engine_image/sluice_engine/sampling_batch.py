@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .device_io import upload
-from .penalties import bias_lists, penalty_lists
 from .request import Request
 
 
@@ -119,3 +118,49 @@ class SamplingBatch:
         batch.t = upload(device, ints, floats)
         batch.t["greedy"] = batch.t["greedy"].bool()
         return batch
+
+
+# -- the host lists penalties.py applies on the device ---------------------------------------------
+def bias_lists(batch: SamplingBatch) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """logit_bias as (flat index, value) pairs for every row of a biased request; a draft row gets its
+    request's bias like any other."""
+    idx: list[int] = []
+    val: list[float] = []
+    v = batch.vocab
+    for i, r in enumerate(batch.requests):
+        bias = r.params.logit_bias
+        if not bias:
+            continue
+        # Checked here, on the host: out of range on the device would be an assert that kills the
+        # CUDA context for everyone; here it fails this request alone (the API checks it first anyway).
+        bad = next((t for t in bias if t >= v), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token {bad} is outside the vocabulary of {v}")
+        for row in batch.rows_of(i):
+            idx.extend(row * v + t for t in bias)
+            val.extend(bias.values())
+    return {"bias_index": idx}, {"bias_value": val}
+
+
+def penalty_lists(batch: SamplingBatch) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """Flat indices of every generated token (once per occurrence: they are counted) and of every
+    prompt token (repetition penalty only), and the penalties of every row (neutral where none)."""
+    generated: list[int] = []
+    prompt_seen: list[int] = []
+    rep = [1.0] * batch.num_rows
+    freq = [0.0] * batch.num_rows
+    pres = [0.0] * batch.num_rows
+    v = batch.vocab
+    for i, r in enumerate(batch.requests):
+        p = r.params
+        if not p.needs_penalties:
+            continue
+        prompt = set(r.prompt_token_ids) if p.repetition_penalty != 1 else ()
+        # Row j of a request with drafts comes after drafts[:j]: they count as generated there.
+        for row, history in zip(batch.rows_of(i), batch.row_histories(i), strict=True):
+            generated.extend(row * v + t for t in history)
+            prompt_seen.extend(row * v + t for t in prompt)
+            rep[row], freq[row], pres[row] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    ints = {"penalty_generated": generated, "penalty_prompt": prompt_seen}
+    floats = {"repetition_penalty": rep, "frequency_penalty": freq, "presence_penalty": pres}
+    return ints, floats

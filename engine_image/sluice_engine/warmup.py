@@ -39,7 +39,9 @@ from .sched_output import ScheduledRequest, SchedulerOutput
 from .spec_decode import DraftQuery
 
 if TYPE_CHECKING:
-    from .engine import LLMEngine
+    from .config import EngineConfig, SpeculativeConfig
+    from .model_runner import ModelRunner
+    from .spec_decode import DraftProposer
 
 log = logging.getLogger("sluice.engine")
 
@@ -65,15 +67,27 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-def limits(engine: LLMEngine) -> WarmupLimits:
-    cfg, runner = engine.cfg, engine.runner
+@dataclass(frozen=True, slots=True)
+class WarmupTarget:
+    """The parts of an engine that warm-up drives (the engine builds it; warm-up never sees the engine):
+    the step path, the KV pool it borrows a block from, and the scheduler's record of freed rows."""
+    runner: ModelRunner  # device, attention backend, eager_steps()
+    execute: Callable[[SchedulerOutput], object]  # the executor's execute_model: every rank runs the step
+    pool: BlockPool
+    block_size: int
+    take_freed: Callable[[], list[str]]  # the scheduler's freed requests, whose rows the first step releases
+    note_freed: Callable[[list[str]], None]  # hands the last dummy step's rows back to the scheduler
+    limits: WarmupLimits
+    proposer: DraftProposer | None = None
+
+
+def limits(cfg: EngineConfig, runner: ModelRunner, spec: SpeculativeConfig, max_model_len: int) -> WarmupLimits:
     shard = runner.shard
-    spec = engine.spec_config
     # NOTE: only the Triton backend splits; the others count as one SM, which makes split_cap 1.
     num_sms = runner.backend.num_sms if runner.backend.name == "triton" else 1
     return WarmupLimits(
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=engine.max_model_len, group=shard.num_heads // shard.num_kv_heads,
+        max_model_len=max_model_len, group=shard.num_heads // shard.num_kv_heads,
         num_kv_heads=shard.num_kv_heads, num_sms=num_sms,
         num_speculative_tokens=spec.num_speculative_tokens if spec.method else 0,
         speculative_max_batch=spec.disable_batch_size if spec.method else 0,
@@ -91,33 +105,31 @@ def dummy_step(batch: WarmupBatch, block_id: int, block_size: int, freed: list[s
     return SchedulerOutput(scheduled, freed_req_ids=list(freed or ()))
 
 
-def warm_up(engine: LLMEngine, mode: str, on_step: Callable[[float | None], None] | None = None) -> WarmupReport:
+def warm_up(target: WarmupTarget, mode: str, on_step: Callable[[float | None], None] | None = None) -> WarmupReport:
     """Run the warm-up steps of `mode` (resolved: full | minimal | off). on_step(t) is told when each step
     starts (time.monotonic()) and on_step(None) when it ends: the watchdog's view of a step."""
     started = time.monotonic()
     if mode == "off":
         return WarmupReport("off", 0, frozenset(), 0, 0.0)
-    lim = limits(engine)
+    lim, runner = target.limits, target.runner
     batches = warmup_batches(mode, lim)
-    device = engine.runner.device
-    pool = engine.kv.pool
-    block = _borrow_block(pool)
+    block = _borrow_block(target.pool)
     # The last dummy step's sequences hold block-table rows until released; the first step also releases
     # those of requests the scheduler freed since its last step (a warm-up after serving: tests).
-    held: list[str] = engine.scheduler.take_freed()
+    held: list[str] = target.take_freed()
     try:
-        with engine.runner.eager_steps():
+        with runner.eager_steps():
             for batch in batches:
-                step = dummy_step(batch, block.block_id, engine.cfg.block_size, freed=held)
+                step = dummy_step(batch, block.block_id, target.block_size, freed=held)
                 held = [s.request_id for s in step.scheduled]
-                with _step(on_step, device):
-                    engine.executor.execute_model(step)
+                with _step(on_step, runner.device):
+                    target.execute(step)
     finally:
-        pool.release([block])
-        engine.scheduler.note_freed(held)  # the first real step releases their rows on every rank
-    drafts = _warm_up_draft(engine, mode, lim, on_step)
-    backend = engine.runner.backend.name
-    launches = frozenset(engine.runner.backend.issued) if backend == "triton" else frozenset()
+        target.pool.release([block])
+        target.note_freed(held)  # the first real step releases their rows on every rank
+    drafts = _warm_up_draft(target, mode, on_step)
+    backend = runner.backend.name
+    launches = frozenset(runner.backend.issued) if backend == "triton" else frozenset()
     report = WarmupReport(mode, len(batches), launches, drafts, time.monotonic() - started)
     attention = (f"{len(launches)} attention launches (splits x block_m: "
                  + ", ".join(f"{x.num_splits}x{x.block_m}" for x in sorted(launches)) + ")"
@@ -151,11 +163,10 @@ def _borrow_block(pool: BlockPool) -> KVBlock:
     return block
 
 
-def _warm_up_draft(engine: LLMEngine, mode: str, lim: WarmupLimits,
-                   on_step: Callable[[float | None], None] | None) -> int:
+def _warm_up_draft(target: WarmupTarget, mode: str, on_step: Callable[[float | None], None] | None) -> int:
     """A draft model runs its own forwards (catch-up prefill, then decode): one query per context at which
     some split count is chosen (with one KV head, the most any draft can reach), or one short query."""
-    proposer = engine.proposer
+    proposer, lim = target.proposer, target.limits
     if proposer is None or proposer.name != "draft":
         return 0
     if mode == "minimal":
@@ -166,7 +177,7 @@ def _warm_up_draft(engine: LLMEngine, mode: str, lim: WarmupLimits,
     for i, n in enumerate(contexts):
         rid = f"{WARMUP_REQUEST_PREFIX}draft-{i}"
         try:
-            with _step(on_step, engine.runner.device):
+            with _step(on_step, target.runner.device):
                 # Room inside the window for every draft: their positions must have rotary entries.
                 proposer.propose_batch([DraftQuery(rid, [0] * n, min(proposer.k, lim.max_model_len - n))])
         finally:

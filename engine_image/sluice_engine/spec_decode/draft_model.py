@@ -22,7 +22,7 @@ import torch
 from ..forward_context import ForwardContext, forward_context
 from ..input_buffers import InputBuffers
 from ..kv_cache import KVCacheManager
-from ..memory_profile import PeakMeter, dummy_step
+from ..memory_meter import PeakMeter, dummy_step
 from ..models.loader import checkpoint_quantization, load_model
 from ..models.model_config import ModelConfig
 from ..quantization import check_device as check_quant_device
