@@ -397,7 +397,12 @@ void attend_tiled(const Geometry& g, const float* q, int64_t ldq, float* out, in
                 double sum = 0.0;
                 constexpr int vw = sluice_ggml::kExpfBlock;  // ggml_vec_soft_max_f32: a double sum per vector
                 for (int c0 = 0; c0 < kTile; c0 += vw) {
+#if defined(SLUICE_GGML_AVX2_ORDER)
+                    _mm256_storeu_ps(kq + c0, sluice_ggml::ggml_v_expf_avx2(
+                                                  _mm256_sub_ps(_mm256_loadu_ps(kq + c0), _mm256_set1_ps(Mnew))));
+#else
                     for (int c = c0; c < c0 + vw; ++c) kq[c] = sluice_ggml::ggml_expf_lane(kq[c] - Mnew);
+#endif
                     sum += static_cast<double>(sluice_ggml::expf_block_sum(kq + c0));
                 }
                 S = static_cast<float>(static_cast<double>(S) + sum);

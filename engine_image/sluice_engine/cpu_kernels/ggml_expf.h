@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace sluice_ggml {
 
@@ -66,13 +69,14 @@ static inline float ggml_v_expf_avx2_lane(float x) {
                                       std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
                              u, lin);
     const float size = std::fabs(n);
-    const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+    const uint32_t g = (0u - static_cast<uint32_t>(n <= 0.0f)) & 0x82000000u;  // (mask arithmetic: no branch)
     const float s1 = from_bits(g + 0x7f000000u);
     const float s2 = from_bits(e - g);
     const float huge = s1 * s1;
     const float split = std::fma(s2, j, s2) * s1;
     const float plain = std::fma(k, j, k);
-    return size > 192.0f ? huge : size > 126.0f ? split : plain;
+    const float inner = size > 126.0f ? split : plain;
+    return size > 192.0f ? huge : inner;
 }
 
 // The form of this build's level: the avx2 level's llama.cpp counterpart is its AVX2 build; every other level
@@ -81,6 +85,33 @@ static inline float ggml_v_expf_avx2_lane(float x) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr int kExpfBlock = 8;
 static inline float ggml_expf_lane(float x) { return ggml_v_expf_avx2_lane(x); }
+// ggml_v_expf_avx2_lane for 8 lanes at once (GCC does not vectorize the lane form's selects): the same
+// operations, the selects as blends.
+static inline __m256 ggml_v_expf_avx2(__m256 x) {
+    const __m256 r = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+    const __m256 n = _mm256_sub_ps(z, r);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32(0x3f800000)));
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 lin = _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b);
+    const __m256 j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+        u, lin);
+    const __m256 size = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), n);
+    const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                                       _mm256_set1_epi32(static_cast<int>(0x82000000u)));
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000)));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    const __m256 huge = _mm256_mul_ps(s1, s1);
+    const __m256 split = _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1);
+    const __m256 plain = _mm256_fmadd_ps(k, j, k);
+    const __m256 inner = _mm256_blendv_ps(plain, split, _mm256_cmp_ps(size, _mm256_set1_ps(126.0f), _CMP_GT_OQ));
+    return _mm256_blendv_ps(inner, huge, _mm256_cmp_ps(size, _mm256_set1_ps(192.0f), _CMP_GT_OQ));
+}
 // The sum of 8 floats as ggml_vec_soft_max_f32's AVX2 branch adds them: the halves, then pairs, then the two.
 static inline float expf_block_sum(const float* v) {
     const float a0 = v[4] + v[0], a1 = v[5] + v[1], a2 = v[6] + v[2], a3 = v[7] + v[3];

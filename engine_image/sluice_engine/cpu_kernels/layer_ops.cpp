@@ -239,7 +239,16 @@ void sluice_ggml_swiglu_f32(const float* gate_up, int64_t ldg, float* out, int64
         const float* g = gate_up + r * ldg;
         const float* u = g + inter;
         float* o = out + r * ldo;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (int i = 0; i < blocked; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = sluice_ggml::ggml_v_expf_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+#else
         for (int i = 0; i < blocked; ++i) o[i] = g[i] / (1.0f + sluice_ggml::ggml_expf_lane(0.0f - g[i])) * u[i];
+#endif
         for (int i = blocked; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
 }

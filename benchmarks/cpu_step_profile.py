@@ -1,0 +1,102 @@
+"""Where a CPU engine step's time goes (issue 27): the bundled model, B sequences decoding together (and, for
+contrast, their prefill), split into the quantized/fp32 GEMMs, attention, the layer ops, the sampler and the
+rest (Python: scheduler, batch building, the model's own glue).
+
+    .venv/bin/python benchmarks/cpu_step_profile.py                       # Q4_1 (the default), B=32, ~1 min
+    SLUICE_CPU_ISA=avx2 .venv/bin/python benchmarks/cpu_step_profile.py  # the AVX2 kernels on an AVX-512 CPU
+    .venv/bin/python benchmarks/cpu_step_profile.py --quantization none   # fp32
+
+B requests of --prompt-len random token ids (seed 0), greedy, ignore_eos. The prefill steps run first, unprofiled
+but timed; then --steps decode steps (every sequence one token) run under cProfile, and each bucket is the
+cumulative time of the Python entry points of its kernels (their ctypes calls release the GIL but run on this
+thread): cProfile's own overhead falls on the Python share, so that share is an upper bound. Also printed: the
+median wall time of the same number of decode steps run without the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+BUCKETS = {  # bucket: (file suffix, function name) pairs whose cumulative time it takes
+    "GEMM (quantized)": [("cpu_kernels/quant.py", "forward")],
+    "GEMM (fp32 packed)": [("cpu_kernels/linear.py", "forward")],
+    "attention": [("attention/ggml_cpu.py", "attend"), ("attention/cpu_paged.py", "attend"),
+                  ("attention/ggml_cpu.py", "write_kv"), ("attention/cpu_paged.py", "write_kv")],
+    "layer ops": [("layer_ops/cpu_ops.py", "rms_norm"), ("layer_ops/cpu_ops.py", "fused_add_rms_norm"),
+                  ("layer_ops/cpu_ops.py", "rotary"), ("layer_ops/cpu_ops.py", "silu_and_mul"),
+                  ("layer_ops/ggml_ops.py", "forward")],
+    "sampler": [("step_sampler.py", "sample_step")],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=108)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from sluice_engine import cpu_kernels
+    from sluice_engine.llm import LLM
+    from sluice_engine.sampling_params import SamplingParams
+
+    llm = LLM(device="cpu", quantization=a.quantization)
+    eng = llm.engine
+    print(f"CPU {cpu_kernels.cpu_name()}, {a.threads} threads, kernel level {cpu_kernels.selected_isa()}, "
+          f"quantization {eng.runner.quantization}, attention {eng.runner.backend.name}, B={a.batch}")
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=3 * a.steps + 8, temperature=0.0, ignore_eos=True)
+
+    def add_batch(tag: str) -> None:
+        for i in range(a.batch):
+            eng.add_request(f"{tag}-{i}", torch.randint(100, 40000, (a.prompt_len,), generator=g).tolist(), params)
+
+    def timed_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            eng.step()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    add_batch("warm")  # a first batch warms everything up; its prefill is the one timed below
+    t0 = time.perf_counter()
+    prefill_steps = 0
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+        prefill_steps += 1
+    prefill_s = time.perf_counter() - t0
+    print(f"prefill: {a.batch} x {a.prompt_len} tokens in {prefill_steps} steps, {prefill_s:.2f} s "
+          f"({a.batch * a.prompt_len / prefill_s:.0f} tok/s)")
+    plain = timed_steps(a.steps)
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    timed_steps(a.steps)
+    total = time.perf_counter() - t0
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    print(f"decode: median step {statistics.median(plain) * 1e3:.1f} ms unprofiled "
+          f"({a.batch / statistics.median(plain):.0f} tok/s); profiled {total / a.steps * 1e3:.1f} ms/step")
+    rest = total
+    for bucket, keys in BUCKETS.items():
+        t = sum(v[3] for (file, _, fn), v in stats.items()
+                if any(file.endswith(suffix) and fn == name for suffix, name in keys))
+        rest -= t
+        print(f"  {bucket:<20} {t / a.steps * 1e3:7.2f} ms/step  {100 * t / total:5.1f}%")
+    print(f"  {'rest (Python etc.)':<20} {rest / a.steps * 1e3:7.2f} ms/step  {100 * rest / total:5.1f}%")
+    if os.environ.get("PROFILE_TOP"):
+        pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ["PROFILE_TOP"]))
+
+
+if __name__ == "__main__":
+    main()
