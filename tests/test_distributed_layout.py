@@ -61,10 +61,17 @@ def test_uneven_layers_split_earlier_stages_first():
     ({"nnodes": 2, "node_rank": 2, "pipeline_parallel_size": 2}, r"--node-rank must be in 0..1 \(--nnodes 2\), got 2"),
     ({"nnodes": 2, "tensor_parallel_size": 3}, "3 ranks .* cannot be spread evenly over --nnodes 2"),
     ({"master_port": 70000}, "--master-port must be a TCP port"),
+    ({"nnodes": 2, "pipeline_parallel_size": 2, "master_port": 0}, "--master-port 0 .* works on one node only"),
 ])
 def test_engine_config_refuses_bad_layouts(kw, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kw)
+
+
+def test_master_port_defaults_by_node_count():
+    assert EngineConfig().master_port == 0  # one node: a free port when the ranks start
+    assert EngineConfig(nnodes=2, pipeline_parallel_size=2).master_port == 29500  # the other nodes must know it
+    assert EngineConfig(master_port=1234).master_port == 1234
 
 
 @pytest.mark.parametrize(("flags", "message"), [

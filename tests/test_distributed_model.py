@@ -99,3 +99,34 @@ def test_sharded_logits_match_one_process(tiny_llama, reference, tp, pp):
     assert [g.shape for g in got] == [r.shape for r in reference] == [(23, VOCAB), (3, VOCAB), (5, VOCAB)]
     for g, r in zip(got, reference, strict=True):
         assert (g - r).abs().max().item() < 1e-4
+
+
+def test_one_node_group_rendezvous_on_a_free_port(tiny_llama, reference):
+    # Another group (or a server stopped a moment ago) holds torch.distributed's customary port: a one-node
+    # group with no --master-port picks a free one instead of failing with EADDRINUSE.
+    import socket
+
+    from sluice_engine.config import DEFAULT_MASTER_PORT
+
+    squatter = socket.socket()
+    try:
+        squatter.bind(("127.0.0.1", DEFAULT_MASTER_PORT))
+        squatter.listen()
+    except OSError:
+        pass  # something already listens there: the same situation
+    try:
+        cfg = EngineConfig(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, kv_cache_memory=4 << 20,
+                           block_size=4, distributed_timeout=120)
+        assert cfg.master_port == 0
+        ex = Executor(cfg, tiny_llama)
+        try:
+            assert ex.cfg.master_port not in (0, DEFAULT_MASTER_PORT)
+            got = ex.execute_model(steps()[0]).clone()
+        finally:
+            ex.shutdown()
+            from sluice_engine.distributed.parallel_state import destroy_distributed
+
+            destroy_distributed()
+    finally:
+        squatter.close()
+    assert (got - reference[0]).abs().max().item() < 1e-4

@@ -52,7 +52,8 @@ class WorkerNode:
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout_server(request, start_server, model_dir, tmp_path_factory):
     flags, kv_per_token = LAYOUTS[request.param]
-    flags = [*flags, "--master-port", str(free_port())]
+    if "--nnodes" in flags:  # across "nodes" the port is given; one node picks a free one itself
+        flags = [*flags, "--master-port", str(free_port())]
     node1 = None
     if "--nnodes" in flags:
         # Two "nodes" on one 2-core machine: one thread per rank (each node would otherwise take every

@@ -26,6 +26,8 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's customary rendezvous port, for groups across nodes
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str | None = None  # None | "ngram" | "draft"
@@ -107,7 +109,9 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    # None: 29500 across nodes (the others must know it), else 0. 0: a free port on master_addr, picked when
+    # the group starts (two servers on one host, or one restarted at once, never meet on a fixed port).
+    master_port: int | None = None
     distributed_timeout: float = 60.0  # seconds a collective may wait before the group is declared dead
     # Dummy steps the server runs before it reports ready (warmup.py; the offline LLM does not warm up).
     warmup: str = "auto"
@@ -152,8 +156,13 @@ class EngineConfig:
             raise ValueError(f"{self.world_size} ranks (--tensor-parallel-size {self.tensor_parallel_size} x "
                              f"--pipeline-parallel-size {self.pipeline_parallel_size}) cannot be spread evenly "
                              f"over --nnodes {self.nnodes}")
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"--master-port must be a TCP port (1..65535), got {self.master_port}")
+        if self.master_port is None:
+            self.master_port = DEFAULT_MASTER_PORT if self.nnodes > 1 else 0
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port (1..65535, or 0 for a free one), got {self.master_port}")
+        if self.master_port == 0 and self.nnodes > 1:
+            raise ValueError("--master-port 0 (a free port) works on one node only: with --nnodes > 1 the other "
+                             "nodes must be told node 0's port")
         if not self.distributed_timeout > 0:
             raise ValueError(f"--distributed-timeout must be > 0, got {self.distributed_timeout}")
         if self.warmup not in WARMUP_MODES:

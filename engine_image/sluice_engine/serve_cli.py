@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--node-rank", type=int, default=0,
                      help="this machine's index; node 0 serves HTTP, the others run workers and /health only")
     par.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (torch.distributed rendezvous)")
-    par.add_argument("--master-port", type=int, default=29500, help="node 0's rendezvous port")
+    par.add_argument("--master-port", type=int, default=None,
+                     help="node 0's rendezvous port (default: 29500 with --nnodes > 1, else a free port)")
     par.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
                      help="a collective that waits longer than this stops the whole group")
     obs = p.add_argument_group("metrics (docs/metrics.md)")

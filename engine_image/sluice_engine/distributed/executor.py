@@ -15,6 +15,7 @@ process exits, and `on_failure` (set by the async engine) reports the engine dea
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -54,9 +55,11 @@ class Executor:
         if self.world_size > 1:
             # Refuse a split that cannot work before any rank loads a weight.
             check_layout(ModelConfig.from_dir(model_dir), cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
-            from .launcher import LocalWorkers, configure_rank_threads
+            from .launcher import LocalWorkers, configure_rank_threads, free_port
 
             configure_rank_threads(cfg)
+            if cfg.master_port == 0:  # one node: a free port, told to the local ranks in their config
+                cfg = self.cfg = dataclasses.replace(cfg, master_port=free_port(cfg.master_addr))
             self.workers = LocalWorkers(cfg, model_dir, first_rank=1, count=cfg.ranks_per_node - 1,
                                         on_exit=self._worker_exited)
             atexit.register(self.shutdown)  # a script that never calls shutdown() still stops its ranks cleanly

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +43,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: the parent's shutdown still stops workers
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the OS's pick). Rank 0's store binds it a moment later; the window
+    between is what every launcher that picks a port (torchrun's too) accepts."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class LocalWorkers:
