@@ -10,8 +10,9 @@ No KEDA or LWS controller runs here (not built yet): ScaledObjects and LeaderWor
 stored, and scaling is what KEDA's HPA would do, through the Deployment's scale subresource.
 
 In file order: every example reconciles with no 403, the printer columns and the scale subresource, a spec edit
-rolls the pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, and
-last the leader hand-over between two operator processes on the real Lease.
+rolls the pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, the
+gateway under its own ServiceAccount finding the serving pods, and last the leader hand-over between two
+operator processes on the real Lease.
 """
 
 from __future__ import annotations
@@ -364,6 +365,42 @@ def test_a_verb_removed_from_the_cluster_role_fails_that_operation_clearly(stack
         stack.cluster.kubectl("patch", "clusterrole", RELEASE, "--type=merge", "-p", json.dumps({"rules": original}))
     _wait_phase(stack, name, ns, {"Ready"})  # with the verb back, the next resync completes it
     stack.cluster.kubectl("delete", "inferenceendpoint", name, "-n", ns, "--timeout=60s")
+
+
+def test_the_gateway_under_its_service_account_finds_the_serving_pods(stack: Stack) -> None:
+    # `sluice gateway --kubernetes` as the chart runs it, authenticated as the chart's gateway ServiceAccount
+    # (through `kubectl proxy` with its token: the gateway reads in-cluster credentials only): it lists and
+    # watches the endpoints and the EndpointSlices the real controller made of the kwok pods, with no 403.
+    cluster = stack.cluster
+    deploy = cluster.json("get", "deployment", f"{RELEASE}-gateway", "-n", RELEASE_NS)
+    account = deploy["spec"]["template"]["spec"]["serviceAccountName"]
+    kubeconfig = cluster.token_kubeconfig(stack.workdir / "gateway.kubeconfig", RELEASE_NS, account)
+    proxy_port, port = free_port(), free_port()
+    logs = {name: stack.workdir / f"{name}.log" for name in ("proxy", "gateway")}
+    with open(logs["proxy"], "w") as proxy_log, open(logs["gateway"], "w") as gateway_log:
+        proxy = subprocess.Popen([cluster.kubectl_path, f"--kubeconfig={kubeconfig}", "proxy", "--address=127.0.0.1",
+                                  f"--port={proxy_port}"], stdout=proxy_log, stderr=subprocess.STDOUT)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "sluice_engine.cli", "gateway", "--kubernetes", "--kube-api",
+             f"http://127.0.0.1:{proxy_port}", "--host", "127.0.0.1", "--port", str(port),
+             "--scaler-port", str(free_port()), "--peer-port", str(free_port())],
+            stdout=gateway_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            (pod,) = _serving_pods(stack, "smollm2", "default")
+            backend = f"http://{pod['status']['podIP']}:8000"
+            wait_until("the gateway to add smollm2's serving pod", lambda: f"serving backend {backend} added"
+                       in logs["gateway"].read_text(), 60)
+            import httpx
+
+            models = {m["id"]: m for m in httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]}
+            assert models["default/smollm2"]["served_name"] == "smollm2", models
+            served = load_yaml(ROOT / "examples" / "gpu-8b.yaml")["spec"]["model"]["servedName"]
+            assert models[f"inference/{served}"]["endpoint"] == "inference/llama-8b", models
+        finally:
+            for proc in (gateway, proxy):
+                stop_process(proc)
+    text = logs["gateway"].read_text() + logs["proxy"].read_text()
+    assert not _forbidden(text), _forbidden(text)
 
 
 def test_leader_hand_over_on_the_real_lease(stack: Stack) -> None:
