@@ -66,3 +66,40 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch) -> None:
     (pkg / "c.py").write_text("from . import a\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert _cycles("cyclic") == [["cyclic.a", "cyclic.b"]]
+
+
+# -- one writer per request field (issue 25): the scheduler owns the request's progress ------------------------
+SCHEDULER_OWNED = ("num_computed_tokens", "spec_token_ids", "status", "num_preemptions")
+
+
+def _writers(field: str) -> set[str]:
+    """Modules of the engine that assign the field of a Request (`x.field = ...`, `x.field += ...`), or mutate
+    its list in place. The draft model's own shadow requests (spec_decode/draft_model.py) are its objects."""
+    import ast
+    from pathlib import Path
+
+    import sluice_engine
+
+    root = Path(sluice_engine.__file__).parent
+    out = set()
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("append", "extend", "clear", "pop", "insert"):
+                targets = [node.func.value]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == field and not (
+                        isinstance(t.value, ast.Name) and t.value.id in ("self", "shadow")):
+                    out.add(str(path.relative_to(root)))
+    return out
+
+
+@pytest.mark.parametrize("field", SCHEDULER_OWNED)
+def test_the_scheduler_is_the_only_writer_of_request_progress(field: str) -> None:
+    assert _writers(field) <= {"scheduler.py"}, _writers(field)

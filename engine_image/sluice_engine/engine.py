@@ -372,17 +372,14 @@ class LLMEngine:
         for req, drafts in zip(asking, self.proposer.propose_batch(queries), strict=True):
             for c in req.constraints:  # a draft the grammar forbids would surely be rejected
                 del drafts[c.valid_prefix(drafts):]
-            req.spec_token_ids = drafts
+            self.scheduler.set_drafts(req, drafts)
 
     def _process(self, res: StepResult) -> RequestOutput | None:
         req = res.request
         state = self._out[req.request_id]
-        # The request's counter advances here: these tokens are now in the cache (rejected drafts'
-        # slots are not: the counter stops before them and later steps overwrite them).
-        req.num_computed_tokens += res.num_scheduled - res.num_rejected
-        if req.spec_token_ids:
-            self._count_spec(len(req.spec_token_ids), len(res.token_ids) - 1)
-            req.spec_token_ids = []
+        num_drafts = self.scheduler.update_from_output(req, res.num_scheduled, res.num_rejected)
+        if num_drafts:
+            self._count_spec(num_drafts, len(res.token_ids) - 1)
         if res.prompt_logprobs:
             req.prompt_logprobs.extend(res.prompt_logprobs)
         if not res.token_ids:

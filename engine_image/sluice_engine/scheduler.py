@@ -82,6 +82,21 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._load[request.virtual_engine] -= 1
 
+    # -- the request state it owns: the engine reports, the scheduler writes --------------------------
+    def set_drafts(self, request: Request, drafts: list[int]) -> None:
+        """A proposer's guesses for the request's next tokens, scheduled for verification next step."""
+        request.spec_token_ids = drafts
+
+    def update_from_output(self, request: Request, num_scheduled: int, num_rejected: int) -> int:
+        """A step's result for the request: its `num_scheduled` tokens are in the cache but for the
+        `num_rejected` drafts at the end (the counter stops before their slots; later steps overwrite them).
+        The drafts are spent either way. Returns how many drafts the step verified."""
+        request.num_computed_tokens += num_scheduled - num_rejected
+        num_drafts = len(request.spec_token_ids)
+        if num_drafts:
+            request.spec_token_ids = []
+        return num_drafts
+
     # -- one step ------------------------------------------------------------------------------
     def schedule(self, ve: int = 0) -> SchedulerOutput:
         """One step for virtual engine `ve` (the only one without pipeline parallelism)."""
