@@ -65,7 +65,7 @@
 // AVX-512 VNNI (above), AVX2 (vpmaddubsw then vpmaddwd by ones gives each lane's sum of 4 products, as
 // llama.cpp's AVX2 build does; nibble pairs cannot saturate int16, Q8_0 uses |w| x sign(x, w) as llama.cpp
 // does, as +128 could saturate; one row x 8 outputs at a time: 9 accumulators in 16 ymm registers), and
-// plain loops with std::fma everywhere else (the build without -march=native).
+// plain loops with std::fma everywhere else (the portable level). The avx512 level (no VNNI) takes the AVX2 path.
 
 #include <algorithm>
 #include <cmath>

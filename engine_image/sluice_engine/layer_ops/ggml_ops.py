@@ -4,8 +4,8 @@ Acceptance for GGUF serving on CPU is greedy parity with llama-server on the sam
 activations to 8 bits before each quantized GEMM, so a one-ulp difference in a norm, the rotary or the
 activation can round a different int8 and end in a different token; these ops remove that source. They
 reproduce ggml's CPU backend as built for llama-cpp-python 0.3.36's vendored llama.cpp (-O3 -march=native,
-GCC 12, an AVX-512 CPU), checked float for float against ggml itself by
-benchmarks/ggml_check/layer_ops_check.cpp:
+GCC 12, an AVX-512 CPU; on the avx2 kernel level, its AVX2+FMA+F16C build), checked float for float against
+ggml itself by benchmarks/ggml_check/layer_ops_check.cpp (run_checks.py, per level):
 
 - RMSNorm (`ggml_rms_norm` then the weight's `ggml_mul`): squares in float summed in double in order, the mean
   rounded to float, `x * (1 / sqrtf(mean + eps)) * w`. The residual add is one float add.
@@ -16,7 +16,7 @@ benchmarks/ggml_check/layer_ops_check.cpp:
   in our layout. The cos/sin rows must be ggml's, from `rotary_embedding` (the model's `RotaryEmbedding` table
   is torch's: `position * inv_freq`, a different rounding).
 - SiLU-and-multiply (`ggml_swiglu_split`): ggml's AVX-512 exp polynomial (`ggml_v_expf`) for each 16-float
-  block of a row, libm's expf for the row's remainder.
+  block of a row (avx2 level: its AVX2 form, 8-float blocks), libm's expf for the row's remainder.
 
 Inputs the kernels do not take (16-bit activations, layouts they do not cover) go to the torch reference, as
 in `CpuLayerOps`: right to float rounding, not bit for bit.
