@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.metrics import EngineMetrics, RequestTimes, _EngineCollector
+from sluice_engine.metrics import EngineMetrics, RequestTimes, StatsSnapshot, _EngineCollector
 from sluice_engine.objectives import Objectives, ObjectivesFile, parse_objectives
 
 
@@ -57,8 +57,7 @@ def test_the_scrape_applies_new_objectives_to_goodput(tmp_path: Path) -> None:
     path = write_configmap(tmp_path, 1, {"slo-ttft-ms": 1000, "slo-tpot-ms": None, "gpu-hour-usd": None})
     cfg = EngineConfig(slo_ttft_ms=1.0, gpu_hour_usd=3.0, objectives_file=str(path))
     metrics = EngineMetrics.from_config(cfg, num_gpus=0)
-    engine = SimpleNamespace(cfg=cfg, metrics=metrics, served_model_name="m", stats=None,
-                             scheduler=SimpleNamespace(num_running=0, num_waiting=0))
+    engine = SimpleNamespace(cfg=cfg, metrics=metrics, served_model_name="m", stats_snapshot=StatsSnapshot.zero)
     collector = _EngineCollector(engine)  # reads the file at its first scrape
     next(collector.collect())
     assert (metrics.slo_ttft, metrics.slo_tpot, metrics.gpu_hour_usd) == (1.0, None, 0.0)
@@ -76,3 +75,38 @@ def test_the_scrape_applies_new_objectives_to_goodput(tmp_path: Path) -> None:
     assert (metrics.slo_ttft, metrics.gpu_hour_usd) == (0.1, 2.5)
     complete(0.5)
     assert (metrics.requests_slo_checked, metrics.requests_goodput) == (2, 1)  # now 500 ms misses
+
+
+def test_the_scrape_renders_the_published_snapshot_only() -> None:
+    # /metrics reads no live engine object from the HTTP thread: it renders what the engine thread published
+    # (AsyncEngine.stats) and the HTTP side's own count of submitted requests (waiting_in).
+    import dataclasses
+
+    cfg = EngineConfig()
+    published = dataclasses.replace(StatsSnapshot.zero(), num_running=3, num_waiting=2, generation_tokens=17,
+                                    adds_taken=5)
+
+    class Engine:  # no scheduler, no KV manager, no stats: touching one would raise AttributeError
+        served_model_name = "m"
+        metrics = EngineMetrics.from_config(cfg, num_gpus=0)
+
+        def __init__(self) -> None:
+            self.cfg = cfg
+
+        def stats_snapshot(self) -> StatsSnapshot:
+            raise AssertionError("the scrape built a snapshot from the live engine")
+
+    class Async:
+        adds_submitted = 7
+
+        def stats(self) -> StatsSnapshot:
+            return published
+
+        def waiting_in(self, snap: StatsSnapshot) -> int:
+            return snap.num_waiting + self.adds_submitted - snap.adds_taken
+
+    families = {f.name: f for f in _EngineCollector(Engine(), Async()).collect()}
+    value = {name: families[name].samples[0].value for name in
+             ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_generation_tokens")}
+    assert value == {"sluice_num_requests_running": 3, "sluice_num_requests_waiting": 4,
+                     "sluice_generation_tokens": 17}

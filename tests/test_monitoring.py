@@ -174,10 +174,11 @@ def _exposed(registry: Any) -> dict[str, set[str]]:
 @cache
 def engine_metrics() -> dict[str, set[str]]:
     """The engine's /metrics, from its collector in process (an engine stand-in; real EngineMetrics)."""
-    from sluice_engine.metrics import EngineMetrics, PrometheusExporter
+    from sluice_engine.metrics import EngineMetrics, PrometheusExporter, StatsSnapshot
 
     engine = MagicMock()
     engine.served_model_name, engine.cfg.endpoint_label, engine.metrics = "m", None, EngineMetrics()
+    engine.stats_snapshot.return_value = StatsSnapshot.zero()
     return _exposed(PrometheusExporter(engine).registry)
 
 

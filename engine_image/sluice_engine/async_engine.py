@@ -10,6 +10,7 @@ model info, the tokenizer, request checks, generate, abort, and the engine's hea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import LLMEngine, RequestOutput
+from .metrics import StatsSnapshot
 from .owner_thread import start_owner_thread
 from .request import LogitsProcessor
 from .sampling_params import SamplingParams
@@ -82,6 +84,9 @@ class AsyncEngine:
         # requests submitted meanwhile wait in the command queue.
         self.warming_up = True
         self.warmup_report = None
+        # The engine's counters as of its last step (or batch of adds and aborts): what /metrics renders.
+        # Written by the engine thread (one reference store), read by the HTTP thread.
+        self._stats: StatsSnapshot | None = None
 
     @classmethod
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -106,6 +111,7 @@ class AsyncEngine:
         self._loop = loop
         self._watch_ranks()
         self.engine.before_schedule = self._take_commands
+        self.engine.after_schedule = self._publish
         if self._thread is None:
             self._thread = threading.Thread(target=self._warm_up_then_run, name="sluice-engine", daemon=True)
             self._thread.start()
@@ -222,7 +228,23 @@ class AsyncEngine:
         if items and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._deliver, items)
 
+    def stats(self) -> StatsSnapshot:
+        """The latest snapshot the engine thread published (metrics.py); one taken now before its first."""
+        snap = self._stats
+        return snap if snap is not None else dataclasses.replace(self.engine.stats_snapshot(),
+                                                                 adds_taken=self._adds_taken)
+
+    def waiting_in(self, snap: StatsSnapshot) -> int:
+        """The /metrics queue depth: the snapshot's waiting requests plus those submitted since that the engine
+        had not taken in when it was made (each counted once)."""
+        return snap.num_waiting + self._adds_submitted - snap.adds_taken
+
+    def _publish(self) -> None:
+        # Engine thread: the reference store is atomic; readers get an old snapshot or this one, whole.
+        self._stats = dataclasses.replace(self.engine.stats_snapshot(), adds_taken=self._adds_taken)
+
     def _warm_up_then_run(self) -> None:
+        self._publish()
         self._warm_up()
         self._run()
 
@@ -249,11 +271,13 @@ class AsyncEngine:
             while not self._stopped.is_set() and self.dead is None:
                 block = not engine.has_unfinished()
                 errors = self._drain(block)
+                self._publish()
                 self._deliver_threadsafe(errors)
                 if engine.has_unfinished():
                     self.step_started = time.monotonic()
                     outs = engine.step()
                     self.step_started = None
+                    self._publish()  # before the outputs leave: a client that got its answer sees it counted
                     self._deliver_threadsafe([(o.request_id, o) for o in outs])
                 elif not self._stopped.is_set():
                     engine.keepalive()
@@ -275,6 +299,7 @@ class AsyncEngine:
             self.dead = e
         engine = self.engine
         engine.stats.finished["error"] += len(engine.scheduler.requests)  # every request in flight fails
+        self._publish()  # the engine thread is stopped or stopping: this is the last snapshot
         err = EngineDeadError(f"engine loop died: {e!r}")
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))

@@ -18,7 +18,7 @@ import torch
 from .config import EngineConfig
 from .distributed.executor import Executor
 from .kv_cache import KVCacheManager
-from .metrics import EngineMetrics
+from .metrics import HISTOGRAMS, EngineMetrics, StatsSnapshot
 from .model_fetch import resolve_model
 from .request import FinishReason, LogitsProcessor, Request
 from .sampler import Sampler, TokenLogprobs
@@ -139,6 +139,9 @@ class LLMEngine:
         # Set by AsyncEngine: takes in the commands (adds, aborts) that arrived since the step
         # began, so a request whose client has just left is not scheduled.
         self.before_schedule: Callable[[], None] | None = None
+        # Called once a step is scheduled, before it runs (the AsyncEngine publishes its stats snapshot: the queue
+        # as the scheduler left it).
+        self.after_schedule: Callable[[], None] | None = None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
         self.stats = EngineStats()
         self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
@@ -250,6 +253,26 @@ class LLMEngine:
         if self._prompt_leaders.get(key) is req:
             del self._prompt_leaders[key]
 
+    def stats_snapshot(self) -> StatsSnapshot:
+        """The engine's counters and gauges now, as plain copied values (metrics.py): the engine thread's
+        to call; /metrics renders the latest one published."""
+        m, stats, kv, graphs = self.metrics, self.stats, self.kv, self.runner.graph_state
+        return StatsSnapshot(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage(), kv_num_blocks=kv.num_blocks, graphs_captured=graphs.captured,
+            graphs_state=graphs.state, graphs_reason=graphs.reason, prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions, finished=dict(stats.finished),
+            abandoned=dict(stats.abandoned), scheduled_after_client_left=stats.scheduled_after_client_left,
+            requests_slo_checked=m.requests_slo_checked, requests_goodput=m.requests_goodput,
+            requests_met_ttft=m.requests_met_ttft, requests_met_tpot=m.requests_met_tpot,
+            busy_prefill_seconds=m.busy_prefill_seconds, busy_decode_seconds=m.busy_decode_seconds,
+            # Every draft has a position 0, so drafts verified = drafts at position 0.
+            spec_num_drafts=stats.spec_drafted_per_pos[0] if stats.spec_drafted_per_pos else 0,
+            spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
+            histograms={name: getattr(m, name).copy() for name in HISTOGRAMS})
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
 
@@ -301,6 +324,8 @@ class LLMEngine:
             self._next_ve = (ve + 1) % n
             requests = [self.scheduler.requests[s.request_id] for s in sched.scheduled]
             preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
+            if self.after_schedule is not None:
+                self.after_schedule()
             self.executor.submit(sched)
             self._in_flight.append(_InFlightStep(ve, sched, requests, preempted, started))
             return True

@@ -5,8 +5,12 @@ requests, turns their token counts into per-request timings (TTFT, inter-token l
 prefill, decode, end-to-end), goodput against the endpoint's SLO, and busy time split between prefill and
 decode work. Its histograms are plain bucket counts (a bisect and an increment per observation); nothing
 here takes a lock. Everything else (queue depths, KV usage, token and prefix-cache counters, preemptions)
-is already kept by the scheduler, KV manager and `EngineStats`, and `PrometheusExporter` reads all of it
-at scrape time into a per-app registry, so several engines can live in one process.
+is kept by the scheduler, KV manager and `EngineStats`.
+
+The engine thread publishes all of it as one `StatsSnapshot` of plain values after each step (and each
+batch of adds and aborts), before the step's outputs leave; `PrometheusExporter` renders the latest
+snapshot into a per-app registry (so several engines can live in one process) and never reads a live
+engine object from the HTTP thread. The snapshot is what an engine core in its own process will send.
 docs/metrics.md lists every metric with its vLLM counterpart.
 """
 
@@ -52,6 +56,11 @@ class Histogram:
         # bisect_left: a value equal to a bound belongs to that bucket (le is inclusive).
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def copy(self) -> Histogram:
+        h = Histogram.__new__(Histogram)
+        h.bounds, h.counts, h.sum = self.bounds, list(self.counts), self.sum
+        return h
 
     def cumulative(self) -> tuple[list[tuple[str, int]], float]:
         counts, total = list(self.counts), self.sum  # a consistent-enough snapshot; count is from counts
@@ -173,25 +182,76 @@ class EngineMetrics:
         self.requests_met_tpot += met_tpot
         self.requests_goodput += met_ttft and met_tpot
 
+HISTOGRAMS = ("ttft", "inter_token_latency", "time_per_output_token", "e2e_latency", "queue_time", "prefill_time",
+              "decode_time", "iteration_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    """The engine's counters and gauges at the end of a step: plain values, copied, never shared with the
+    engine thread (LLMEngine.stats_snapshot builds it)."""
+
+    num_running: int
+    num_waiting: int  # in the scheduler's queue (not those submitted but not yet taken: the AsyncEngine adds them)
+    kv_usage: float
+    kv_num_blocks: int
+    graphs_captured: int
+    graphs_state: str
+    graphs_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    finished: dict[str, int]
+    abandoned: dict[str, int]
+    scheduled_after_client_left: int
+    requests_slo_checked: int
+    requests_goodput: int
+    requests_met_ttft: int
+    requests_met_tpot: int
+    busy_prefill_seconds: float
+    busy_decode_seconds: float
+    spec_num_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: tuple[int, ...]
+    histograms: dict[str, Histogram]  # HISTOGRAMS, copies
+    adds_taken: int = 0  # the AsyncEngine's count of submitted requests taken in, when it was made
+
+    @classmethod
+    def zero(cls) -> StatsSnapshot:
+        """An engine that has done nothing (graphs off): every counter 0, every histogram empty."""
+        fresh = EngineMetrics()
+        return cls(0, 0, 0.0, 0, 0, "off", "", 0, 0, 0, 0, 0, {}, {}, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, (),
+                   {name: getattr(fresh, name) for name in HISTOGRAMS})
+
+
 # -- scrape time -------------------------------------------------------------------------------
 class _EngineCollector:
     def __init__(self, engine, async_engine=None):
-        self.engine = engine
-        self.async_engine = async_engine
+        # Read once here: names, config and the recorder's objectives (set from the objectives file below).
+        self.served_model_name = engine.served_model_name
+        self.endpoint_label = engine.cfg.endpoint_label
+        self.recorder: EngineMetrics = engine.metrics
+        # The latest snapshot: the AsyncEngine's (published by its engine thread), or, with none (the offline
+        # LLM, tests), one taken at scrape time.
+        self.latest = async_engine.stats if async_engine is not None else engine.stats_snapshot
+        self.num_waiting = async_engine.waiting_in if async_engine is not None else (lambda snap: snap.num_waiting)
         path = getattr(engine.cfg, "objectives_file", None)
         self.objectives = ObjectivesFile(path) if path else None
 
     def collect(self):
-        e = self.engine
-        m: EngineMetrics = e.metrics
+        m = self.recorder
         # Objectives edited while the engine runs (a ConfigMap update) take effect from this scrape on.
         if self.objectives is not None and (o := self.objectives.changed()) is not None:
             m.set_objectives(o)
+        snap: StatsSnapshot = self.latest()
         names = ["model_name"]
-        values = [e.served_model_name]
-        if e.cfg.endpoint_label:
+        values = [self.served_model_name]
+        if self.endpoint_label:
             names.append("endpoint")
-            values.append(e.cfg.endpoint_label)
+            values.append(self.endpoint_label)
 
         def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names)
@@ -215,15 +275,14 @@ class _EngineCollector:
             f.add_metric(values, buckets, total)
             return f
 
-        waiting = self.async_engine.num_waiting if self.async_engine is not None else e.scheduler.num_waiting
-        stats = e.stats
+        hist = snap.histograms
         # Gauges
-        yield gauge("sluice_num_requests_running", "Requests in the running batch.", e.scheduler.num_running)
+        yield gauge("sluice_num_requests_running", "Requests in the running batch.", snap.num_running)
         yield gauge("sluice_num_requests_waiting", "Requests waiting to be scheduled, including those "
-                    "submitted but not yet seen by the engine thread.", waiting)
+                    "submitted but not yet seen by the engine thread.", self.num_waiting(snap))
         yield gauge("sluice_kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).",
-                    e.kv.usage())
-        yield gauge("sluice_kv_cache_num_blocks", "KV cache blocks in the pool.", e.kv.num_blocks)
+                    snap.kv_usage)
+        yield gauge("sluice_kv_cache_num_blocks", "KV cache blocks in the pool.", snap.kv_num_blocks)
         yield gauge("sluice_slo_ttft_seconds", "The endpoint's time-to-first-token objective (0: none).",
                     m.slo_ttft or 0.0)
         yield gauge("sluice_slo_tpot_seconds", "The endpoint's time-per-output-token objective (0: none).",
@@ -232,63 +291,60 @@ class _EngineCollector:
                     m.gpu_hour_usd)
         yield gauge("sluice_num_gpus", "GPUs the replica holds: every rank's device (TP x PP on CUDA), 0 on CPU.",
                     m.num_gpus)
-        graphs = e.runner.graph_state
         yield gauge("sluice_cuda_graphs_captured", "Decode CUDA graphs captured (batch sizes x split counts); 0 "
-                    "when steps run eagerly.", graphs.captured)
+                    "when steps run eagerly.", snap.graphs_captured)
         info = GaugeMetricFamily("sluice_cuda_graphs_info", "1, labelled with whether decode steps replay CUDA "
                                  "graphs (state on|off|failed) and why not (reason).",
                                  labels=[*names, "state", "reason"])
-        info.add_metric([*values, graphs.state, _label_text(graphs.reason)], 1)
+        info.add_metric([*values, snap.graphs_state, _label_text(snap.graphs_reason)], 1)
         yield info
         # Counters
         yield counter("sluice_prompt_tokens", "Prompt tokens of requests that produced their first token "
-                      "(prefix-cache hits included).", stats.prompt_tokens)
-        yield counter("sluice_generation_tokens", "Tokens generated.", stats.generation_tokens)
+                      "(prefix-cache hits included).", snap.prompt_tokens)
+        yield counter("sluice_generation_tokens", "Tokens generated.", snap.generation_tokens)
         yield counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      e.kv.prefix_queries)
-        yield counter("sluice_prefix_cache_hits", "Prompt tokens served from the prefix cache.", e.kv.prefix_hits)
-        yield counter("sluice_num_preemptions", "Requests preempted by recompute.", e.scheduler.num_preemptions)
+                      snap.prefix_queries)
+        yield counter("sluice_prefix_cache_hits", "Prompt tokens served from the prefix cache.", snap.prefix_hits)
+        yield counter("sluice_num_preemptions", "Requests preempted by recompute.", snap.num_preemptions)
         yield counters("sluice_request_success", "Finished requests by reason.", "finished_reason",
-                       {r: stats.finished.get(r, 0) for r in FINISHED_REASONS})
+                       {r: snap.finished.get(r, 0) for r in FINISHED_REASONS})
         yield counters("sluice_request_abandoned", "Requests aborted because their client left, by how far "
                        "they had got when it left.", "phase",
-                       {ph: stats.abandoned.get(ph, 0) for ph in ("queued", "prefill", "decode")})
+                       {ph: snap.abandoned.get(ph, 0) for ph in ("queued", "prefill", "decode")})
         yield counter("sluice_request_scheduled_after_client_left", "Abandoned requests first scheduled after "
                       "their client had left (work done for nobody; should stay 0).",
-                      stats.scheduled_after_client_left)
+                      snap.scheduled_after_client_left)
         yield counter("sluice_request_slo", "Completed requests (stop or length) checked against the SLO.",
-                      m.requests_slo_checked)
+                      snap.requests_slo_checked)
         yield counter("sluice_request_goodput", "Completed requests that met every SLO objective set.",
-                      m.requests_goodput)
+                      snap.requests_goodput)
         yield counters("sluice_request_slo_met", "Completed requests that met one objective (met trivially "
-                       "when it is not set).", "objective", {"ttft": m.requests_met_ttft, "tpot": m.requests_met_tpot})
+                       "when it is not set).", "objective",
+                       {"ttft": snap.requests_met_ttft, "tpot": snap.requests_met_tpot})
         yield counters("sluice_engine_busy_seconds", "Time spent in engine steps, split between prefill and "
                        "decode work by tokens computed.", "phase",
-                       {"prefill": m.busy_prefill_seconds, "decode": m.busy_decode_seconds})
-        # Speculative decoding: every draft has a position 0, so drafts verified = drafts at position 0.
-        yield counter("sluice_spec_decode_num_drafts", "Draft sequences verified.",
-                      stats.spec_drafted_per_pos[0] if stats.spec_drafted_per_pos else 0)
-        yield counter("sluice_spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens)
-        per_pos = list(stats.spec_accepted_per_pos)
-        yield counter("sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_accepted_tokens)
+                       {"prefill": snap.busy_prefill_seconds, "decode": snap.busy_decode_seconds})
+        yield counter("sluice_spec_decode_num_drafts", "Draft sequences verified.", snap.spec_num_drafts)
+        yield counter("sluice_spec_decode_num_draft_tokens", "Draft tokens proposed.", snap.spec_draft_tokens)
+        yield counter("sluice_spec_decode_num_accepted_tokens", "Draft tokens accepted.", snap.spec_accepted_tokens)
         yield counters("sluice_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
-                       "in the draft.", "position", {str(i): v for i, v in enumerate(per_pos)})
+                       "in the draft.", "position", {str(i): v for i, v in enumerate(snap.spec_accepted_per_pos)})
         # Histograms
         yield histogram("sluice_time_to_first_token_seconds", "Time from arrival to the first output token.",
-                        m.ttft)
+                        hist["ttft"])
         yield histogram("sluice_inter_token_latency_seconds", "Time between a request's successive output "
-                        "steps.", m.inter_token_latency)
+                        "steps.", hist["inter_token_latency"])
         yield histogram("sluice_request_time_per_output_token_seconds", "Per completed request: (e2e - ttft) "
-                        "/ (output tokens - 1).", m.time_per_output_token)
+                        "/ (output tokens - 1).", hist["time_per_output_token"])
         yield histogram("sluice_e2e_request_latency_seconds", "Per completed request: arrival to last token.",
-                        m.e2e_latency)
+                        hist["e2e_latency"])
         yield histogram("sluice_request_queue_time_seconds", "Per completed request: arrival to first "
-                        "scheduled.", m.queue_time)
+                        "scheduled.", hist["queue_time"])
         yield histogram("sluice_request_prefill_time_seconds", "Per completed request: first scheduled to "
-                        "first token.", m.prefill_time)
+                        "first token.", hist["prefill_time"])
         yield histogram("sluice_request_decode_time_seconds", "Per completed request: first token to last "
-                        "token.", m.decode_time)
-        yield histogram("sluice_iteration_tokens", "Tokens computed per engine step.", m.iteration_tokens)
+                        "token.", hist["decode_time"])
+        yield histogram("sluice_iteration_tokens", "Tokens computed per engine step.", hist["iteration_tokens"])
 
 
 def _label_text(text: str, limit: int = 200) -> str:
