@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.05, help="seconds between probes")
     p.add_argument("--idle-seconds", type=float, default=5.0)
     p.add_argument("--serve-args", default="", help="extra `sluice serve` flags, e.g. '--quantization none'")
-    p.add_argument("--log", default="bench-results/health-under-load.log")
+    p.add_argument("--log", default=str(ROOT / "bench-results" / "health-under-load.log"))
     a = p.parse_args()
 
     from sluice_engine.bench.machine import cpu_name
