@@ -4,6 +4,7 @@ a compiler, and the choice of level (SLUICE_CPU_ISA, and a library never loaded 
 
 import ctypes
 import logging
+import os
 import platform
 import shutil
 
@@ -200,8 +201,12 @@ def test_a_library_for_a_level_the_cpu_lacks_is_never_loaded(tmp_path, monkeypat
     assert lib.sluice_kernels_isa() == b"avx2" and opened == [str(cpu_kernels.library_path("g++", "avx2"))]
     with pytest.raises(cpu_kernels.CpuIsaError, match="lacks"):
         cpu_kernels.open_library(avx512, "avx512-vnni")
-    # the AVX-512 file where the AVX2 one should be: read, refused, never opened
-    shutil.copyfile(avx512, cpu_kernels.library_path("g++", "avx2"))
+    # the AVX-512 file where the AVX2 one should be: read, refused, never opened. A new file (copy, then
+    # rename over): the AVX2 library loaded above stays mapped in this process, and rewriting its inode in
+    # place would change its code under it (the interpreter then crashed at exit in its destructors).
+    avx2 = cpu_kernels.library_path("g++", "avx2")
+    shutil.copyfile(avx512, avx2.with_name(avx2.name + ".new"))
+    os.replace(avx2.with_name(avx2.name + ".new"), avx2)
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     opened.clear()
     assert cpu_kernels.load() is None
