@@ -14,14 +14,13 @@ import copy
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_operator_pod_fields as pod_fields
 import test_operator_spec as spec_cases
-from dev_cluster import ROOT, Cluster
+from dev_cluster import ROOT, Cluster, wait_until
 from operator_schemas import CRD_FILE, EXAMPLES, load_yaml
 
 from sluice_operator.spec import SpecError, parse_endpoint
@@ -168,15 +167,12 @@ def _deployment(name: str, replicas: int, resources: dict[str, Any] | None = Non
 
 
 def _ready_pods(cluster: Cluster, app: str, want: int, timeout: float = 60) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def ready() -> list[dict[str, Any]] | None:
         pods = cluster.json("get", "pods", "-n", "default", "-l", f"app={app}")["items"]
-        ready = [p for p in pods if p["status"].get("phase") == "Running" and any(
+        out = [p for p in pods if p["status"].get("phase") == "Running" and any(
             c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
-        if len(ready) >= want:
-            return ready
-        assert time.monotonic() < deadline, json.dumps([p["status"] for p in pods], indent=1)[:3000]
-        time.sleep(0.5)
+        return out if len(out) >= want else None
+    return wait_until(f"{want} Ready pods of {app}", ready, timeout)
 
 
 def test_deployment_gets_ready_pods_on_simulated_nodes(cluster: Cluster) -> None:

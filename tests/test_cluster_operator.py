@@ -300,8 +300,7 @@ def test_scale_from_zero_through_the_deployments_scale_subresource(stack: Stack)
     # no replica count of an autoscaled endpoint, so its resyncs leave that alone: Ready -> Idle -> Ready.
     stack.cluster.kubectl("scale", "deployment/qwen-7b", "-n", "inference", "--replicas=0")
     ep = _wait_phase(stack, "qwen-7b", "inference", {"Idle"})
-    assert not _serving_pods(stack, "qwen-7b", "inference") or wait_until(
-        "the serving pod to go", lambda: not _serving_pods(stack, "qwen-7b", "inference"), 60)
+    wait_until("the serving pod to go", lambda: not _serving_pods(stack, "qwen-7b", "inference"), 60)
     assert stack.cluster.get("deployment", "qwen-7b-warm", "-n", "inference")["status"]["readyReplicas"] == 1
     stack.cluster.kubectl("scale", "deployment/qwen-7b", "-n", "inference", "--replicas=1")
     ep = _wait_phase(stack, "qwen-7b", "inference", {"Ready"})

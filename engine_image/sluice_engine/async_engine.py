@@ -271,7 +271,8 @@ class AsyncEngine:
             while not self._stopped.is_set() and self.dead is None:
                 block = not engine.has_unfinished()
                 errors = self._drain(block)
-                self._publish()
+                if not engine.has_unfinished():
+                    self._publish()  # what the adds and aborts changed; a step publishes once it has scheduled
                 self._deliver_threadsafe(errors)
                 if engine.has_unfinished():
                     self.step_started = time.monotonic()
