@@ -91,6 +91,41 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
             proc.wait()
 
 
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def engine_core_pid(server: ServerProcess) -> int:
+    """The pid of the engine-core process a `sluice serve` started (core_process.py)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for pid in child_pids(server.proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"sluice_engine.core_process" in f.read():
+                    return pid
+        time.sleep(0.1)
+    raise AssertionError("no engine-core process under the server")
+
+
+def process_gone(pid: int, timeout: float) -> bool:
+    """Whether the process exits (or is a zombie) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie (exited, not yet reaped) is gone too
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.fixture(scope="module")
 def start_server(model_dir: Path, tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     """Factory: start_server(*flags) -> a ready `sluice serve` on a free port, stopped when the test

@@ -173,23 +173,7 @@ class LLMEngine:
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if the request can never be served (a 400 at the API)."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("prompt", "prompt is empty", "empty_prompt")
-        if n >= self.max_model_len:
-            raise RequestRejected(
-                "prompt", f"prompt has {n} tokens; this model's context window (max_model_len) is "
-                f"{self.max_model_len} tokens, leaving no room to generate", "context_length_exceeded",
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                "max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
-                f"of {self.max_model_len} tokens", "context_length_exceeded",
-            )
-        vocab = self.runner.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        check_prompt(self.model_info, prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     logits_processors: list[LogitsProcessor] | None = None,
@@ -271,7 +255,8 @@ class LLMEngine:
             spec_num_drafts=stats.spec_drafted_per_pos[0] if stats.spec_drafted_per_pos else 0,
             spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
-            histograms={name: getattr(m, name).copy() for name in HISTOGRAMS})
+            histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
+            slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
@@ -487,6 +472,29 @@ class LLMEngine:
         for i in range(num_drafts):
             st.spec_drafted_per_pos[i] += 1
             st.spec_accepted_per_pos[i] += i < num_accepted
+
+
+def check_prompt(info: ModelInfo, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Raise RequestRejected if the request can never be served as asked: it reads only the model's fixed
+    limits, so the API process checks before a request reaches the engine, wherever that runs."""
+    n = len(prompt_token_ids)
+    max_model_len = info.max_model_len
+    if n == 0:
+        raise RequestRejected("prompt", "prompt is empty", "empty_prompt")
+    if n >= max_model_len:
+        raise RequestRejected(
+            "prompt", f"prompt has {n} tokens; this model's context window (max_model_len) is "
+            f"{max_model_len} tokens, leaving no room to generate", "context_length_exceeded",
+        )
+    if n + params.max_tokens > max_model_len:
+        raise RequestRejected(
+            "max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
+            f"of {max_model_len} tokens", "context_length_exceeded",
+        )
+    vocab = info.vocab_size
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -217,7 +217,12 @@ class StatsSnapshot:
     spec_accepted_tokens: int
     spec_accepted_per_pos: tuple[int, ...]
     histograms: dict[str, Histogram]  # HISTOGRAMS, copies
-    adds_taken: int = 0  # the AsyncEngine's count of submitted requests taken in, when it was made
+    adds_taken: int = 0  # the engine loop's count of submitted requests taken in, when it was made
+    # The objectives and price in force (flags, or the objectives file as last read): /metrics shows them.
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+    gpu_hour_usd: float = 0.0
+    num_gpus: int = 0
 
     @classmethod
     def zero(cls) -> StatsSnapshot:
@@ -230,16 +235,23 @@ class StatsSnapshot:
 # -- scrape time -------------------------------------------------------------------------------
 class _EngineCollector:
     def __init__(self, engine, async_engine=None):
-        # Read once here: names, config and the recorder's objectives (set from the objectives file below).
-        self.served_model_name = engine.served_model_name
-        self.endpoint_label = engine.cfg.endpoint_label
-        self.recorder: EngineMetrics = engine.metrics
-        # The latest snapshot: the AsyncEngine's (published by its engine thread), or, with none (the offline
+        """engine: the LLMEngine when it runs in this process, else None (an engine-core process: everything
+        comes from the snapshots it publishes, and it reads the objectives file itself)."""
+        if engine is not None:
+            self.served_model_name = engine.served_model_name
+            cfg = engine.cfg
+            self.recorder: EngineMetrics | None = engine.metrics
+        else:
+            self.served_model_name = async_engine.model_info.served_model_name
+            cfg = async_engine.cfg
+            self.recorder = None
+        self.endpoint_label = cfg.endpoint_label
+        # The latest snapshot: the AsyncEngine's (published by its engine loop), or, with none (the offline
         # LLM, tests), one taken at scrape time.
         self.latest = async_engine.stats if async_engine is not None else engine.stats_snapshot
         self.num_waiting = async_engine.waiting_in if async_engine is not None else (lambda snap: snap.num_waiting)
-        path = getattr(engine.cfg, "objectives_file", None)
-        self.objectives = ObjectivesFile(path) if path else None
+        path = getattr(cfg, "objectives_file", None)
+        self.objectives = ObjectivesFile(path) if path and self.recorder is not None else None
 
     def collect(self):
         m = self.recorder
@@ -247,6 +259,8 @@ class _EngineCollector:
         if self.objectives is not None and (o := self.objectives.changed()) is not None:
             m.set_objectives(o)
         snap: StatsSnapshot = self.latest()
+        if m is None:  # the objectives and price as the engine core last published them
+            m = snap
         names = ["model_name"]
         values = [self.served_model_name]
         if self.endpoint_label:

@@ -102,6 +102,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, let in-flight requests finish for up to this long (new ones get 503)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (scheduler, model runner) in its own process, fed by messages "
+                        "(docs/architecture.md); --no-engine-process runs it in a thread of the API server")
 
 
 # Idle keep-alive connections stay open this long. uvicorn's default (5 s) is shorter than what clients keep
@@ -133,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
         from .model_fetch import resolve_model
 
         return run_worker_node(cfg, resolve_model(cfg.model), args.host, args.port)
-    async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
-    engine = async_engine.engine
+    if args.engine_process:
+        async_engine = AsyncEngine.spawn(cfg, args.log_level)
+    else:
+        async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
     app = build_app(async_engine)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),
@@ -147,10 +152,11 @@ def run(args: argparse.Namespace) -> int:
         threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
 
     async_engine.on_dead = on_dead
-    log.info("serving %r on http://%s:%d/v1", engine.served_model_name, args.host, args.port)
+    log.info("serving %r on http://%s:%d/v1", async_engine.model_info.served_model_name, args.host, args.port)
     server.run()
     if async_engine.dead is not None:
-        engine.executor.shutdown(graceful=False)
+        if async_engine.engine is not None:  # an engine core process stops its own ranks
+            async_engine.engine.executor.shutdown(graceful=False)
         code = 1
     else:
         code = 0

@@ -24,13 +24,15 @@ log = logging.getLogger("sluice.api")
 
 
 def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
-    """The OpenAI server over an engine; pass an AsyncEngine.build(...) one to step it in the thread
-    that loaded it (faster on CPU, see AsyncEngine.build)."""
+    """The OpenAI server over an engine: an AsyncEngine.spawn(...) one runs it in its own process (what
+    `sluice serve` does), an AsyncEngine.build(...) one in the thread that loaded it, a plain LLMEngine in a
+    thread of its own."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    engine = async_engine.engine
+    engine = async_engine.engine  # None when the engine runs in its own process
     info = async_engine.model_info
-    serving = OpenAIServing(async_engine, info.served_model_name, engine.cfg.max_queue_len)
-    metrics = PrometheusExporter(engine, async_engine)  # reads the engine's counters (docs/metrics.md)
+    cfg = async_engine.cfg
+    serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len)
+    metrics = PrometheusExporter(engine, async_engine)  # renders the engine's snapshots (docs/metrics.md)
     started = int(time.time())
 
     @asynccontextmanager
@@ -115,7 +117,7 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
             return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=503)
         if async_engine.hung_for() is not None:
             return JSONResponse({"status": "hung", "error": f"a step has run longer than --step-timeout "
-                                 f"({engine.cfg.step_timeout:g} s)"}, status_code=503)
+                                 f"({cfg.step_timeout:g} s)"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")

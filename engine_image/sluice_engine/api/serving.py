@@ -16,6 +16,7 @@ from ..engine import RequestOutput, RequestRejected
 from ..sampler import TokenLogprobs
 from ..sampling_params import MAX_TOP_K, InvalidParam, SamplingParams
 from ..structured import (
+    CompiledGrammar,
     GrammarError,
     StructuredOutputs,
     ToolCallParser,
@@ -126,7 +127,7 @@ class OpenAIServing:
 
     async def _constraints(self, req, plan: ToolPlan | None = None, watch: ClientWatch | None = None):
         """The request's grammar (response_format, guided_*, or its tools), compiled off the event
-        loop and cached: a factory of each choice's own constraint, or None for free text. A
+        loop and cached (each choice gets its own constraint from it), or None for free text. A
         malformed schema, regex or grammar is a 400 naming its field."""
         try:
             spec = grammar_spec(req)
@@ -145,7 +146,7 @@ class OpenAIServing:
                 raise APIError(e.status, str(e), param=e.param, code="grammar_queue_full",
                                headers={"Retry-After": "1"}) from None
             raise bad_request(str(e), param=e.param) from None
-        return lambda: [self.structured.constraint(compiled)]
+        return CompiledGrammar(spec, compiled, self.structured)
 
     def _child_params(self, params: SamplingParams, i: int) -> SamplingParams:
         if i == 0 and params.seed is None:
@@ -154,10 +155,11 @@ class OpenAIServing:
         return dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
 
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
-                           base_id: str, constraints=None, watch: ClientWatch | None = None,
+                           base_id: str, grammar: CompiledGrammar | None = None,
+                           watch: ClientWatch | None = None,
                            ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
-        constraints: None, or a factory of one choice's logits processors (its grammar state).
+        grammar: the request's grammar, or None (each choice gets its own grammar state).
         If the client leaves (watch), every unfinished choice is aborted in the engine at once and
         the iteration raises the 499 APIError."""
         watch = watch or NoWatch()
@@ -171,7 +173,7 @@ class OpenAIServing:
         # NOTE: from the queue check to the last submit nothing awaits, so concurrent requests cannot
         # all pass the check before any of them counts as waiting (a burst stays within the bound).
         self.check_capacity(len(choices))
-        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, constraints() if constraints else None)
+        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar)
                 for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -251,10 +253,10 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             plp = max(req.logprobs, plp or 0)
         params = [self.sampling_params(req, req.max_tokens, len(ids), req.logprobs, plp) for ids in prompts]
-        constraints = await self._constraints(req, watch=watch)
+        grammar = await self._constraints(req, watch=watch)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices(prompts, params, req.n, rid, constraints, watch)
+        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch)
         if req.stream:
             return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter)
@@ -347,10 +349,10 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, len(prompt_ids), lp, None)
-        constraints = await self._constraints(req, plan, watch=watch)
+        grammar = await self._constraints(req, plan, watch=watch)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, constraints, watch)
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch)
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
                                       tools=plan is not None)

@@ -2,10 +2,11 @@
 per-request token masks inside the continuous batch, and tool calling built on them."""
 
 from .constraint import GrammarConstraint
-from .grammar import GrammarError, GrammarSpec, StructuredOutputs, grammar_spec
+from .grammar import CompiledGrammar, GrammarError, GrammarSpec, StructuredOutputs, grammar_spec
 from .tools import ToolCallParser, ToolPlan, plan_tools, render_messages, template_renders_tools
 
 __all__ = [
+    "CompiledGrammar",
     "GrammarConstraint",
     "GrammarError",
     "GrammarSpec",

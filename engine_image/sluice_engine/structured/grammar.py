@@ -195,6 +195,22 @@ class StructuredOutputs:
         """A fresh per-request constraint (one per choice: each has its own grammar state)."""
         return GrammarConstraint(compiled, self._stop_row)
 
+    def compiled_now(self, spec: GrammarSpec):
+        """The compiled grammar, compiled here and now if it is not cached: the engine core's, for a spec the
+        API process has already compiled once (so it is known to compile, and quickly)."""
+        key = (spec.kind, spec.source)
+        fut = self._cache.get(key)
+        if fut is not None and fut.done() and fut.exception() is None:
+            self._cache.move_to_end(key)
+            return fut.result()
+        compiled = self.compile_sync(spec)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(compiled)
+        self._cache[key] = done
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
@@ -206,6 +222,19 @@ class StructuredOutputs:
                 log.info("structured output: vocabulary indexed (%d tokens, %s)", self.vocab_size,
                          info.vocab_type.name)
             return self._compiler
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A request's grammar as the API compiled it: the spec (what crosses to an engine-core process, which
+    compiles it again, cached) and the compiled grammar (what an engine in this process constrains with)."""
+
+    spec: GrammarSpec
+    compiled: Any
+    structured: StructuredOutputs
+
+    def constraint(self) -> GrammarConstraint:
+        return self.structured.constraint(self.compiled)
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
