@@ -5,7 +5,15 @@
 # pod lifecycle; its Stage files, which the kwok binary needs and does not embed, are copied from its module
 # to share/kwok-stages.yaml). Binaries are cached under ${XDG_CACHE_HOME:-~/.cache}/sluice/control-plane/
 # <versions>/bin; a second run prints "cached" and does nothing. Prints the bin dir as its last line.
-# Not built yet (later slices of issue 24): KEDA's operator and metrics server, LeaderWorkerSet.
+#
+# Also the LeaderWorkerSet controller manager (sigs.k8s.io/lws, as bin/lws-controller) in its own directory,
+# <cache>/lws-<version>, with what dev-cluster.sh needs from the module next to it: its CRDs (share/crds) and
+# its webhook kustomization (share/webhook). It is optional: where it cannot be built the script says why and
+# still succeeds with the rest (the multi-node examples then stay Pending in the cluster tests).
+# Not built yet (a later slice of issue 24): KEDA's operator and metrics server.
+#
+#   get-control-plane.sh             build what is missing; last line: the Kubernetes bin dir
+#   get-control-plane.sh --lws-bin   build nothing; last line: LWS's bin dir, or exit 1 where it is not built
 #
 # Env: SLUICE_CONTROL_PLANE_CACHE overrides the cache root; GO (default: go) the Go command.
 set -euo pipefail
@@ -13,6 +21,7 @@ set -euo pipefail
 K8S_VERSION=v1.36.3    # k8s.io/kubernetes; staging modules are published as v0.36.3
 ETCD_VERSION=v3.6.8    # go.etcd.io/etcd/server/v3
 KWOK_VERSION=v0.8.0    # sigs.k8s.io/kwok
+LWS_VERSION=v0.9.0     # sigs.k8s.io/lws; v0.10.x (../shared/reference-crds) is not served whole by the proxy here
 
 GO=${GO:-go}
 ROOT=${SLUICE_CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/control-plane}
@@ -21,21 +30,40 @@ BIN="$DIR/bin"
 LOG="$DIR/build.log"
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 STAGES="$DIR/share/kwok-stages.yaml"
+LWS_DIR="$ROOT/lws-$LWS_VERSION"
+LWS_BIN="$LWS_DIR/bin"
+
+lws_built() { [[ -x "$LWS_BIN/lws-controller" && -d "$LWS_DIR/share/crds" && -f "$LWS_DIR/share/webhook/kustomization.yaml" ]]; }
+
+if [[ ${1:-} == --lws-bin ]]; then
+    lws_built || { echo "control plane: LeaderWorkerSet $LWS_VERSION is not built ($LWS_DIR)" >&2; exit 1; }
+    echo "$LWS_BIN"
+    exit 0
+fi
+[[ $# -eq 0 ]] || { echo "usage: $0 [--lws-bin]" >&2; exit 2; }
 
 missing=()
 for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || missing+=("$b"); done
 [[ -f "$STAGES" ]] || [[ " ${missing[*]} " == *" kwok "* ]] || missing+=(kwok)
-if [[ ${#missing[@]} -eq 0 ]]; then
-    echo "control plane: cached ($K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION)" >&2
+if [[ ${#missing[@]} -eq 0 ]] && lws_built; then
+    echo "control plane: cached ($K8S_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION, lws $LWS_VERSION)" >&2
     echo "$BIN"
     exit 0
 fi
-command -v "$GO" >/dev/null || { echo "control plane: '$GO' not found; install Go >= 1.26 to build it" >&2; exit 2; }
+if ! command -v "$GO" >/dev/null; then
+    echo "control plane: '$GO' not found; install Go >= 1.26 to build it" >&2
+    [[ ${#missing[@]} -eq 0 ]] || exit 2
+    echo "control plane: LeaderWorkerSet $LWS_VERSION not built; the Kubernetes control plane runs without it" >&2
+    echo "$BIN"
+    exit 0
+fi
 
-mkdir -p "$BIN" "$DIR/src"
-: >"$LOG"
 export CGO_ENABLED=0 GOFLAGS=-mod=mod
 START=$SECONDS
+if [[ ${#missing[@]} -gt 0 ]]; then
+    mkdir -p "$BIN" "$DIR/src"
+    : >"$LOG"
+fi
 say() { echo "control plane: $*" | tee -a "$LOG" >&2; }
 run() { nice -n 10 "$@" >>"$LOG" 2>&1 || { tail -n 40 "$LOG" >&2; say "FAILED: $* (log: $LOG)"; exit 1; }; }
 
@@ -106,13 +134,45 @@ build_kwok() {
     mv "$STAGES.tmp" "$STAGES"
 }
 
-say "building into $BIN: ${missing[*]}"
-for b in "${missing[@]}"; do
-    case $b in
-        etcd) build_etcd ;;
-        kube-apiserver | kube-controller-manager | kube-scheduler) [[ -x "$BIN/$b" ]] || build_kube ;;
-        kwok) build_kwok ;;
-    esac
-done
-say "built ${missing[*]} in $((SECONDS - START)) s"
+# LeaderWorkerSet's manager (cmd/main.go of sigs.k8s.io/lws, whose go.mod replaces nothing), built from a
+# wrapper module like etcd's. Its CRDs and its webhook kustomization (the Mutating- and
+# ValidatingWebhookConfigurations with the pod webhooks' objectSelector) are copied from the module.
+# Runs in a subshell whose failure is reported, not fatal: the Kubernetes control plane stands without it
+# (called from `||`, so errexit is off in it: each step says how it fails).
+build_lws() (
+    local w="$LWS_DIR/src" mod start=$SECONDS
+    LOG="$LWS_DIR/build.log"
+    mkdir -p "$w" "$LWS_BIN" && : >"$LOG" || exit 1
+    say "building lws-controller (LeaderWorkerSet $LWS_VERSION) ..."
+    printf 'module sluice.local/control-plane/lws\n\ngo 1.26.0\n\nrequire sigs.k8s.io/lws %s\n' "$LWS_VERSION" >"$w/go.mod"
+    (cd "$w" && run "$GO" build -trimpath -ldflags "-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION" \
+        -o "$LWS_BIN/lws-controller.tmp" sigs.k8s.io/lws/cmd) || exit 1
+    mod=$(cd "$w" && GOFLAGS= "$GO" mod download -json "sigs.k8s.io/lws@$LWS_VERSION" \
+        | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+    [[ -d "$mod/config/crd/bases" && -f "$mod/config/webhook/kustomization.yaml" ]] \
+        || { say "FAILED: no config/crd/bases or config/webhook in $mod"; exit 1; }
+    rm -rf "$LWS_DIR/share" && mkdir -p "$LWS_DIR/share/crds" "$LWS_DIR/share/webhook" \
+        && cp "$mod"/config/crd/bases/*.yaml "$LWS_DIR/share/crds/" \
+        && cp "$mod"/config/webhook/*.yaml "$LWS_DIR/share/webhook/" \
+        && chmod -R u+w "$LWS_DIR/share" \
+        && mv "$LWS_BIN/lws-controller.tmp" "$LWS_BIN/lws-controller" \
+        || { say "FAILED: copying the CRDs and webhook manifests from $mod"; exit 1; }
+    say "built lws-controller $LWS_VERSION in $((SECONDS - start)) s"
+)
+
+if [[ ${#missing[@]} -gt 0 ]]; then
+    say "building into $BIN: ${missing[*]}"
+    for b in "${missing[@]}"; do
+        case $b in
+            etcd) build_etcd ;;
+            kube-apiserver | kube-controller-manager | kube-scheduler) [[ -x "$BIN/$b" ]] || build_kube ;;
+            kwok) build_kwok ;;
+        esac
+    done
+    say "built ${missing[*]} in $((SECONDS - START)) s"
+fi
+if ! lws_built; then
+    build_lws || echo "control plane: LeaderWorkerSet $LWS_VERSION not built (log: $LWS_DIR/build.log); the" \
+        "Kubernetes control plane runs without an LWS controller" >&2
+fi
 echo "$BIN"
