@@ -2,7 +2,9 @@
 # A real Kubernetes control plane on this machine, no containers: etcd, kube-apiserver (TLS, RBAC, a
 # service-account issuer), kube-controller-manager, kube-scheduler and kwok, whose simulated nodes (two CPU
 # nodes; four with 8 nvidia.com/gpu each, two H100, an L40S and an A100, the products the examples ask for)
-# run pods as Running and Ready. Everything listens on 127.0.0.1 only, on free ports.
+# run pods as Running and Ready. Everything listens on 127.0.0.1 only, on free ports. Where
+# scripts/get-control-plane.sh built it, also the LeaderWorkerSet controller (sigs.k8s.io/lws): its CRDs, its
+# admission webhooks (reached by URL on 127.0.0.1, served with a cert from this cluster's CA), and its manager.
 # Binaries come from scripts/get-control-plane.sh (built on first use).
 #
 #   scripts/dev-cluster.sh up      start it (waits for /readyz, Ready nodes and the default ServiceAccount)
@@ -17,7 +19,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 STATE=${SLUICE_DEV_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/dev-cluster}
 KUBECONFIG_FILE="$STATE/admin.kubeconfig"
-COMPONENTS=(kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
+COMPONENTS=(lws-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
 # The project's kubectl (scripts/get-helm.sh) where it is there, else the one on PATH.
 KUBECTL=${KUBECTL:-$( [[ -x "$HERE/../.tools/bin/kubectl" ]] && echo "$HERE/../.tools/bin/kubectl" || echo kubectl)}
 
@@ -118,16 +120,82 @@ EOF
 }
 
 nodes() {
+    # GPU nodes the size of an 8-GPU server (a DGX H100: 224 CPUs, 2 TiB): a pod of
+    # examples/multinode-70b.yaml asks for 32 CPUs and 512Gi next to 8 GPUs.
     node kwok-cpu-0 16 64Gi 0 ""
     node kwok-cpu-1 16 64Gi 0 ""
-    node kwok-gpu-0 64 512Gi 8 NVIDIA-H100-80GB-HBM3
-    node kwok-gpu-1 64 512Gi 8 NVIDIA-H100-80GB-HBM3
-    node kwok-gpu-2 64 512Gi 8 NVIDIA-L40S
-    node kwok-gpu-3 64 512Gi 8 NVIDIA-A100-SXM4-80GB
+    node kwok-gpu-0 224 2Ti 8 NVIDIA-H100-80GB-HBM3
+    node kwok-gpu-1 224 2Ti 8 NVIDIA-H100-80GB-HBM3
+    node kwok-gpu-2 224 2Ti 8 NVIDIA-L40S
+    node kwok-gpu-3 224 2Ti 8 NVIDIA-A100-SXM4-80GB
 }
 
 untainted() {
     [[ -z $("$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get nodes -o jsonpath='{.items[*].spec.taints}') ]]
+}
+
+# --- LeaderWorkerSet: CRDs, webhooks, manager -------------------------------------------------------------
+# The module's own CRDs and webhook kustomization (copied by get-control-plane.sh to <lws>/share), so they match
+# the binary. In a cluster LWS reaches its webhooks through a Service and makes its own certs
+# (internalCertManagement); here the apiserver calls https://127.0.0.1:<port>/<path> and the manager serves a
+# cert from this cluster's CA, so its cert management and leader election are off.
+lws_webhooks() {  # port: the module's webhook configurations, clientConfig a URL with the CA bundle (JSON)
+    "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply -k "$LWS_SHARE/webhook" --dry-run=client -o json \
+        | python3 -c '
+import base64, json, sys
+port, ca = sys.argv[1], base64.b64encode(open(sys.argv[2], "rb").read()).decode()
+configs = [o for o in json.load(sys.stdin)["items"] if o["kind"].endswith("WebhookConfiguration")]
+for o in configs:
+    o["metadata"] = {"name": "lws-" + o["metadata"]["name"]}  # the names LWS install manifests give them
+    for hook in o["webhooks"]:
+        path = hook["clientConfig"]["service"]["path"]
+        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
+assert {o["kind"] for o in configs} == {"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}, configs
+print(json.dumps({"apiVersion": "v1", "kind": "List", "items": configs}))
+' "$1" "$STATE/pki/ca.crt"
+}
+
+lws_probe() {  # a LeaderWorkerSet through the apiserver, not stored: both LWS webhooks must answer
+    "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" create --dry-run=server -o jsonpath='{.spec.networkConfig}' -f - <<'EOF' \
+        | grep -q Shared  # set by LWS's defaulting webhook
+{"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+ "metadata": {"name": "dev-cluster-probe", "namespace": "default"},
+ "spec": {"leaderWorkerTemplate": {"size": 2, "workerTemplate": {"spec": {"containers": [{"name": "c", "image": "x"}]}}}}}
+EOF
+}
+
+start_lws() {
+    local port metrics health
+    mkdir -p "$STATE/lws/certs"
+    "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply --server-side -f "$LWS_SHARE/crds" >/dev/null
+    cert lws-webhook "/CN=lws-webhook" "$(printf '%s\n' "subjectAltName=IP:127.0.0.1" \
+        "extendedKeyUsage=serverAuth" "keyUsage=digitalSignature,keyEncipherment")"
+    cp "$STATE/pki/lws-webhook.crt" "$STATE/lws/certs/tls.crt"  # controller-runtime's file names
+    cp "$STATE/pki/lws-webhook.key" "$STATE/lws/certs/tls.key"
+    port=$(free_port); metrics=$(free_port); health=$(free_port)
+    echo "$port" >"$STATE/lws/webhook-port"
+    cat >"$STATE/lws/config.yaml" <<EOF
+apiVersion: config.lws.x-k8s.io/v1alpha1
+kind: Configuration
+leaderElection:
+  leaderElect: false
+internalCertManagement:
+  enable: false
+webhook:
+  host: 127.0.0.1
+  port: $port
+  certDir: $STATE/lws/certs
+metrics:
+  bindAddress: 127.0.0.1:$metrics
+health:
+  healthProbeBindAddress: 127.0.0.1:$health
+EOF
+    wait_for "LWS's CRDs to be Established" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" wait -f "$LWS_SHARE/crds" \
+        --for=condition=Established --timeout=1s
+    start lws-controller "$LWS_BIN/lws-controller" --kubeconfig="$KUBECONFIG_FILE" --config="$STATE/lws/config.yaml"
+    wait_for "lws-controller /readyz" 30 curl -sf "http://127.0.0.1:$health/readyz"
+    "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply -f - >/dev/null <<<"$(lws_webhooks "$port")"
+    wait_for "LWS's webhooks to answer the apiserver" 30 lws_probe
 }
 
 up() {
@@ -136,6 +204,8 @@ up() {
     fi
     local start=$SECONDS bin k8s
     bin=$(bash "$HERE/get-control-plane.sh" | tail -n 1)
+    LWS_BIN=$(bash "$HERE/get-control-plane.sh" --lws-bin 2>/dev/null | tail -n 1) || LWS_BIN=""
+    LWS_SHARE=${LWS_BIN:+$LWS_BIN/../share}
     k8s=$("$bin/kube-apiserver" --version | awk '{print $2}')
     rm -rf "$STATE"
     mkdir -p "$STATE/logs" "$STATE/pids" "$STATE/etcd"
@@ -187,7 +257,12 @@ up() {
         --all --for=condition=Ready --timeout=1s
     wait_for "the nodes' not-ready taints to be lifted" 30 untainted
     wait_for "the default ServiceAccount" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get serviceaccount default
-    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs)"
+    local lws="no LeaderWorkerSet controller (not built: see scripts/get-control-plane.sh)"
+    if [[ -n $LWS_BIN ]]; then
+        start_lws
+        lws="LeaderWorkerSet $("$LWS_BIN/lws-controller" --version | awk '/^Version/{print $2}') (webhooks on 127.0.0.1:$(cat "$STATE/lws/webhook-port"))"
+    fi
+    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs), $lws"
     say "state and logs: $STATE"
     echo "export KUBECONFIG=$KUBECONFIG_FILE"
 }
@@ -212,6 +287,7 @@ status() {
     local name rc=0
     for name in "${COMPONENTS[@]}"; do
         if running "$name"; then echo "$name: running (pid $(cat "$STATE/pids/$name"))"
+        elif [[ $name == lws-controller && ! -d $STATE/lws ]]; then echo "$name: not started (not built)"
         else echo "$name: not running"; rc=1; fi
     done
     [[ $rc -eq 0 ]] && "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get nodes -L nvidia.com/gpu.product
