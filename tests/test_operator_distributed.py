@@ -23,7 +23,7 @@ K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 BUILTIN_KINDS = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
 LWS_CRD = "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 # What the LWS pod webhook injects into every container of a group (group 0 of LeaderWorkerSet "llama-70b").
-LWS_ENV = {"LWS_LEADER_ADDRESS": "llama-70b-0.llama-70b.inference", "LWS_GROUP_SIZE": "2"}
+LWS_ENV = {"LWS_LEADER_ADDRESS": "llama-70b-0.llama-70b-0.inference", "LWS_GROUP_SIZE": "2"}
 
 TP8_PP2 = """\
 apiVersion: sluice.dev/v1alpha1
@@ -116,6 +116,10 @@ def test_tp8_pp2_renders_a_leaderworkerset_of_two_serves(tmp_path, capsys):
     assert lwt["size"] == 2
     assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"  # one failed pod recreates the group
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"  # the leader is Ready only once workers joined
+    # Each group's own headless Service (named after its leader pod), not one named like the LeaderWorkerSet:
+    # that name is the endpoint's Service's.
+    assert lws["spec"]["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
+    assert lws["metadata"]["name"] in {m["metadata"]["name"] for m in manifests if m["kind"] == "Service"}
 
     leader, worker = engine_of(lwt["leaderTemplate"]), engine_of(lwt["workerTemplate"])
     lf, wf = flags(leader), flags(worker)
@@ -212,7 +216,7 @@ def test_cpu_pipeline_over_two_pods():
     validate(manifests)
     lws = workload_of(manifests)
     assert lws["kind"] == "LeaderWorkerSet" and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
-    env = {"LWS_LEADER_ADDRESS": "smollm2-pp2-0.smollm2-pp2.default"}
+    env = {"LWS_LEADER_ADDRESS": "smollm2-pp2-0.smollm2-pp2-0.default"}
     for index, (role, template) in enumerate(templates(lws).items()):
         engine = engine_of(template)
         assert "nvidia.com/gpu" not in str(engine.get("resources")) and "tolerations" not in template["spec"]

@@ -253,6 +253,11 @@ def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name
         # Workers start with the leader: it is Ready only once every rank has joined (LeaderReady would wait
         # forever).
         "startupPolicy": "LeaderCreated",
+        # A headless Service per group, named after its leader pod, that publishes pods before they are Ready:
+        # LWS_LEADER_ADDRESS is <leader pod>.<that Service>.<namespace>. With the default (Shared) LWS names
+        # its one headless Service after the LeaderWorkerSet, which is the endpoint's own Service's name: LWS
+        # then creates none and the address names pods under a Service that selects only Ready leaders.
+        "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
     }
     if replicas is not None:
         spec = {"replicas": replicas, **spec}
