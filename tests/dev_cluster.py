@@ -1,7 +1,8 @@
 """The real control plane the cluster tests run against (marker `cluster`): scripts/get-control-plane.sh builds
 kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok from their Go modules (once per machine,
-cached), and scripts/dev-cluster.sh runs them on 127.0.0.1 with kwok's simulated nodes. One cluster per test
-session (the `cluster` fixture, registered in conftest.py); each test module cleans up what it creates.
+cached), and scripts/dev-cluster.sh runs them on 127.0.0.1 with kwok's simulated nodes, and the LeaderWorkerSet
+controller with its webhooks where it could be built (`Cluster.lws`). One cluster per test session (the
+`cluster` fixture, registered in conftest.py); each test module cleans up what it creates.
 
 Skipped, saying why, only where the control plane cannot be built (no Go, or the build failed)."""
 
@@ -46,6 +47,12 @@ class Cluster:
     @property
     def ca_file(self) -> Path:
         return self.state / "pki" / "ca.crt"
+
+    @property
+    def lws(self) -> bool:
+        """Whether the LeaderWorkerSet controller runs (dev-cluster.sh starts it where get-control-plane.sh
+        built it)."""
+        return (self.state / "lws" / "webhook-port").is_file()
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60,
                 kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -6,13 +6,19 @@
 Deployment and authenticated as the chart's ServiceAccount with a token from the TokenRequest API, so what the
 chart's RBAC allows is what it can do. The optional kinds it renders come from their projects' own CRDs
 (../shared/reference-crds: KEDA, the Prometheus operator, LeaderWorkerSet), so the real server validates them.
-No KEDA or LWS controller runs here (not built yet): ScaledObjects and LeaderWorkerSets are admitted and
-stored, and scaling is what KEDA's HPA would do, through the Deployment's scale subresource.
 
-In file order: every example reconciles with no 403, the printer columns and the scale subresource, a spec edit
-rolls the pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, the
-gateway under its own ServiceAccount finding the serving pods, and last the leader hand-over between two
-operator processes on the real Lease.
+The LeaderWorkerSet controller runs (built from sigs.k8s.io/lws by scripts/get-control-plane.sh, started with
+its admission webhooks by scripts/dev-cluster.sh, whose LWS CRDs, the module's own, stay as they are): the
+multi-node examples' groups get their leader and worker pods, with LWS's labels and LWS_* environment, and
+reach Ready. Where LWS could not be built those examples stay Pending and the LWS tests skip, saying so.
+No KEDA controller runs here (not built yet): ScaledObjects are admitted and stored, and scaling is what KEDA's
+HPA would do, through the Deployment's scale subresource.
+
+In file order: every example reconciles with no 403, the multi-node groups as LWS makes them, LWS's webhooks
+admitting what the operator renders, the printer columns and the scale subresource, a spec edit rolls the
+pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, the gateway under
+its own ServiceAccount finding the serving pods, and last the leader hand-over between two operator processes
+on the real Lease.
 """
 
 from __future__ import annotations
@@ -108,20 +114,27 @@ def _chart_container(cluster: Cluster) -> dict[str, Any]:
 
 
 def _install_optional_crds(cluster: Cluster) -> None:
+    """The reference CRDs, except those the cluster already serves: LWS's, installed by dev-cluster.sh from
+    the module of the controller it runs (v0.9.0 here; the reference copies are v0.10.x, whose schema only adds
+    to it), which its controller and webhooks are written against."""
     if not REFERENCE_CRDS.is_dir():
         pytest.skip(f"{REFERENCE_CRDS} is missing (KEDA's, LWS's and the Prometheus operator's CRDs)")
     names = []
     for path in sorted(REFERENCE_CRDS.glob("*.yaml")):
-        cluster.kubectl("apply", "--server-side", "-f", str(path))
-        names.append(load_yaml(path)["metadata"]["name"])
+        name = load_yaml(path)["metadata"]["name"]
+        if cluster.get("crd", name) is None:
+            cluster.kubectl("apply", "--server-side", "-f", str(path))
+        names.append(name)
     cluster.wait_established(*names)
 
 
 def _model_storage(cluster: Cluster, tmp: Path) -> None:
-    """What the examples expect to exist: their Secrets, and the claims they name (bound to pre-made hostPath
-    PersistentVolumes: this cluster has no provisioner)."""
+    """What the examples expect to exist: their Secrets, the PriorityClass multinode-70b.yaml names, and the
+    claims they name (bound to pre-made hostPath PersistentVolumes: this cluster has no provisioner)."""
     for ns in EXAMPLE_NAMESPACES:
         cluster.kubectl("create", "namespace", ns, check=False)
+    cluster.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                   "metadata": {"name": "inference-high"}, "value": 1000})
     for name, key in (("hf-token", "HF_TOKEN"), ("s3-credentials", "AWS_ACCESS_KEY_ID")):
         cluster.kubectl("create", "secret", "generic", name, "-n", "inference", f"--from-literal={key}=x", check=False)
     for claim, mode in (("model-cache", "ReadWriteMany"), ("llama-weights", "ReadOnlyMany")):
@@ -165,11 +178,20 @@ def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         wait_until("operator-a to hold the Lease", lambda: _holder(cluster) == "operator-a", 60)
         yield stack
     finally:
-        if stack is not None:
-            for op in stack.operators:
-                op.stop()
-        subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, f"--kubeconfig={cluster.kubeconfig}",
-                        "--wait=false"], capture_output=True, timeout=120)
+        try:
+            # The endpoints go first, and their pods with them (the garbage collector, then kwok): the
+            # multi-node groups hold whole GPU nodes that later modules' tests schedule onto.
+            for ns in EXAMPLE_NAMESPACES:
+                cluster.kubectl("delete", "inferenceendpoints", "--all", "-n", ns, "--timeout=60s", check=False,
+                                timeout=90)
+            wait_until("the endpoints' pods to go", lambda: not any(
+                cluster.json("get", "pods", "-n", n, "-l", ENDPOINT_LABEL)["items"] for n in EXAMPLE_NAMESPACES), 90)
+        finally:
+            if stack is not None:
+                for op in stack.operators:
+                    op.stop()
+            subprocess.run([helm, "uninstall", RELEASE, "-n", RELEASE_NS, f"--kubeconfig={cluster.kubeconfig}",
+                            "--wait=false"], capture_output=True, timeout=120)
 
 
 def _holder(cluster: Cluster) -> str | None:
@@ -223,22 +245,37 @@ def _forbidden(text: str) -> list[str]:
     return [line for line in text.splitlines() if "403" in line or "forbidden" in line.lower()]
 
 
+def _require_lws(cluster: Cluster) -> None:
+    if not cluster.lws:
+        pytest.skip("no LeaderWorkerSet controller in this cluster: scripts/get-control-plane.sh could not build "
+                    "it (its output says why; log: ~/.cache/sluice/control-plane/lws-*/build.log), so the "
+                    "multi-node examples stay Pending")
+
+
 # -- every example, under the chart's RBAC ---------------------------------------------------------------------
 # What each example reaches here: single-node ones serve on simulated pods (an autoscaled one starts at the
 # Deployment's default of 1 replica, the operator applying no count, until KEDA scales it); multi-node ones
-# are LeaderWorkerSets, admitted and stored, with no LWS controller to make their pods (Pending).
+# are LeaderWorkerSets whose groups LWS makes into pods (an autoscaled one at LWS's default of 1 replica), or,
+# where no LWS controller runs, admitted and stored with no pods (Pending).
+MULTI_NODE = {"multinode-70b.yaml": ("llama-70b", "inference", "NVIDIA-H100-80GB-HBM3"),
+              "cpu-pipeline-2node.yaml": ("smollm2-pp2", "default", None)}  # name, namespace, GPU product
 EXPECTED_PHASE = {"cpu-smollm2.yaml": {"Ready"}, "gpu-8b.yaml": {"Ready"}, "scale-to-zero.yaml": {"Ready"},
-                  "multinode-70b.yaml": {"Pending"}, "cpu-pipeline-2node.yaml": {"Pending"}}
+                  **{example: {"Ready"} for example in MULTI_NODE}}
+
+
+def _expected_phase(cluster: Cluster, example: str) -> set[str]:
+    return {"Pending"} if example in MULTI_NODE and not cluster.lws else EXPECTED_PHASE[example]
 
 
 def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> None:
     assert set(EXPECTED_PHASE) == {p.name for p in EXAMPLES}
     applied = {path.name: _apply_endpoint(stack, load_yaml(path)) for path in EXAMPLES}
     for example, (name, ns) in applied.items():
-        ep = _wait_phase(stack, name, ns, EXPECTED_PHASE[example])
+        expected = _expected_phase(stack.cluster, example)
+        ep = _wait_phase(stack, name, ns, expected)
         reconciled = _condition(ep, "Reconciled")
         assert reconciled.get("status") == "True", (example, ep["status"])
-        if EXPECTED_PHASE[example] == {"Ready"}:
+        if expected == {"Ready"}:
             assert ep["status"]["replicas"]["ready"] == ep["status"]["replicas"]["desired"] >= 1, ep["status"]
     # Every child the renderer makes exists, owned by its endpoint.
     for example, (name, ns) in applied.items():
@@ -258,6 +295,110 @@ def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> No
     nodes = {p["spec"]["nodeName"] for p in _serving_pods(stack, "llama-8b", "inference")}
     assert nodes and all(stack.cluster.json("get", "node", n)["metadata"]["labels"]["nvidia.com/gpu.product"]
                          == "NVIDIA-L40S" for n in nodes), nodes
+
+
+# -- LeaderWorkerSet: the multi-node groups ---------------------------------------------------------------------
+LWS_NAME, LWS_GROUP_INDEX, LWS_WORKER_INDEX = (f"leaderworkerset.sigs.k8s.io/{k}"
+                                               for k in ("name", "group-index", "worker-index"))
+
+
+def _engine(pod: dict[str, Any]) -> dict[str, Any]:
+    (engine,) = [c for c in pod["spec"]["containers"] if c["name"] == "engine"]
+    return engine
+
+
+def _owner_kinds(obj: dict[str, Any]) -> list[str]:
+    return [o["kind"] for o in obj["metadata"].get("ownerReferences", [])]
+
+
+@pytest.mark.parametrize("example", sorted(MULTI_NODE))
+def test_multi_node_groups_run_as_lws_makes_them(stack: Stack, example: str) -> None:
+    # What the engine's multi-node launch relies on (docs/operator.md, "What runs"): every pod of a group gets
+    # LWS's group labels and LWS_LEADER_ADDRESS (the leader's name under the group's headless Service) and
+    # LWS_WORKER_INDEX (0 on the leader), which the kubelet expands in --master-addr and --node-rank.
+    _require_lws(stack.cluster)
+    name, ns, product = MULTI_NODE[example]
+    ep = _wait_phase(stack, name, ns, {"Ready"})  # test_examples_... applied it
+    size = stack.cluster.json("get", "leaderworkerset", name, "-n", ns)["spec"]["leaderWorkerTemplate"]["size"]
+    assert size == 2, size
+
+    def group() -> Any:
+        pods = stack.cluster.json("get", "pods", "-n", ns, "-l", f"{LWS_NAME}={name}")["items"]
+        ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                        for c in p["status"].get("conditions", []))]
+        return pods if len(pods) == len(ready) == size else None
+    pods = sorted(wait_until(f"the {size} pods of {ns}/{name}'s group Ready", group, 60),
+                  key=lambda p: int(p["metadata"]["labels"][LWS_WORKER_INDEX]))
+    leader, worker = pods
+    assert leader["metadata"]["name"] == f"{name}-0" and worker["metadata"]["name"] == f"{name}-0-1", pods
+    for index, pod in enumerate(pods):
+        labels, engine = pod["metadata"]["labels"], _engine(pod)
+        env, args = {e["name"]: e.get("value") for e in engine["env"]}, engine["args"]
+        assert labels[LWS_NAME] == name and labels[LWS_GROUP_INDEX] == "0", labels
+        assert labels[LWS_WORKER_INDEX] == str(index), labels
+        assert labels[ENDPOINT_LABEL] == name and labels[ROLE_LABEL] == SERVING, labels
+        assert env["LWS_LEADER_ADDRESS"] == f"{name}-0.{name}-0.{ns}", env  # <leader pod>.<group's Service>
+        assert pod["spec"]["subdomain"] == f"{name}-0", pod["spec"]
+        assert env["LWS_WORKER_INDEX"] == str(index) and env["LWS_GROUP_SIZE"] == str(size), env
+        assert args[args.index("--master-addr") + 1] == "$(LWS_LEADER_ADDRESS)", args
+        assert args[args.index("--node-rank") + 1] == ("0" if index == 0 else "$(LWS_WORKER_INDEX)"), args
+    assert len({p["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/group-key"] for p in pods}) == 1, pods
+    # LWS_LEADER_ADDRESS resolves under the group's headless Service, named after the leader pod, which
+    # publishes the pods before they are Ready (the rendezvous comes first): its EndpointSlice holds the
+    # leader's hostname and address, what cluster DNS answers for <leader>.<Service>.<namespace>.
+    group_service = stack.cluster.json("get", "service", f"{name}-0", "-n", ns)["spec"]
+    assert group_service["clusterIP"] == "None" and group_service["publishNotReadyAddresses"], group_service
+    assert group_service["selector"] == {LWS_NAME: name, LWS_GROUP_INDEX: "0"}, group_service
+
+    def published() -> Any:
+        slices = stack.cluster.json("get", "endpointslices", "-n", ns, "-l",
+                                    f"kubernetes.io/service-name={name}-0")["items"]
+        return {e.get("hostname"): e["addresses"] for s in slices for e in s.get("endpoints") or []} or None
+    endpoints = wait_until(f"the EndpointSlice of Service {name}-0", published, 30)
+    assert endpoints.get(leader["metadata"]["name"]) == [leader["status"]["podIP"]], endpoints
+    # The endpoint's own Service (the URL) stays its own: a ClusterIP selecting the leader only.
+    service = stack.cluster.json("get", "service", name, "-n", ns)
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["clusterIP"] != "None", service["spec"]
+    assert _owner_kinds(service) == ["InferenceEndpoint"], service["metadata"]
+    if product:  # 8 GPUs a pod: one whole node each, of the product asked for
+        nodes = [p["spec"]["nodeName"] for p in pods]
+        assert len(set(nodes)) == size, nodes
+        assert all(stack.cluster.json("get", "node", n)["metadata"]["labels"]["nvidia.com/gpu.product"] == product
+                   for n in nodes), nodes
+    # The operator counts LWS's ready groups: one replica, ready.
+    lws = stack.cluster.json("get", "leaderworkerset", name, "-n", ns)
+    assert lws["status"]["readyReplicas"] == 1, lws["status"]
+    assert ep["status"]["replicas"]["ready"] == ep["status"]["replicas"]["desired"] == 1, ep["status"]
+
+
+def test_lws_webhooks_admit_what_the_operator_renders(stack: Stack) -> None:
+    # The LeaderWorkerSet `sluice render` makes of the 70B example, created through the apiserver as a dry run,
+    # passes LWS's defaulting and validating webhooks as it is (both failurePolicy Fail: no answer, no
+    # admission); the same object with a rollout that could never replace a group is refused by the validating
+    # webhook (the CRD's schema allows it; the InferenceEndpoint CRD refuses the spec.rollout that would render
+    # it). The examples' LeaderWorkerSets went through both webhooks too.
+    _require_lws(stack.cluster)
+    rendered = json.loads(subprocess.run([sys.executable, "-m", "sluice_engine.cli", "render", "-f",
+                                          str(ROOT / "examples" / "multinode-70b.yaml"), "-o", "json"],
+                                         capture_output=True, text=True, check=True).stdout)
+    (lws,) = [o for o in rendered["items"] if o["kind"] == "LeaderWorkerSet"]
+    lws["metadata"]["name"] = "admission-check"
+    del lws["metadata"]["ownerReferences"]  # the placeholder owner of `sluice render`
+
+    def dry_run(doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return stack.cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                     stdin=json.dumps(doc), check=False)
+    admitted = dry_run(lws)
+    assert admitted.returncode == 0, admitted.stderr
+    spec = json.loads(admitted.stdout)["spec"]
+    assert spec["networkConfig"] == lws["spec"]["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}, spec
+    assert spec["leaderWorkerTemplate"]["size"] == 2 and spec["replicas"] == 1, spec  # replicas: the CRD's default
+    broken = copy.deepcopy(lws)
+    broken["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] = {"maxSurge": 0, "maxUnavailable": 0}
+    refused = dry_run(broken)
+    assert refused.returncode != 0, refused.stdout
+    assert 'admission webhook "vleaderworkerset.kb.io" denied the request' in refused.stderr, refused.stderr
+    assert "must not be 0 when `maxSurge` is 0" in refused.stderr, refused.stderr
 
 
 def test_printer_columns_and_the_scale_subresource(stack: Stack) -> None:
