@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import re
 from typing import Any
 
 import pytest
@@ -13,7 +14,8 @@ from operator_schemas import CRD_FILE, EXAMPLES, api_server_errors, crd_schema, 
 
 from sluice_operator.engine_flags import OPERATOR_OWNED_FLAGS, PASSTHROUGH_FLAGS, check_arg, render_args
 from sluice_operator.layout import LayoutError, plan_layout
-from sluice_operator.spec import SpecError, parse_endpoint
+from sluice_operator.reconcile import reconcile
+from sluice_operator.spec import MAX_NAME_LENGTH, SpecError, parse_endpoint
 
 BASE = {
     "apiVersion": "sluice.dev/v1alpha1",
@@ -166,6 +168,16 @@ INVALID = [
                  "metadata.name must be at most 40 characters", id="long-name"),
     pytest.param({**BASE, "metadata": {"name": "Llama"}}, "metadata.name must start with a lowercase letter",
                  "metadata.name must start with a lowercase letter", id="uppercase-name"),
+    # A DNS-1123 name, which the API server's own name check takes for a custom resource, but not a DNS-1035
+    # label: neither the endpoint's Service nor (multi-node) its LeaderWorkerSet could be created (LWS's webhook
+    # checks NameIsDNS1035Label), so the CRD's name rule refuses it at admission, whatever the layout.
+    pytest.param({**BASE, "metadata": {"name": "70b-chat", "namespace": "ml"}},
+                 "metadata.name must start with a lowercase letter",
+                 "metadata.name must start with a lowercase letter", id="digit-first-name"),
+    pytest.param({**with_spec(accelerator={"gpusPerNode": 8}, parallelism={"tensor": 8, "pipeline": 2}),
+                  "metadata": {"name": "70b-chat", "namespace": "ml"}},
+                 "metadata.name must start with a lowercase letter",
+                 "metadata.name must start with a lowercase letter", id="digit-first-name-multi-node"),
 ]
 
 
@@ -176,6 +188,27 @@ def test_invalid_is_rejected_with_its_message(doc, python_message, server_messag
     assert python_message in str(err.value)
     errors = api_server_errors(schema, doc)
     assert any(server_message in e for e in errors), errors
+
+
+# What LWS v0.9.0's webhook (pkg/webhooks/leaderworkerset_webhook.go, generalValidate) asks of a LeaderWorkerSet's
+# metadata.name: apimachinery's NameIsDNS1035Label, i.e. IsDNS1035Label, this pattern and at most 63 characters.
+LWS_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+LWS_NAME_MAX = 63
+
+
+def test_admitted_names_name_leader_worker_sets_lws_admits(schema):
+    """The CRD's name rules hold for every layout and are at least LWS's: the longest name admitted names
+    LeaderWorkerSets (the serving one and the warm pool's, `<name>-warm`) that LWS's webhook takes."""
+    name = f"llama-{'7' * (MAX_NAME_LENGTH - 7)}b"
+    assert len(name) == MAX_NAME_LENGTH
+    doc = with_spec(accelerator={"gpusPerNode": 8}, parallelism={"tensor": 8, "pipeline": 2},
+                    scaling={"minReplicas": 0, "maxReplicas": 2, "warmPool": {"replicas": 1}})
+    doc["metadata"] = {"name": name, "namespace": "ml"}
+    assert api_server_errors(schema, doc) == []
+    names = [m["metadata"]["name"] for m in reconcile(parse_endpoint(doc)) if m["kind"] == "LeaderWorkerSet"]
+    assert names == [name, f"{name}-warm"]
+    for lws in names:
+        assert LWS_NAME.fullmatch(lws) and len(lws) <= LWS_NAME_MAX, lws
 
 
 def test_errors_name_every_field():
