@@ -299,6 +299,9 @@ def test_engine_args_values_and_rendering():
     assert render_args({"max-num-seqs": 8, "no-prefix-caching": "true", "kv-cache-memory": "1GiB"}) == [
         "--max-num-seqs", "8", "--no-prefix-caching", "--kv-cache-memory", "1GiB"]
     assert render_args({"no-prefix-caching": "false"}) == []
+    # A switch the engine has on by default is turned off with its --no- form.
+    assert render_args({"engine-process": "false"}) == ["--no-engine-process"]
+    assert render_args({"engine-process": "true"}) == ["--engine-process"]
 
 
 QUANT_ACCEPTED = [(q, acc) for q in ("auto", "none", "q8_0", "q4_0", "q4_1", "fp8", "awq", "gptq")

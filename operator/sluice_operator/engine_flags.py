@@ -60,7 +60,12 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "ngram-max": int,
     "speculative-disable-batch-size": int,
     "distributed-timeout": float,
+    # On by default: "false" renders --no-engine-process (NEGATABLE_SWITCHES).
+    "engine-process": bool,
 }
+
+# Switches that are on by default in the engine (argparse's BooleanOptionalAction): "false" renders --no-<flag>.
+NEGATABLE_SWITCHES = frozenset({"engine-process"})
 
 # What the CRD can type-check and CEL can read: x-kubernetes-int-or-string. So a float is written as a
 # string ("0.85") and a switch as "true" or "false", as they would be on a command line.
@@ -119,6 +124,8 @@ def render_args(args: dict[str, ArgValue]) -> list[str]:
         if PASSTHROUGH_FLAGS.get(flag) is bool:
             if value == "true":
                 out.append(f"--{flag}")
+            elif flag in NEGATABLE_SWITCHES:
+                out.append(f"--no-{flag}")
         else:
             out += [f"--{flag}", str(value)]
     return out
