@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port, stop_process
+from conftest import engine_core_pid, free_port, stop_process
 from openai import OpenAI
 from test_server_parity import PROMPTS, check_all_at_once, reference  # noqa: F401 - reference is a fixture
 
@@ -122,7 +122,7 @@ def test_killed_rank_stops_the_group(start_server):
     """SIGKILL a worker rank mid-stream: an error event ends the stream, /health is 503 and the server
     exits non-zero, within 30 s."""
     server = start_server("--tensor-parallel-size", "3", "--master-port", str(free_port()))
-    workers = _children(server.proc.pid)
+    workers = _children(engine_core_pid(server))  # rank 0 runs in the engine core, which launched the others
     assert len(workers) == 2, workers
     client = OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60)
     stream = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=400,

@@ -28,7 +28,7 @@ IMAGE_LIST = ROOT / "benchmarks" / "gpu_image_packages.txt"
 # uvicorn.Config.load() below. Then the GPU check's scripts and its test runner.
 SERVING_MODULES = [
     "sluice_engine.cli", "sluice_engine.serve_cli", "uvicorn", "sluice_engine.api.draining_server",
-    "sluice_engine.api.server", "sluice_engine.async_engine", "sluice_engine.engine", "sluice_engine.model_runner",
+    "sluice_engine.api.server", "sluice_engine.async_engine", "sluice_engine.core_process", "sluice_engine.engine", "sluice_engine.model_runner",
     "sluice_engine.attention.triton_paged", "sluice_engine.layer_ops.triton_ops", "sluice_engine.quant.triton_gemm",
     "sluice_engine.models.gpu_quant_loader", "sluice_engine.cuda_graphs", "sluice_engine.warmup",
     "sluice_engine.structured", "xgrammar", "sluice_engine.distributed.launcher",

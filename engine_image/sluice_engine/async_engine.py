@@ -36,15 +36,18 @@ from .core_messages import (
     CoreOutputs,
     CoreReady,
     CoreWarmedUp,
+    FinishRequest,
     RequestFailedError,
     Shutdown,
     command_codec,
     core_message_codec,
     refusal_error,
 )
-from .engine import LLMEngine, ModelInfo, RequestOutput, check_prompt
+from .engine import LLMEngine, ModelInfo, check_prompt
 from .engine_loop import IDLE_TICK_S, EngineLoop, LocalAdd, StepClock
+from .engine_output import RequestOutput
 from .metrics import StatsSnapshot
+from .output_processor import OutputProcessor
 from .owner_thread import start_owner_thread
 from .request import LogitsProcessor
 from .sampling_params import SamplingParams
@@ -121,6 +124,7 @@ class AsyncEngine:
         self._model_info = ready.model_info()
         self._stats = ready.stats
         self._tokenizer = Tokenizer.from_dir(self._model_info.model_dir)
+        core.texts = OutputProcessor(self._tokenizer, core.finish)
         return self
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -218,13 +222,13 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished and self.dead is None:
-                self._core.send(AbortRequest(request_id))
+                self._core.abort(AbortRequest(request_id))
 
     def abort(self, request_id: str, client_left_at: float | None = None) -> None:
         """Abort a request (a no-op for one that has finished). client_left_at: when its client
         left, if that is why (the engine counts abandoned requests by how far they got)."""
         if self.dead is None:
-            self._core.send(AbortRequest(request_id, client_left_at))
+            self._core.abort(AbortRequest(request_id, client_left_at))
 
     # -- from the engine -----------------------------------------------------------------------
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
@@ -327,7 +331,7 @@ class _ThreadCore:
         add.grammar = None  # compiled here already: the constraint goes as an object
         self.inbox.q.put(LocalAdd(add, procs or None))
 
-    def send(self, cmd) -> None:
+    def abort(self, cmd: AbortRequest) -> None:
         self.inbox.q.put(cmd)
 
     def shutdown(self, graceful: bool) -> None:
@@ -367,6 +371,8 @@ class _ProcessCore:
         _, self._decoder = core_message_codec()
         self._reader: threading.Thread | None = None
         self._stopping = False
+        # Token deltas to text deltas (detokenization, stop strings): set once the tokenizer is loaded.
+        self.texts: OutputProcessor | None = None
         self.proc = subprocess.Popen([
             sys.executable, "-m", "sluice_engine.core_process", "--commands", f"ipc://{self._dir}/commands",
             "--outputs", f"ipc://{self._dir}/outputs", "--clock", clock_path, "--parent-pid", str(os.getpid()),
@@ -407,8 +413,21 @@ class _ProcessCore:
                     continue
                 msg = self._decoder.decode(self._pull.recv())
                 if isinstance(msg, CoreOutputs):
-                    items: list = [(o.request_id, o) for o in msg.outputs]
-                    items.extend((r.request_id, refusal_error(r)) for r in msg.refused)
+                    items: list = []
+                    for o in msg.outputs:
+                        try:
+                            text = self.texts.process(o)
+                        except Exception as e:  # noqa: BLE001 - detokenizing: this request's failure alone
+                            log.warning("request %s failed: %r", o.request_id, e)
+                            self.texts.drop(o.request_id)
+                            self.send(AbortRequest(o.request_id))
+                            items.append((o.request_id, RequestFailedError(f"request failed: {e!r}")))
+                            continue
+                        if text is not None:
+                            items.append((o.request_id, text))
+                    for r in msg.refused:
+                        self.texts.drop(r.request_id)
+                        items.append((r.request_id, refusal_error(r)))
                     client._on_outputs(items, msg.stats)
                 elif isinstance(msg, CoreWarmedUp):
                     client._on_warmed_up(msg)
@@ -424,7 +443,17 @@ class _ProcessCore:
         if logits_processors:
             raise ValueError("logits processors (objects) cannot reach an engine-core process; "
                              "run the engine in this process (--no-engine-process)")
+        self.texts.add(add.request_id, add.prompt_token_ids, add.params)
         self.send(add)
+
+    def abort(self, cmd: AbortRequest) -> None:
+        self.texts.drop(cmd.request_id)
+        self.send(cmd)
+
+    def finish(self, request_id: str, stop_string: str) -> None:
+        """The output processor found a stop string: the core finishes the request (it may have made a token
+        or two more by then, which the output processor drops)."""
+        self.send(FinishRequest(request_id, stop_string))
 
     def send(self, cmd) -> None:
         data = self._encoder.encode(cmd)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import msgspec
 
-from .engine import ModelInfo, RequestOutput, RequestRejected
+from .engine import ModelInfo, RequestRejected
+from .engine_output import RequestOutput
 from .metrics import Histogram, StatsSnapshot
 from .sampling_params import InvalidParam, SamplingParams
 from .structured.grammar import GrammarSpec
@@ -39,11 +40,18 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     client_left_at: float | None = None  # time.monotonic() the API noticed its client leave
 
 
+class FinishRequest(msgspec.Struct, tag="finish", array_like=True):
+    """The request's text reached a stop string (the API process's output processor found it): finish it."""
+
+    request_id: str
+    stop_string: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-Command = AddRequest | AbortRequest | Shutdown
+Command = AddRequest | AbortRequest | FinishRequest | Shutdown
 
 
 # -- core -> API process -----------------------------------------------------------------------------

@@ -35,8 +35,9 @@ from .core_messages import (
     core_message_codec,
     refusal,
 )
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine
 from .engine_loop import EngineLoop, StepClock
+from .engine_output import RequestOutput
 
 log = logging.getLogger("sluice.engine")
 
@@ -126,6 +127,7 @@ def serve_core(commands: str, outputs: str, clock_path: str, parent_pid: int) ->
     try:
         cfg = msgspec.msgpack.decode(pull.recv(), type=EngineConfig)
         engine = LLMEngine(cfg)
+        engine.detokenize = False  # token deltas only: the API process makes the text (output_processor.py)
     except BaseException as e:  # noqa: BLE001 - told to the API process, which reports it and exits
         if not isinstance(e, ValueError):
             log.exception("the engine did not start")

@@ -1,7 +1,10 @@
 """The synchronous engine: requests in, one step at a time, output deltas out.
 
-`LLMEngine.step()` schedules, runs one forward, appends sampled tokens, detokenizes, applies stop
-conditions and frees finished requests. The async server and the offline `LLM` both drive it.
+`LLMEngine.step()` schedules, runs one forward, appends sampled tokens, ends requests at their stop tokens or
+length, frees finished requests, and (unless `detokenize` is off) turns the token deltas into text deltas
+with the output processor (output_processor.py: detokenization and stop strings). The engine loop and the
+offline `LLM` drive it; an engine-core process runs it with `detokenize` off and its API process makes the
+text.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import torch
 
 from .config import EngineConfig
 from .distributed.executor import Executor
+from .engine_output import RequestOutput
 from .kv_cache import KVCacheManager
 from .metrics import HISTOGRAMS, EngineMetrics, StatsSnapshot
 from .model_fetch import resolve_model
+from .output_processor import OutputProcessor
 from .request import FinishReason, LogitsProcessor, Request
 from .sampler import Sampler, TokenLogprobs
 from .sampling_params import InvalidParam, SamplingParams
@@ -28,7 +33,7 @@ from .scheduler import Scheduler
 from .spec_decode import DraftQuery, build_proposer, resolve_draft
 from .step_sampler import StepResult, sample_step
 from .structured.constraint import warm_up_bitmask
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Tokenizer
 from .warmup import WarmupReport, WarmupTarget, warm_up
 from .warmup import limits as warmup_limits
 from .warmup import resolve_mode as resolve_warmup_mode
@@ -43,33 +48,6 @@ class RequestRejected(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A delta: what one request produced in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # once, on the first delta, when asked
-    error: str | None = None  # the request failed (finish_reason "error"): why
-
-
-@dataclass(slots=True)
-class _OutputState:
-    detok: IncrementalDetokenizer
-    text: str = ""
-    emitted: int = 0  # chars of `text` already sent
-    prompt_logprobs_sent: bool = False
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +125,13 @@ class LLMEngine:
         self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
         self.sampler = Sampler(self.runner.device, cfg.seed)
         self.proposer = build_proposer(self.spec_config, self.executor.draft)
-        self._out: dict[str, _OutputState] = {}
+        # Requests in flight (added, not finished), and those whose prompt logprobs have gone out.
+        self._open: set[str] = set()
+        self._prompt_logprobs_sent: set[str] = set()
+        # Token deltas to text (detokenization, stop strings). An engine core in its own process turns it
+        # off (detokenize = False): the API process makes the text there (output_processor.py).
+        self.detokenize = True
+        self.output_processor = OutputProcessor(self.tokenizer, self.finish_request)
         self._prompt_leaders: dict[tuple[int, ...], Request] = {}
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
                                     self.runner.model_config.vocab_size, self.eos_token_ids)
@@ -179,7 +163,7 @@ class LLMEngine:
                     logits_processors: list[LogitsProcessor] | None = None,
                     arrival_time: float | None = None) -> Request:
         self.check_prompt(prompt_token_ids, params)
-        if request_id in self._out:
+        if request_id in self._open:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                       logits_processors=list(logits_processors or []))
@@ -194,7 +178,6 @@ class LLMEngine:
                 req.generator.manual_seed(params.seed)
             except (RuntimeError, OverflowError, ValueError) as e:
                 raise InvalidParam("seed", f"seed {params.seed} is not usable ({e})") from None
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
         # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
         # first of them has computed it) instead of each prefilling it.
         key = tuple(req.prompt_token_ids)
@@ -203,7 +186,9 @@ class LLMEngine:
             req.fork_source = leader
         else:
             self._prompt_leaders[key] = req
-        self._out[request_id] = _OutputState(detok)
+        if self.detokenize:
+            self.output_processor.add(request_id, req.prompt_token_ids, params)
+        self._open.add(request_id)
         self.scheduler.add(req)
         return req
 
@@ -215,7 +200,25 @@ class LLMEngine:
             self.scheduler.finish(req, FinishReason.ABORT)
             self.stats.finished[FinishReason.ABORT.value] += 1
             self._on_finished(req)
-        self._out.pop(request_id, None)
+        self._close(request_id)
+
+    def finish_request(self, request_id: str, stop_string: str) -> None:
+        """The request's text reached a stop string (the output processor found it): it is done, as if a stop
+        token had ended it. A no-op for a request that has already finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.finish(req, FinishReason.STOP)
+        req.stop_reason = stop_string
+        self._on_finished(req)
+        self.stats.finished[FinishReason.STOP.value] += 1
+        self.metrics.on_finished(req)
+        self._close(request_id)
+
+    def _close(self, request_id: str) -> None:
+        self._open.discard(request_id)
+        self._prompt_logprobs_sent.discard(request_id)
+        self.output_processor.drop(request_id)
 
     def _count_abandoned(self, req: Request, left_at: float) -> None:
         scheduled = req.first_scheduled_time
@@ -264,7 +267,23 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Start steps until one per pipeline stage is in flight (just one without pipeline
-        parallelism), then finish the oldest: its outputs."""
+        parallelism), then finish the oldest: its outputs, as text deltas (or token deltas only, with
+        detokenize off: an engine core whose API process makes the text)."""
+        outputs = self._step_tokens()
+        if not self.detokenize:
+            return outputs
+        texts = []
+        for out in outputs:
+            try:
+                text = self.output_processor.process(out)
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop strings: this request's failure
+                req = self.scheduler.requests.get(out.request_id)
+                text = self._fail(req, e) if req is not None else _failed_output(out, e)
+            if text is not None:
+                texts.append(text)
+        return texts
+
+    def _step_tokens(self) -> list[RequestOutput]:
         while self.executor.num_in_flight < self.executor.max_in_flight and self._start_step():
             pass
         if not self._in_flight:
@@ -342,7 +361,7 @@ class LLMEngine:
             self.scheduler.finish(req, FinishReason.ERROR)
             self._on_finished(req)
             self.stats.finished[FinishReason.ERROR.value] += 1
-        self._out.pop(req.request_id, None)
+        self._close(req.request_id)
         return RequestOutput(req.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              error=f"{type(e).__name__}: {e}")
@@ -385,8 +404,9 @@ class LLMEngine:
             self.scheduler.set_drafts(req, drafts)
 
     def _process(self, res: StepResult) -> RequestOutput | None:
+        """Apply one request's step result: its tokens, and whether an end-of-sequence or stop token or the
+        length limit ends it. Tokens only: the text (and stop strings) are the output processor's."""
         req = res.request
-        state = self._out[req.request_id]
         num_drafts = self.scheduler.update_from_output(req, res.num_scheduled, res.num_rejected)
         if num_drafts:
             self._count_spec(num_drafts, len(res.token_ids) - 1)
@@ -401,8 +421,9 @@ class LLMEngine:
 
         p = req.params
         finish: FinishReason | None = None
-        stop_reason: int | str | None = None
+        stop_reason: int | None = None
         new_token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         for token, lp in zip(res.token_ids, res.logprobs, strict=True):
             req.append_output_token(token)
             for c in req.constraints:
@@ -410,41 +431,24 @@ class LLMEngine:
             new_token_ids.append(token)
             self.stats.generation_tokens += 1
             if lp is not None:
-                state.pending_logprobs.append(lp)
-            is_stop_token = (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
-            if is_stop_token:
+                logprobs.append(lp)
+            if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
                 finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
-            if not is_stop_token or p.include_stop_str_in_output:
-                state.text += state.detok.step([token])
-            if finish is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 finish = FinishReason.LENGTH
             if finish is not None:
-                state.text += state.detok.flush()  # a character still split across bytes, if any
-            if p.stop and finish is not FinishReason.STOP:
-                hit = _find_stop(state.text, p.stop, state.emitted)
-                if hit is not None:
-                    idx, s = hit
-                    state.text = state.text[: idx + len(s)] if p.include_stop_str_in_output else state.text[:idx]
-                    finish, stop_reason = FinishReason.STOP, s
-            if finish is not None:
-                break  # accepted drafts after a stop are dropped
+                break  # accepted drafts after the end are dropped
 
         if finish is not None:
             self.scheduler.finish(req, finish)
             self._on_finished(req)
             req.stop_reason = stop_reason
             self.stats.finished[finish.value] += 1
-            new_text = state.text[state.emitted :]
-        else:
-            # Hold back a tail that could still turn out to be the start of a stop string.
-            hold = max((len(s) for s in p.stop), default=1) - 1
-            new_text = state.text[state.emitted : max(state.emitted, len(state.text) - hold)]
-        state.emitted += len(new_text)
         out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_token_ids,
-            new_text=new_text,
-            logprobs=state.pending_logprobs,
+            new_text="",
+            logprobs=logprobs,
             finished=finish is not None,
             finish_reason=finish.value if finish else None,
             stop_reason=stop_reason,
@@ -452,14 +456,13 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
-        state.pending_logprobs = []
-        if not state.prompt_logprobs_sent and p.prompt_logprobs is not None:
+        if p.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent:
             out.prompt_logprobs = list(req.prompt_logprobs)
-            state.prompt_logprobs_sent = True
+            self._prompt_logprobs_sent.add(req.request_id)
         if finish is not None:
-            self._out.pop(req.request_id, None)
+            self._open.discard(req.request_id)
+            self._prompt_logprobs_sent.discard(req.request_id)
         return out
-
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
         st = self.stats
@@ -497,11 +500,9 @@ def check_prompt(info: ModelInfo, prompt_token_ids: list[int], params: SamplingP
         raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """The earliest stop string in text[start:], as (index, stop string)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
+def _failed_output(out: RequestOutput, e: Exception) -> RequestOutput:
+    """An error delta for a request the core has already finished (its text failed to build)."""
+    log.warning("request %s failed: %r", out.request_id, e)
+    return RequestOutput(out.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
+                         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                         error=f"{type(e).__name__}: {e}")

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .core_messages import AbortRequest, AddRequest, RequestFailedError, Shutdown
+from .core_messages import AbortRequest, AddRequest, FinishRequest, RequestFailedError, Shutdown
 from .engine import LLMEngine, RequestOutput
 from .metrics import StatsSnapshot
 from .objectives import ObjectivesFile
@@ -198,6 +198,9 @@ class EngineLoop:
                 return errors
             if isinstance(cmd, AbortRequest):
                 self.engine.abort_request(cmd.request_id, client_left_at=cmd.client_left_at)
+                continue
+            if isinstance(cmd, FinishRequest):
+                self.engine.finish_request(cmd.request_id, cmd.stop_string)
                 continue
             add, procs = (cmd.add, cmd.logits_processors) if isinstance(cmd, LocalAdd) else (cmd, None)
             self.adds_taken += 1

@@ -161,6 +161,12 @@ class EngineMetrics:
             self.busy_prefill_seconds += elapsed * prefill_tokens / total
             self.busy_decode_seconds += elapsed * decode_tokens / total
 
+    def on_finished(self, req) -> None:
+        """A request finished between steps, completed (its text reached a stop string): timed now."""
+        rt = req.metrics
+        if rt is not None and rt.first_token_time is not None:
+            self._on_completed(req, rt, time.monotonic())
+
     def _on_completed(self, req, rt: RequestTimes, now: float) -> None:
         first = rt.first_token_time
         ttft = first - req.arrival_time

@@ -1,0 +1,83 @@
+"""Issue 25's throughput check, in one sitting: the engine core in its own process (the default) against the
+engine in a thread of the API server (`--no-engine-process`), and, with `--before REV`, against the code of an
+earlier commit (a git worktree of it, run from its own sources), loaded by one client (`sluice bench
+--compare`) with the same prompts at concurrency 1, 8 and 32. Default flags otherwise (the bundled model in
+its Q4_1 blocks on CPU).
+
+    .venv/bin/python benchmarks/engine_process.py --before 7d7c94a          # ~8 min on 2 cores
+    .venv/bin/python benchmarks/engine_process.py --concurrency 1,8 --num-requests 16
+
+All servers stay up for the whole sitting; the idle ones wait while another is measured (an idle engine wakes
+twice a second). Every server gets the same threads (OMP_NUM_THREADS, default the machine's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from server_process import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worktree(rev: str) -> Path:
+    """A checkout of `rev` under bench-results/ (made once), whose engine_image/ the 'before' server imports."""
+    path = ROOT / "bench-results" / f"before-{rev}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--before", default=None, metavar="REV", help="also serve this commit's engine (a worktree)")
+    p.add_argument("--port", type=int, default=18400, help="first of three ports")
+    p.add_argument("--json", help="the bench's JSON results")
+    p.add_argument("--log-dir", default=str(ROOT / "bench-results" / "engine-process-logs"))
+    a = p.parse_args()
+
+    from sluice_engine.bench.machine import cpu_name
+
+    logs = Path(a.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    serve = [sys.executable, "-m", "sluice_engine.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
+    servers: dict[str, tuple[list[str], dict]] = {
+        "core-process": ([*serve, "--port", str(a.port)], env),
+        "in-thread": ([*serve, "--port", str(a.port + 1), "--no-engine-process"], env),
+    }
+    if a.before:
+        old = worktree(a.before)
+        servers[f"before-{a.before}"] = ([*serve, "--port", str(a.port + 2)],
+                                         {**env, "PYTHONPATH": str(old / "engine_image")})
+    print(f"CPU: {cpu_name()}, {a.threads} threads per server", flush=True)
+    with contextlib.ExitStack() as stack:
+        urls = {name: f"http://127.0.0.1:{a.port + i}" for i, name in enumerate(servers)}
+        procs = []
+        for name, (cmd, server_env) in servers.items():
+            procs.append(server := Server(name, cmd, server_env, logs / f"{name}.log", urls[name], "/ready"))
+            stack.callback(server.stop)
+        for server in procs:
+            server.wait_ready(600)
+        bench = [sys.executable, "-m", "sluice_engine.cli", "bench", "--compare",
+                 *(f"{n}={u}" for n, u in urls.items()), "--max-concurrency", a.concurrency,
+                 "--num-requests", str(a.num_requests), "--seed", str(a.seed), "--no-progress"]
+        if a.json:
+            bench += ["--json", a.json]
+        print("$ " + " ".join(bench[2:]), flush=True)
+        rc = subprocess.run(bench, env=env).returncode
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
