@@ -384,6 +384,29 @@ def test_server_memory_of_processes():
     assert server_memory_mib([2**22 + 12345]) is None  # no such process
 
 
+def test_a_servers_processes_include_what_it_started():
+    # sluice serve's engine core (and its ranks) run below the process that listens: their CPU is the server's,
+    # not contention, and their memory is the server's.
+    import subprocess
+    import sys
+
+    from sluice_engine.bench.machine import with_descendants
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(with_descendants([child.pid])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        family = with_descendants([os.getpid()])
+        assert child.pid in family and os.getpid() in family
+        assert len(with_descendants([child.pid])) == 2  # the child and the grandchild it started
+    finally:
+        for pid in with_descendants([child.pid])[::-1]:
+            os.kill(pid, 9)
+        child.wait()
+
+
 def test_notes_flag_what_skews_a_run():
     from types import SimpleNamespace
 

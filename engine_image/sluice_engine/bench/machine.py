@@ -74,10 +74,31 @@ def listener_pids(url: str) -> list[int]:
     return pids
 
 
+def with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process below them: a server is its listening process and what it started (sluice's
+    engine-core process and its ranks), so their CPU and memory are the server's, not other load."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.append(pid)
+            todo.extend(children.get(pid, []))
+    return out
+
+
 def server_memory_mib(pids: list[int]) -> tuple[float, float] | None:
     """(resident, peak resident) memory of the processes `pids` together, in MiB: the sum of their VmRSS
     and of their VmHWM (Linux /proc; None when a process cannot be read). A server that forks workers
-    is counted across the processes that hold its listening socket."""
+    is counted across the processes that hold its listening socket and their descendants (with_descendants)."""
     rss = hwm = 0
     try:
         for pid in sorted(set(pids)):

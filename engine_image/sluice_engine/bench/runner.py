@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .arrivals import arrival_times
 from .client import RequestOptions, Target, fetch_model, send
-from .machine import CpuMeter, is_loopback, listener_pids, server_memory_mib
+from .machine import CpuMeter, is_loopback, listener_pids, server_memory_mib, with_descendants
 from .metrics import RequestRecord
 from .workloads import BenchRequest
 
@@ -120,7 +120,7 @@ async def _run(target: Target, model: str, requests: list[BenchRequest], warmups
 def run_point(target: Target, model: str, requests: list[BenchRequest], warmups: list[BenchRequest],
               point: LoadPoint, opts: RequestOptions, seed: int = 0, progress: bool = True) -> RunResult:
     # A loopback server whose process cannot be found would count as contention: report none then.
-    server_pids = listener_pids(target.url)
+    server_pids = with_descendants(listener_pids(target.url))  # the engine core and its ranks are the server's
     meter = CpuMeter([os.getpid(), *server_pids]) if server_pids or not is_loopback(target.url) else None
     records, duration, peak = asyncio.run(_run(target, model, requests, warmups, point, opts, seed, progress,
                                                meter))
