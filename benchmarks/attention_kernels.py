@@ -145,7 +145,7 @@ def peak_tbps(args: argparse.Namespace) -> float | None:
 
 # -- the two sections ----------------------------------------------------------------------------
 def run_decode(args, tk, device) -> list[dict]:
-    from sluice_engine.kernel_buckets import choose_attention_launch
+    from sluice_engine.attention.kernel_buckets import choose_attention_launch
 
     dtype = DTYPES[args.dtype]
     hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
@@ -218,9 +218,9 @@ def print_tables(decode: list[dict], prefill: list[dict], peak: float | None) ->
 # -- no GPU: a smoke run in the interpreter ---------------------------------------------------------
 def cpu_smoke() -> None:
     from sluice_engine.attention import triton_kernels as tk
+    from sluice_engine.attention.kernel_buckets import AttentionLaunch, block_m_for
     from sluice_engine.attention.torch_paged import TorchPagedAttention
     from sluice_engine.forward_context import AttentionMetadata
-    from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for
 
     t0 = time.perf_counter()
     cpu = torch.device("cpu")

@@ -46,7 +46,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from sluice_engine import cpu_kernels
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     llm = LLM(device="cpu", quantization=a.quantization)

@@ -21,7 +21,7 @@ import time
 import torch
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.engine import LLMEngine
+from sluice_engine.engine.llm_engine import LLMEngine
 from sluice_engine.sampling_params import SamplingParams
 
 TOPICS = ["the sea", "a mountain", "rain", "bread", "a clock", "the moon", "a river", "winter"]

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from sluice_engine.attention import torch_paged
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 
 OFF = 10**12

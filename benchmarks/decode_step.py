@@ -41,7 +41,7 @@ TARGET_B64_TOKS = 6000.0
 def make_engine(model_dir: Path, device: str, dtype: str, eager: bool, backend: str, max_batch: int,
                 kv_cache_memory: int):
     from sluice_engine.config import EngineConfig
-    from sluice_engine.engine import LLMEngine
+    from sluice_engine.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(model=str(model_dir), device=device, dtype=dtype, enforce_eager=eager,
                        attention_backend=backend, max_num_seqs=max_batch, cuda_graph_max_batch=max_batch,

@@ -35,12 +35,12 @@ import torch
 
 from sluice_engine.bench.machine import CpuMeter, cpu_name, load_average
 from sluice_engine.config import EngineConfig
+from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
 from sluice_engine.distributed import parallel_state as ps
-from sluice_engine.distributed.executor import PING, Executor
 from sluice_engine.distributed.layout import rank_shard
+from sluice_engine.executor.executor import PING, Executor
+from sluice_engine.model_config import ModelConfig
 from sluice_engine.model_fetch import resolve_model
-from sluice_engine.models.model_config import ModelConfig
-from sluice_engine.sched_output import ScheduledRequest, SchedulerOutput
 
 BLOCK = 16
 LAYOUTS = [(1, 1), (3, 1), (1, 2)]  # (TP, PP); PP 1 is TP 1
@@ -75,7 +75,7 @@ def checkpoint_mb(model_dir: Path) -> float:
 
 def baseline_mb() -> dict[str, float]:
     """status_mb of a bare process that imported torch and the engine (what every rank holds anyway)."""
-    code = "import os, sys, torch, sluice_engine.engine, sluice_engine.distributed.worker; " \
+    code = "import os, sys, torch, sluice_engine.engine.llm_engine, sluice_engine.executor.rank_process; " \
            "print(os.getpid(), flush=True); sys.stdin.read()"
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     s = status_mb(int(p.stdout.readline()))

@@ -15,7 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.model_fetch import resolve_model
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.spec_decode.layer_draft import write_layer_draft

@@ -51,7 +51,7 @@ def main() -> None:
     logs = Path(a.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    serve = [sys.executable, "-m", "sluice_engine.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
+    serve = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
     servers: dict[str, tuple[list[str], dict]] = {
         "core-process": ([*serve, "--port", str(a.port)], env),
         "in-thread": ([*serve, "--port", str(a.port + 1), "--no-engine-process"], env),
@@ -69,7 +69,7 @@ def main() -> None:
             stack.callback(server.stop)
         for server in procs:
             server.wait_ready(600)
-        bench = [sys.executable, "-m", "sluice_engine.cli", "bench", "--compare",
+        bench = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "bench", "--compare",
                  *(f"{n}={u}" for n, u in urls.items()), "--max-concurrency", a.concurrency,
                  "--num-requests", str(a.num_requests), "--seed", str(a.seed), "--no-progress"]
         if a.json:

@@ -51,7 +51,7 @@ class LayerInputs:
     """One layer's activations at batch b: what each op reads, fresh per call where an op writes in place."""
 
     def __init__(self, b: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cuda"):
-        from sluice_engine.models.rotary import RotaryEmbedding
+        from sluice_engine.layer_ops.rotary import RotaryEmbedding
 
         def randn(*shape):
             return torch.randn(*shape, generator=gen).to(device, dtype)

@@ -27,7 +27,7 @@ class Proc:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "sluice_engine.cli", *args]
+        cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", *args]
         if not quiet:
             print(f"  starting: sluice {shlex.join(args)}", flush=True)
         with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor

@@ -73,7 +73,7 @@ def cache_counters(url: str) -> tuple[float, float]:
 def sluice_bench(url: str, log_dir: Path, routing: str, groups: int, per_group: int, concurrency: int) -> list[dict]:
     """The shared-prefix workload from `sluice bench`; its per-request records."""
     out = log_dir / f"bench-{routing}.json"
-    cmd = [sys.executable, "-m", "sluice_engine.cli", "bench", "--base-url", url, "--workload", "shared-prefix",
+    cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "bench", "--base-url", url, "--workload", "shared-prefix",
            "--endpoint-type", "chat", "--prefix-len", "500", "--num-prefixes", str(groups), "--suffix-len", "24",
            "--output-len", str(MAX_TOKENS), "--num-requests", str(groups * per_group),
            "--max-concurrency", str(concurrency), "--seed", str(SEED), "--num-warmups", "0", "--no-progress",

@@ -176,7 +176,7 @@ try:
 except Exception:  # noqa: BLE001 - reported as missing above
     pass
 try:
-    import sluice_engine.engine, sluice_engine.api.server  # noqa: E401,F401 - the serving path imports
+    import sluice_engine.engine.llm_engine, sluice_engine.entrypoints.openai.server  # noqa: E401,F401 - the serving path imports
     print("sluice_engine: the serving path imports")
 except Exception as e:  # noqa: BLE001
     problems.append(f"sluice_engine does not import ({type(e).__name__}: {e})")

@@ -109,7 +109,7 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
     port = free_port()
     Path(a.log).parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "sluice_engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max(a.concurrency, 1)), "--log-level", "warning", *a.serve_args.split()]
     server = Server("sluice", cmd, dict(os.environ), Path(a.log), f"http://127.0.0.1:{port}", "/ready")
     try:

@@ -249,7 +249,7 @@ def dequantized_gguf(bin_dir: Path, gguf: Path, out: Path) -> Path:
 
 def start_sluice(quantization: str, log_dir: Path) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "sluice_engine.cli", "serve", "--quantization", quantization,
+    cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--quantization", quantization,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-prefix-caching"]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     return Server(f"sluice serve ({quantization})", cmd, env, log_dir / f"sluice-{quantization}.log",

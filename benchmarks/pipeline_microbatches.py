@@ -21,7 +21,7 @@ import time
 from sluice_engine.bench.machine import cpu_name, load_average
 from sluice_engine.distributed import executor as executor_mod
 from sluice_engine.distributed.parallel_state import destroy_distributed
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 
 

@@ -40,7 +40,7 @@ def _status_kib(field: str) -> int:
 def run_one(quantization: str, batches: list[int]) -> dict:
     import torch
 
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     torch.manual_seed(0)

@@ -55,7 +55,7 @@ def main() -> None:
     logs = Path(a.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    sluice = [sys.executable, "-m", "sluice_engine.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
+    sluice = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
     servers = {
         "sluice-q4_1": [*sluice, "--port", str(a.port), "--quantization", "q4_1"],
         "llama-q4_1": [a.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(a.port + 1),
@@ -73,7 +73,7 @@ def main() -> None:
             stack.callback(server.stop)
         for server in procs:
             server.wait_ready(600)
-        bench = [sys.executable, "-m", "sluice_engine.cli", "bench", "--compare",
+        bench = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "bench", "--compare",
                  *(f"{n}={u}" for n, u in urls.items()), "--max-concurrency", a.concurrency,
                  "--num-requests", str(a.num_requests), "--seed", str(a.seed), "--slo-ttft-ms", "2000",
                  "--slo-tpot-ms", "500", "--no-progress"]

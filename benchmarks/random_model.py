@@ -4,7 +4,7 @@ cannot download a real checkpoint (issue 15's GPU check runs with no network).
     python benchmarks/random_model.py /tmp/llama8b --preset llama-8b          # ~16 GB of bf16 weights
     python benchmarks/random_model.py /tmp/tiny --preset tiny --device cpu    # a few MB, for CPU runs
 
-The directory holds what the engine reads (models/model_config.py, models/loader.py, tokenizer.py):
+The directory holds what the engine reads (model_config.py, models/loader.py, tokenizer.py):
 config.json, model.safetensors (bf16 by default, normal(0, 0.02) so activations stay finite; norms are 1),
 tokenizer.json (a WordLevel vocabulary "t0", "t1", ... padded to the config's vocab, three special tokens
 <unk> <s> </s> as ids 0-2, whitespace split), tokenizer_config.json (eos </s>, a plain chat template) and

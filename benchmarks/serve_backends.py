@@ -4,7 +4,7 @@
     python benchmarks/serve_backends.py --model-dir /dev/shm/llama8b                     # CUDA, bf16
     TRITON_INTERPRET=1 python benchmarks/serve_backends.py --preset tiny --device cpu    # CPU: interpreter
 
-One server per backend, one after the other (python -m sluice_engine.cli serve, a free port), each sent the
+One server per backend, one after the other (python -m sluice_engine.entrypoints.cli serve, a free port), each sent the
 same /v1/completions request: --prompts prompts of fixed random token ids (seed 0, lengths 5 to ~300),
 max_tokens --max-tokens, temperature 0, ignore_eos, logprobs 2, tokens returned as ids. Random weights make
 logits nearly flat, so an honest kernel difference can flip a near-tie: where the two token streams first
@@ -50,7 +50,7 @@ def post(url: str, body: dict, timeout: float) -> dict:
 
 def serve(model_dir: Path, backend: str, args, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "sluice_engine.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--served-model-name", "random", "--attention-backend", backend, "--device", args.device,
            "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", "8", "--cuda-graph-max-batch", "8",
            "--max-model-len", "1024", *(["--dtype", args.dtype] if args.dtype else [])]

@@ -134,7 +134,7 @@ def free_port() -> int:
 
 def start_server(model_dir: Path, threads: int, extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "sluice_engine.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     print(f"starting: {shlex.join(cmd)}  (log: {log_path})", flush=True)
@@ -332,7 +332,7 @@ def profile_engine(model_dir: Path, reqs: list[BenchRequest], batch: int, steps:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.structured import GrammarConstraint, StructuredOutputs, grammar_spec
 

@@ -45,7 +45,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice_engine.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
@@ -102,7 +102,7 @@ def engine_core_pid(server: ServerProcess) -> int:
     while time.monotonic() < deadline:
         for pid in child_pids(server.proc.pid):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"sluice_engine.core_process" in f.read():
+                if b"sluice_engine.engine.core_process" in f.read():
                     return pid
         time.sleep(0.1)
     raise AssertionError("no engine-core process under the server")

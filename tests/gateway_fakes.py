@@ -163,7 +163,7 @@ class GatewayProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice_engine.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", "sluice_engine.entrypoints.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
              "--scaler-port", str(self.scaler_port), "--peer-port", str(self.peer_port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 30

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 import torch
 
+from sluice_engine.core.sched_output import ScheduledRequest
 from sluice_engine.forward_context import AttentionMetadata
-from sluice_engine.model_input import ModelInput
-from sluice_engine.sched_output import ScheduledRequest
+from sluice_engine.worker.model_input import ModelInput
 
 
 def build_model_input(scheduled: list[ScheduledRequest], logits_rows: list[int], block_size: int,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice_engine.request import Request, TokenConstraint
+from sluice_engine.core.request import Request, TokenConstraint
 
 # (logprob of the chosen token, [(token_id, logprob) for the top-k])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]

@@ -23,7 +23,7 @@ from sluice_engine.bench.arrivals import arrival_times
 from sluice_engine.bench.client import RequestOptions, _chunk_output, parse_target, send
 from sluice_engine.bench.metrics import RequestRecord, percentile, summarize
 from sluice_engine.bench.workloads import ECHO_INSTRUCTION, BenchRequest, WorkloadSpec, build_workload
-from sluice_engine.cli import main
+from sluice_engine.entrypoints.cli import main
 from sluice_engine.tokenizer import Tokenizer
 
 

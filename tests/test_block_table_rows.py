@@ -4,11 +4,11 @@ scheduler telling the runner which ones it freed (SchedulerOutput.freed_req_ids)
 
 import pytest
 
-from sluice_engine.block_table_rows import BlockTableRows
-from sluice_engine.kv_cache import KVCacheManager
-from sluice_engine.request import Request
+from sluice_engine.core.kv_cache import KVCacheManager
+from sluice_engine.core.request import Request
+from sluice_engine.core.scheduler import Scheduler
 from sluice_engine.sampling_params import SamplingParams
-from sluice_engine.scheduler import Scheduler
+from sluice_engine.worker.block_table_rows import BlockTableRows
 
 
 def test_a_request_keeps_its_row_and_only_appended_blocks_are_new():

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sluice_engine.cli import main as sluice_main
+from sluice_engine.entrypoints.cli import main as sluice_main
 
 ROOT = Path(__file__).parents[1]
 CHART = ROOT / "charts" / "sluice"
@@ -198,7 +198,7 @@ def test_deployment(rendered: dict[str, list[dict[str, Any]]], mode: str) -> Non
     assert container.get("ports", []) == ports
     assert container["args"] == args
     # ... and are flags `sluice operator` knows (the image's entrypoint is `sluice operator`).
-    from sluice_engine.cli import build_parser
+    from sluice_engine.entrypoints.cli import build_parser
 
     build_parser(["operator"]).parse_args(["operator", *container["args"]])
     assert pod["securityContext"]["runAsNonRoot"] is True

@@ -1,4 +1,4 @@
-"""The `sluice` dispatcher (engine_image/sluice_engine/cli.py): each subcommand's flags come from the component
+"""The `sluice` dispatcher (engine_image/sluice_engine/entrypoints/cli.py): each subcommand's flags come from the component
 that owns it, only that component is imported, and main()'s error handling holds for every subcommand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sluice_engine import cli
-from sluice_engine.cli import SUBCOMMANDS, build_parser, main
+from sluice_engine.entrypoints.cli import SUBCOMMANDS, build_parser, main
 
 HEAVY = ("torch", "kopf", "grpc", "aiohttp", "uvicorn", "pydantic", "sluice_operator", "sluice_autoscaler")
 
@@ -25,7 +25,7 @@ def imported_after(code: str) -> set[str]:
 
 def help_of(*argv: str) -> str:
     """Code for a probe: `sluice ARGV --help` through main(), its help text swallowed."""
-    return ("import contextlib, io\nfrom sluice_engine.cli import main\n"
+    return ("import contextlib, io\nfrom sluice_engine.entrypoints.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    try:\n"
             f"        main([*{list(argv)!r}, '--help'])\n"
@@ -53,14 +53,14 @@ def test_what_the_control_plane_runs_never_imports_torch() -> None:
                                            ("operator", "--leader-election"), ("gateway", "--scaler-port"),
                                            ("bench", "--base-url")])
 def test_each_subcommand_help_through_the_console_entry(command: str, flag: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "sluice_engine.cli", command, "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", command, "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: sluice {command} ") and flag in out.stdout
 
 
 def test_top_level_help_lists_every_subcommand_and_loads_no_component() -> None:
-    out = subprocess.run([sys.executable, "-m", "sluice_engine.cli", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "{serve,render,operator,gateway,bench}" in out.stdout
     for name, command in SUBCOMMANDS.items():

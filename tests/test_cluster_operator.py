@@ -65,7 +65,7 @@ class OperatorProcess:
 
     def start(self) -> OperatorProcess:
         log = open(self.log_path, "w")  # noqa: SIM115 - the child holds it; closed with the test session
-        self.proc = subprocess.Popen([sys.executable, "-m", "sluice_engine.cli", "operator", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "sluice_engine.entrypoints.cli", "operator", *self.args],
                                      stdout=log, stderr=subprocess.STDOUT, env=self.env)
         return self
 
@@ -280,7 +280,7 @@ def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> No
     # Every child the renderer makes exists, owned by its endpoint.
     for example, (name, ns) in applied.items():
         ep = _endpoint(stack, name, ns)
-        rendered = json.loads(subprocess.run([sys.executable, "-m", "sluice_engine.cli", "render", "-f",
+        rendered = json.loads(subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "render", "-f",
                                               str(ROOT / "examples" / example), "-o", "json"],
                                              capture_output=True, text=True, check=True).stdout)
         for child in rendered["items"]:
@@ -378,7 +378,7 @@ def test_lws_webhooks_admit_what_the_operator_renders(stack: Stack) -> None:
     # webhook (the CRD's schema allows it; the InferenceEndpoint CRD refuses the spec.rollout that would render
     # it). The examples' LeaderWorkerSets went through both webhooks too.
     _require_lws(stack.cluster)
-    rendered = json.loads(subprocess.run([sys.executable, "-m", "sluice_engine.cli", "render", "-f",
+    rendered = json.loads(subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "render", "-f",
                                           str(ROOT / "examples" / "multinode-70b.yaml"), "-o", "json"],
                                          capture_output=True, text=True, check=True).stdout)
     (lws,) = [o for o in rendered["items"] if o["kind"] == "LeaderWorkerSet"]
@@ -521,7 +521,7 @@ def test_the_gateway_under_its_service_account_finds_the_serving_pods(stack: Sta
         proxy = subprocess.Popen([cluster.kubectl_path, f"--kubeconfig={kubeconfig}", "proxy", "--address=127.0.0.1",
                                   f"--port={proxy_port}"], stdout=proxy_log, stderr=subprocess.STDOUT)
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "sluice_engine.cli", "gateway", "--kubernetes", "--kube-api",
+            [sys.executable, "-m", "sluice_engine.entrypoints.cli", "gateway", "--kubernetes", "--kube-api",
              f"http://127.0.0.1:{proxy_port}", "--host", "127.0.0.1", "--port", str(port),
              "--scaler-port", str(free_port()), "--peer-port", str(free_port())],
             stdout=gateway_log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

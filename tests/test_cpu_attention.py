@@ -220,7 +220,7 @@ def test_engine_tokens_and_logprobs_match_the_torch_path(model_dir):
     with the kernel (this CPU's best level) and with the torch reference: the same greedy tokens, logprobs
     within float noise."""
     isa_lib(CPU_ISAS[0])
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "def fib(n):\n    if n < 2:\n        return n\n    return",

@@ -16,8 +16,8 @@ from cpu_isas import CPU_ISAS, isa_lib
 from sluice_engine.layer_ops import select_layer_ops
 from sluice_engine.layer_ops.cpu_ops import CpuLayerOps
 from sluice_engine.layer_ops.ggml_ops import GgmlLayerOps, ggml_freq_scale
+from sluice_engine.layer_ops.rotary import RotaryEmbedding
 from sluice_engine.layer_ops.torch_ops import TorchLayerOps
-from sluice_engine.models.rotary import RotaryEmbedding
 
 ROWS = [1, 3, 15, 16, 17, 70]  # around the kernels' parallel threshold (16)
 
@@ -229,7 +229,7 @@ def test_ggml_rope_scaling(ggml_ops):
 def test_engine_greedy_tokens_match_the_torch_path(model_dir):
     """SmolLM2-135M, fp32, through the engine: the `cpu` backend (C++ attention, C++ layer ops) against the
     `torch` backend (torch attention and ops); chunked prefill mixes prompt chunks with decode rows."""
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "def add(a, b):", "One, two, three,"]

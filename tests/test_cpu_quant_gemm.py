@@ -366,7 +366,7 @@ def test_auto_serves_a_ggufs_own_blocks_on_the_cpu_path(bundled_gguf, tmp_path):
 
 @pytest.mark.slow
 def test_the_bundled_model_is_served_in_its_q4_1_blocks_by_default(bundled_gguf):
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     llm = LLM(device="cpu", kv_cache_memory=16 << 20, warmup="off")
@@ -399,7 +399,7 @@ def test_bundled_model_served_q4_1_matches_fp32(model_dir, bundled_gguf):
     near-tie under fp32: among its top 5, within 2 TOL of fp32's own choice (if each token's log-probability moves by <= TOL, a split needs the
     two candidates within 2 TOL). A split can come at the first token (observed once: "def fibonacci(n):")."""
     from sluice_engine.cpu_kernels.quant import QuantEmbedding
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     tol = 0.3  # TOL

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from sluice_engine import cuda_graphs as cg
 from sluice_engine.config import EngineConfig
-from sluice_engine.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
 
 CPU = torch.device("cpu")
 
@@ -248,7 +248,7 @@ def steps() -> list[SchedulerOutput]:
 
 
 def _runner(model_dir, device: str = "cpu", **kw):
-    from sluice_engine.model_runner import ModelRunner
+    from sluice_engine.worker.model_runner import ModelRunner
 
     cfg = EngineConfig(model=str(model_dir), device=device, dtype="float32", attention_backend="triton",
                        block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64, **kw)
@@ -398,7 +398,11 @@ def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monke
     as far as it needs (an eager step of the same batch launches the same), never the count of the longest
     context the window allows (16 here, for every step)."""
     from sluice_engine import model_runner
-    from sluice_engine.kernel_buckets import AttentionLaunch, attention_launches, decode_split_choices
+    from sluice_engine.attention.kernel_buckets import (
+        AttentionLaunch,
+        attention_launches,
+        decode_split_choices,
+    )
 
     torch.set_num_threads(1)
     monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU

@@ -17,7 +17,7 @@ import random_model  # noqa: E402
 
 
 def test_tiny_random_model_loads_and_decodes(tmp_path):
-    from sluice_engine.models.model_config import ModelConfig
+    from sluice_engine.model_config import ModelConfig
     from sluice_engine.tokenizer import Tokenizer
 
     model_dir = random_model.create(tmp_path / "tiny", "tiny", device="cpu")

@@ -8,7 +8,7 @@ import pytest
 
 from sluice_engine.config import EngineConfig
 from sluice_engine.distributed.layout import check_layout, rank_shard, stage_layers
-from sluice_engine.models.model_config import ModelConfig
+from sluice_engine.model_config import ModelConfig
 
 
 def config(heads=9, kv=3, layers=30, inter=1536, vocab=49152) -> ModelConfig:
@@ -82,7 +82,7 @@ def test_master_port_defaults_by_node_count():
 ])
 def test_sluice_serve_refuses_before_loading(model_dir, flags, message):
     """One line on stderr, exit 2, no worker started and no weight loaded."""
-    proc = subprocess.run([sys.executable, "-m", "sluice_engine.cli", "serve", "--model", str(model_dir), *flags],
+    proc = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--model", str(model_dir), *flags],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr

@@ -11,8 +11,8 @@ from conftest import free_port
 from safetensors.torch import save_file
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.distributed.executor import Executor
-from sluice_engine.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.executor.executor import Executor
 
 pytestmark = pytest.mark.slow
 

@@ -37,7 +37,7 @@ class WorkerNode:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.log_path = log_path
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice_engine.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+            [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
              "--node-rank", "1", *flags], stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

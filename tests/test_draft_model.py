@@ -11,7 +11,7 @@ from distribution import chi_square_pvalue
 from spec_prompts import PROMPTS
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.spec_decode.layer_draft import write_layer_draft
 

@@ -9,7 +9,8 @@ import httpx
 import pytest
 from conftest import engine_core_pid, process_gone
 
-from sluice_engine.core_messages import (
+from sluice_engine.engine.llm_engine import RequestOutput, RequestRejected
+from sluice_engine.engine.messages import (
     AbortRequest,
     AddRefused,
     AddRequest,
@@ -23,7 +24,6 @@ from sluice_engine.core_messages import (
     refusal,
     refusal_error,
 )
-from sluice_engine.engine import RequestOutput, RequestRejected
 from sluice_engine.metrics import StatsSnapshot
 from sluice_engine.sampling_params import InvalidParam, SamplingParams
 from sluice_engine.structured.grammar import GrammarSpec

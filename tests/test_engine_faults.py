@@ -11,8 +11,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from sluice_engine.api.server import build_app
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
+from sluice_engine.entrypoints.openai.server import build_app
 from sluice_engine.sampling_params import InvalidParam, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

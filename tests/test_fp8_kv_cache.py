@@ -22,10 +22,10 @@ import importlib.util
 import pytest
 import torch
 
+from sluice_engine.attention.kernel_buckets import AttentionLaunch, block_m_for
 from sluice_engine.attention.torch_paged import TorchPagedAttention, quantize_kv
 from sluice_engine.config import EngineConfig
 from sluice_engine.forward_context import AttentionMetadata
-from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -248,7 +248,7 @@ def test_refused_on_cpu_without_the_triton_backend():
 def test_flag_parses_into_the_config():
     import argparse
 
-    from sluice_engine.serve_cli import add_engine_args, engine_config_from_args
+    from sluice_engine.entrypoints.serve_cli import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -275,7 +275,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def _llm(model, **kw):
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
 
     return LLM(str(model), device=DEVICE.type, dtype="float32", attention_backend="triton", block_size=4, **kw)
 
@@ -308,7 +308,7 @@ def test_auto_device_on_cpu_is_refused_when_the_engine_starts(tiny_llama):
     """--device auto resolves at start-up: on a machine without CUDA the refusal comes from the runner."""
     if CUDA:
         pytest.skip("auto is CUDA here")
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
 
     with pytest.raises(ValueError, match=MESSAGE):
         LLM(str(tiny_llama), kv_cache_dtype="fp8", kv_cache_memory=1 << 16)
@@ -400,7 +400,7 @@ def test_smollm2_greedy_continuations_mostly_agree_on_a_gpu(model_dir):
     """The bundled SmolLM2-135M in bf16, FP8 cache (scales 1.0: the checkpoint has none) against the bf16 cache.
     Observed on CPU in fp32 (the interpreter): every first token the same, 5 of 8 identical 8-token
     continuations (the others part at a near tie, 3 to 6 tokens in)."""
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",

@@ -27,11 +27,11 @@ IMAGE_LIST = ROOT / "benchmarks" / "gpu_image_packages.txt"
 # Triton kernel is warmed at start-up on CUDA), tensor parallelism; uvicorn's runtime parts come from
 # uvicorn.Config.load() below. Then the GPU check's scripts and its test runner.
 SERVING_MODULES = [
-    "sluice_engine.cli", "sluice_engine.serve_cli", "uvicorn", "sluice_engine.api.draining_server",
-    "sluice_engine.api.server", "sluice_engine.async_engine", "sluice_engine.core_process", "sluice_engine.engine", "sluice_engine.model_runner",
+    "sluice_engine.entrypoints.cli", "sluice_engine.entrypoints.serve_cli", "uvicorn", "sluice_engine.entrypoints.openai.draining_server",
+    "sluice_engine.entrypoints.openai.server", "sluice_engine.engine.async_engine", "sluice_engine.engine.core_process", "sluice_engine.engine.llm_engine", "sluice_engine.worker.model_runner",
     "sluice_engine.attention.triton_paged", "sluice_engine.layer_ops.triton_ops", "sluice_engine.quant.triton_gemm",
-    "sluice_engine.models.gpu_quant_loader", "sluice_engine.cuda_graphs", "sluice_engine.warmup",
-    "sluice_engine.structured", "xgrammar", "sluice_engine.distributed.launcher",
+    "sluice_engine.models.gpu_quant_loader", "sluice_engine.worker.cuda_graphs", "sluice_engine.worker.warmup",
+    "sluice_engine.structured", "xgrammar", "sluice_engine.executor.launcher",
 ]
 CHECK_SCRIPTS = ["random_model", "decode_step", "serve_backends", "attention_kernels", "fused_kernels", "quant_gpu"]
 CHECK_MODULES = [*CHECK_SCRIPTS, "pytest"]  # and pytest-xdist, the image's (not in the venv)
@@ -132,8 +132,8 @@ def test_wheel_list_is_the_serving_path_beyond_the_image():
 
 
 def test_engine_modules_import_no_package_their_serving_path_does_not_use():
-    engine_modules = ["sluice_engine.engine", "sluice_engine.model_runner", "sluice_engine.cpu_kernels",
-                      "sluice_engine.async_engine", "sluice_engine.api.server", "sluice_engine.serve_cli"]
+    engine_modules = ["sluice_engine.engine.llm_engine", "sluice_engine.worker.model_runner", "sluice_engine.cpu_kernels",
+                      "sluice_engine.engine.async_engine", "sluice_engine.entrypoints.openai.server", "sluice_engine.entrypoints.serve_cli"]
     imported = {b for a, b in import_edges(engine_modules)}
     assert not imported & set(NOT_ON_SERVING_PATH), sorted(imported & set(NOT_ON_SERVING_PATH))
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from reference_inputs import build_model_input
 
-from sluice_engine.input_buffers import InputBuffers
-from sluice_engine.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.worker.input_buffers import InputBuffers
 
 CPU = torch.device("cpu")
 BS = 4

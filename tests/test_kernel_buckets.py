@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from sluice_engine.kernel_buckets import (
+from sluice_engine.attention.kernel_buckets import (
     SPLIT_CHOICES,
     AttentionLaunch,
     WarmupLimits,

@@ -1,7 +1,7 @@
 """Block pool and block tables: free list order, prefix hits, LRU eviction, ref counts."""
 
-from sluice_engine.kv_cache import BlockPool, KVCacheManager, hash_block
-from sluice_engine.request import Request
+from sluice_engine.core.kv_cache import BlockPool, KVCacheManager, hash_block
+from sluice_engine.core.request import Request
 from sluice_engine.sampling_params import SamplingParams
 
 

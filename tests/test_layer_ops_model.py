@@ -30,9 +30,9 @@ from sluice_engine.distributed.layout import rank_shard  # noqa: E402
 from sluice_engine.forward_context import AttentionMetadata, ForwardContext, forward_context  # noqa: E402
 from sluice_engine.layer_ops.torch_ops import TorchLayerOps  # noqa: E402
 from sluice_engine.layer_ops.triton_ops import TritonLayerOps  # noqa: E402
+from sluice_engine.model_config import ModelConfig  # noqa: E402
 from sluice_engine.models.llama import LlamaForCausalLM  # noqa: E402
 from sluice_engine.models.loader import checkpoint_files, load_weights  # noqa: E402
-from sluice_engine.models.model_config import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,7 +135,7 @@ def test_triton_ops_match_torch_ops_whole_and_across_pipeline_stages(tmp_path, a
 def test_engine_greedy_tokens_with_fused_ops_match_the_torch_path(model_dir):
     """SmolLM2-135M, fp32: attention backend triton (Triton attention and the fused layer ops) against torch
     (torch attention, torch ops). Chunked prefill mixes prompt chunks with decode rows."""
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "def add(a, b):", "One, two, three,"]

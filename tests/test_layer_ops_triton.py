@@ -37,9 +37,9 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
 tk = import_kernels("sluice_engine.layer_ops.triton_kernels")
 from sluice_engine.layer_ops import select_layer_ops  # noqa: E402
+from sluice_engine.layer_ops.rotary import RotaryEmbedding  # noqa: E402
 from sluice_engine.layer_ops.torch_ops import TorchLayerOps  # noqa: E402
 from sluice_engine.layer_ops.triton_ops import TritonLayerOps  # noqa: E402
-from sluice_engine.models.rotary import RotaryEmbedding  # noqa: E402
 
 REF = TorchLayerOps()
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sluice_engine.engine import RequestRejected
-from sluice_engine.llm import LLM
+from sluice_engine.engine.llm_engine import RequestRejected
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice_engine.memory_budget import (
+from sluice_engine.worker.memory_budget import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     DeviceMemory,
     InsufficientMemory,

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.memory_budget import DEFAULT_CPU_KV_CACHE_BYTES
-from sluice_engine.memory_meter import PeakMeter, dummy_step
-from sluice_engine.memory_profile import (
+from sluice_engine.spec_decode import DraftQuery, load_draft_model
+from sluice_engine.tokenizer import Tokenizer
+from sluice_engine.worker.memory_budget import DEFAULT_CPU_KV_CACHE_BYTES
+from sluice_engine.worker.memory_meter import PeakMeter, dummy_step
+from sluice_engine.worker.memory_profile import (
     max_sampled_rows,
     plan_kv_cache,
     profile_target_step,
 )
-from sluice_engine.model_runner import ModelRunner
-from sluice_engine.spec_decode import DraftQuery, load_draft_model
-from sluice_engine.tokenizer import Tokenizer
+from sluice_engine.worker.model_runner import ModelRunner
 
 TOKENS = 48  # --max-num-batched-tokens of the profiled step: small, so a CPU forward is quick
 SEQS = 4

@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice_engine.api.server import build_app
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
+from sluice_engine.entrypoints.openai.server import build_app
 from sluice_engine.metrics import PrometheusExporter
 from sluice_engine.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from operator_schemas import EXAMPLES, crd_schema, load_yaml, reference_crd, schema_errors
 
-from sluice_engine.cli import main
+from sluice_engine.entrypoints.cli import main
 from sluice_operator.reconcile import layout_of, reconcile
 from sluice_operator.spec import parse_endpoint
 from sluice_operator.workload import MASTER_PORT, PORT
@@ -74,7 +74,7 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
 
 def engine_parses(args: list[str]):
     """What `sluice serve ARGS` would run with: the engine's own parser (SystemExit on a bad flag or value)."""
-    from sluice_engine.cli import build_parser
+    from sluice_engine.entrypoints.cli import build_parser
 
     return build_parser().parse_args(["serve", *args])
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from operator_schemas import EXAMPLES, ROOT, load_yaml
 
-from sluice_engine.cli import main
+from sluice_engine.entrypoints.cli import main
 from sluice_operator.reconcile import reconcile
 from sluice_operator.spec import parse_endpoint
 
@@ -131,7 +131,7 @@ def test_missing_file(capsys):
 def test_console_script_reads_stdin():
     """The installed entry point, end to end in a subprocess (stdin, exit status)."""
     exe = ROOT / ".venv" / "bin" / "sluice"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "sluice_engine.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "sluice_engine.entrypoints.cli"]
     ok = subprocess.run([*cmd, "render", "-f", "-"], input=EXAMPLES[0].read_text(), capture_output=True,
                         text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr

@@ -259,7 +259,7 @@ def test_layout_rules_agree_with_layout_maths(schema):
 
 def test_engine_flags_match_the_engine():
     """PASSTHROUGH_FLAGS + OPERATOR_OWNED_FLAGS are exactly `sluice serve`'s flags, with matching types."""
-    from sluice_engine.cli import build_parser
+    from sluice_engine.entrypoints.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -329,7 +329,7 @@ def test_kv_cache_dtype_choices_match_the_engine():
     """spec.engine.kvCacheDtype's enum is the engine's --kv-cache-dtype choices; the engine takes fp8 where the
     operator renders it (a GPU) and refuses it on CPU, naming the flag."""
     from sluice_engine.config import EngineConfig
-    from sluice_engine.serve_cli import add_engine_args
+    from sluice_engine.entrypoints.serve_cli import add_engine_args
     from sluice_operator.spec import KV_CACHE_DTYPES
 
     p = argparse.ArgumentParser()
@@ -347,7 +347,7 @@ def test_quantization_choices_match_the_engine():
     operator renders for each accelerator (fp8/awq/gptq on a GPU, the GGUF formats on CPU) and refuses what
     the device cannot run, with a message that names the flag."""
     from sluice_engine.config import EngineConfig
-    from sluice_engine.serve_cli import add_engine_args
+    from sluice_engine.entrypoints.serve_cli import add_engine_args
     from sluice_operator.spec import QUANTIZATIONS
 
     p = argparse.ArgumentParser()

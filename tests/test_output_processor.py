@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice_engine.engine_output import RequestOutput
-from sluice_engine.output_processor import OutputProcessor
+from sluice_engine.engine.output import RequestOutput
+from sluice_engine.engine.output_processor import OutputProcessor
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.tokenizer import Tokenizer
 

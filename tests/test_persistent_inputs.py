@@ -15,10 +15,10 @@ import pytest
 from reference_inputs import ReferenceInputs
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.engine import LLMEngine
-from sluice_engine.input_buffers import InputBuffers
+from sluice_engine.engine.llm_engine import LLMEngine
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.spec_decode.layer_draft import write_layer_draft
+from sluice_engine.worker.input_buffers import InputBuffers
 
 pytestmark = pytest.mark.slow
 

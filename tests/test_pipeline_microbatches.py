@@ -6,7 +6,7 @@ import pytest
 from conftest import free_port
 
 from sluice_engine.distributed.parallel_state import destroy_distributed
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

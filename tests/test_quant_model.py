@@ -33,7 +33,7 @@ import_kernels("sluice_engine.quant.triton_gemm")
 import_kernels("sluice_engine.attention.triton_kernels")
 import_kernels("sluice_engine.layer_ops.triton_kernels")
 from sluice_engine.config import EngineConfig  # noqa: E402
-from sluice_engine.llm import LLM  # noqa: E402
+from sluice_engine.entrypoints.llm import LLM  # noqa: E402
 from sluice_engine.quant.awq import AwqWeights  # noqa: E402
 from sluice_engine.quant.fp8 import Fp8Weights, quantize_fp8  # noqa: E402
 from sluice_engine.quant.gptq import GptqWeights  # noqa: E402
@@ -274,8 +274,8 @@ def test_tensor_and_pipeline_shards_are_the_twins(tmp_path, case):
     collective runs."""
     from sluice_engine.attention.triton_paged import TritonPagedAttention
     from sluice_engine.distributed.layout import rank_shard
+    from sluice_engine.model_config import ModelConfig
     from sluice_engine.models.loader import load_model
-    from sluice_engine.models.model_config import ModelConfig
 
     qdir, ddir, _ = _write_pair(tmp_path, case)
     mc = ModelConfig.from_dir(qdir)
@@ -297,8 +297,8 @@ def test_tensor_and_pipeline_shards_are_the_twins(tmp_path, case):
 def test_row_parallel_split_off_the_awq_groups_is_refused(tmp_path):
     from sluice_engine.attention.triton_paged import TritonPagedAttention
     from sluice_engine.distributed.layout import rank_shard
+    from sluice_engine.model_config import ModelConfig
     from sluice_engine.models.loader import load_model
-    from sluice_engine.models.model_config import ModelConfig
 
     gen = torch.Generator().manual_seed(3)
     tensors = _dense_tensors(gen, "LlamaForCausalLM")

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from sluice_engine.request import Request
-from sluice_engine.sampler import Sampler
+from sluice_engine.core.request import Request
+from sluice_engine.sample.sampler import Sampler
 from sluice_engine.sampling_params import InvalidParam, SamplingParams
 
 V = 100

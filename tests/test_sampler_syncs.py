@@ -19,11 +19,11 @@ import torch
 from host_syncs import count_host_syncs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sluice_engine.request import Request
-from sluice_engine.sampler import Sampler
+from sluice_engine.core.request import Request
+from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.sample.sampler import Sampler
+from sluice_engine.sample.step_sampler import sample_step
 from sluice_engine.sampling_params import SamplingParams
-from sluice_engine.sched_output import ScheduledRequest, SchedulerOutput
-from sluice_engine.step_sampler import sample_step
 
 V = 128
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]

@@ -1,9 +1,9 @@
 """The scheduler as counter arithmetic: chunked prefill, the token budget, preemption by recompute."""
 
-from sluice_engine.kv_cache import KVCacheManager
-from sluice_engine.request import FinishReason, Request, RequestStatus
+from sluice_engine.core.kv_cache import KVCacheManager
+from sluice_engine.core.request import FinishReason, Request, RequestStatus
+from sluice_engine.core.scheduler import Scheduler
 from sluice_engine.sampling_params import SamplingParams
-from sluice_engine.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=16, caching=True):

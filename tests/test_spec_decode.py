@@ -9,9 +9,9 @@ from distribution import chi_square_pvalue
 from spec_prompts import PROMPTS
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.llm import LLM
-from sluice_engine.request import Request
-from sluice_engine.sampler import Sampler
+from sluice_engine.core.request import Request
+from sluice_engine.entrypoints.llm import LLM
+from sluice_engine.sample.sampler import Sampler
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.spec_decode.ngram import NgramProposer, ngram_propose
 

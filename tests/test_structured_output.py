@@ -15,7 +15,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 from sluice_engine.structured import (
     GrammarConstraint,

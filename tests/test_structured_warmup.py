@@ -9,7 +9,7 @@ import torch
 from tiny_llama import VOCAB, write_tiny_llama
 
 from sluice_engine.config import EngineConfig
-from sluice_engine.engine import LLMEngine
+from sluice_engine.engine.llm_engine import LLMEngine
 from sluice_engine.structured import constraint
 
 xgr = pytest.importorskip("xgrammar")

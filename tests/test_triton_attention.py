@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from sluice_engine.attention.backend import select_backend
+from sluice_engine.attention.kernel_buckets import AttentionLaunch, block_m_for, choose_attention_launch
 from sluice_engine.attention.torch_paged import TorchPagedAttention
 from sluice_engine.forward_context import AttentionMetadata
-from sluice_engine.kernel_buckets import AttentionLaunch, block_m_for, choose_attention_launch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -238,7 +238,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama):
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(3)
@@ -300,8 +300,8 @@ def test_full_warmup_runs_exactly_the_launch_set(tiny_llama, tmp_path, monkeypat
     import shutil
 
     from sluice_engine import model_runner
-    from sluice_engine.kernel_buckets import attention_launches
-    from sluice_engine.llm import LLM
+    from sluice_engine.attention.kernel_buckets import attention_launches
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     api = ReplayByRerun()

@@ -13,9 +13,9 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from sluice_engine.api.server import build_app
 from sluice_engine.config import EngineConfig
-from sluice_engine.llm import LLM
+from sluice_engine.entrypoints.llm import LLM
+from sluice_engine.entrypoints.openai.server import build_app
 from sluice_engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

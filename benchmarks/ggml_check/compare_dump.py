@@ -42,7 +42,7 @@ def llama_dump(model: Path, tokens: list[int], n_gen: int, out: Path) -> dict[tu
 
 
 def sluice_run(tokens: list[int], n_gen: int):
-    from sluice_engine.llm import LLM
+    from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
 
     llm = LLM(device="cpu", kv_cache_memory=64 << 20, warmup="off", enable_prefix_caching=False)

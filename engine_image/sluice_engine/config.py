@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .quantization import CHOICES as QUANT_CHOICES
-from .quantization import check_device as check_quant_device
-from .quantization import check_kv_cache_dtype
+from .quant.formats import CHOICES as QUANT_CHOICES
+from .quant.formats import check_device as check_quant_device
+from .quant.formats import check_kv_cache_dtype
 
-# --warmup: what runs before /ready turns 200 (warmup.py): auto = full on CUDA, minimal elsewhere.
+# --warmup: what runs before /ready turns 200 (worker/warmup.py): auto = full on CUDA, minimal elsewhere.
 WARMUP_MODES = ("auto", "full", "minimal", "off")
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -83,15 +83,15 @@ class EngineConfig:
     # A JSON file whose values replace the three above, re-read at every metrics scrape (objectives.py).
     objectives_file: str | None = None
     attention_backend: str = "auto"  # auto | cpu | torch | triton
-    # CUDA graphs of decode steps (cuda_graphs.py): off with enforce_eager; captured for batch sizes up to
+    # CUDA graphs of decode steps (worker/cuda_graphs.py): off with enforce_eager; captured for batch sizes up to
     # min(cuda_graph_max_batch, max_num_seqs).
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
-    # Weights of the linear layers (quantization.py): none = the dtype's; q8_0/q4_0/q4_1 = GGUF blocks on
+    # Weights of the linear layers (quant/formats.py): none = the dtype's; q8_0/q4_0/q4_1 = GGUF blocks on
     # CPU; fp8/awq/gptq = the Triton kernels (a checkpoint quantized so; fp8 also quantizes a dense one);
     # auto = the checkpoint's quantization_config, else none for now (docs/engine-flags.md).
     quantization: str = "auto"
-    # The KV cache's element type (quantization.py): auto = the model's dtype; fp8 = e4m3 with per-tensor
+    # The KV cache's element type (quant/formats.py): auto = the model's dtype; fp8 = e4m3 with per-tensor
     # scales (the Triton attention kernels; half a bf16 cache's bytes per token).
     kv_cache_dtype: str = "auto"
     seed: int = 0
@@ -113,7 +113,7 @@ class EngineConfig:
     # the group starts (two servers on one host, or one restarted at once, never meet on a fixed port).
     master_port: int | None = None
     distributed_timeout: float = 60.0  # seconds a collective may wait before the group is declared dead
-    # Dummy steps the server runs before it reports ready (warmup.py; the offline LLM does not warm up).
+    # Dummy steps the server runs before it reports ready (worker/warmup.py; the offline LLM does not warm up).
     warmup: str = "auto"
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ import torch
 @dataclass(slots=True)
 class AttentionWorkspace:
     """Preallocated outputs of short-query attention, so a captured CUDA graph allocates nothing in the
-    attention wrapper, and the split count that graph was captured with (cuda_graphs.py)."""
+    attention wrapper, and the split count that graph was captured with (worker/cuda_graphs.py)."""
 
     num_splits: int
     out: torch.Tensor  # [T, Hq, D], the model's dtype; shared by every layer (each consumes it at once)

@@ -1,6 +1,6 @@
 """The engine flags an InferenceEndpoint may pass through `spec.engine.args`.
 
-NOTE: this mirrors `add_engine_args` in engine_image/sluice_engine/serve_cli.py (a contract, docs/engine-flags.md)
+NOTE: this mirrors `add_engine_args` in engine_image/sluice_engine/entrypoints/serve_cli.py (a contract, docs/engine-flags.md)
 instead of importing it, so the operator never needs the engine (or torch) installed. A test compares the two.
 """
 

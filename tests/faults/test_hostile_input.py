@@ -227,7 +227,7 @@ def test_regression_lone_surrogate_is_400(server, assert_settled, baseline):
 
 
 def test_body_over_limit_is_413(server):
-    from sluice_engine.api.errors import MAX_BODY_BYTES
+    from sluice_engine.entrypoints.openai.errors import MAX_BODY_BYTES
 
     big = json.dumps(cmpl(prompt="x" * (MAX_BODY_BYTES + 1))).encode()
     r = post(server, C, raw=big)
@@ -251,7 +251,7 @@ def test_body_size_limit_middleware():
 
     from fastapi import FastAPI, Request
 
-    from sluice_engine.api.errors import BodySizeLimit
+    from sluice_engine.entrypoints.openai.errors import BodySizeLimit
 
     app = FastAPI()
 

@@ -8,7 +8,7 @@ does, a GGUF gives the greedy answers it gives under llama-server. The cache is 
 half the bytes of fp32, twice the tokens in the same budget. Its K rows are kept in GGUF's rotary-pair order
 (the kernel's sums run in that order); nothing else reads this cache.
 
-The engine selects it by itself (model_runner.py) for a GGUF served in its blocks (--quantization auto on a
+The engine selects it by itself (worker/model_runner.py) for a GGUF served in its blocks (--quantization auto on a
 GGUF, q8_0, q4_0, q4_1) with the C++ CPU path; `--quantization none` keeps the fp32 path and its cache."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 
 fp16/bf16 Q, K and V go to the dots as they are (tensor cores) and accumulate in fp32; the softmax and the
 running output are fp32. fp32 inputs use IEEE fp32 dots (no TF32). The module imports only torch, triton
-and the pure-Python launch set (kernel_buckets.py), so it also runs in Triton's interpreter
+and the pure-Python launch set (attention/kernel_buckets.py), so it also runs in Triton's interpreter
 (TRITON_INTERPRET=1) on CPU tensors -- where bf16 arithmetic is wrong, so there bf16 inputs are upcast to
 fp32 right after loading.
 
@@ -25,7 +25,7 @@ below compute capability 8.9) the kernels convert the cache's bytes with integer
 Compiled variants: `paged_attention` launches only members of kernel_buckets' fixed set (AttentionLaunch:
 split count and tile sizes), and the one integer argument that changes from batch to batch (the block
 table's row stride: the widest table of the batch) is not specialized, so the variants of a model are
-known in advance and warm-up compiles them all (warmup.py).
+known in advance and warm-up compiles them all (worker/warmup.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..kernel_buckets import AttentionLaunch, block_m_for
 from ..quant.triton_gemm import _e4m3_bits_to_f32, _e4m3_native, _f32_to_e4m3_bits
+from .kernel_buckets import AttentionLaunch, block_m_for
 
 LOG2E = 1.4426950408889634
 # Dots need every dimension >= 16 on tensor cores.

@@ -2,7 +2,7 @@
 
 On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before this module is
 imported): slow, and there for tests. Each step's launch (split count, tiles) comes from the fixed set in
-kernel_buckets.py, so warm-up can compile every variant before the server is ready. The backend keeps the
+attention/kernel_buckets.py, so warm-up can compile every variant before the server is ready. The backend keeps the
 launches it has issued (`issued`): eager steps' and those captured into CUDA graphs, i.e. what is compiled;
 warm-up reports that set rather than a prediction.
 """
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from ..forward_context import AttentionMetadata
-from ..kernel_buckets import SPLIT_MAX_QUERY_LEN, AttentionLaunch, block_m_for, choose_attention_launch
 from . import triton_kernels as tk
+from .kernel_buckets import SPLIT_MAX_QUERY_LEN, AttentionLaunch, block_m_for, choose_attention_launch
 
 
 class TritonPagedAttention:

@@ -10,5 +10,5 @@ report.py     the printed blocks and tables, ratios between servers, the JSON do
 plots.py      latency CDFs and sweep curves (matplotlib, imported only there)
 machine.py    other processes' CPU during a run (contention on shared machines)
 hf_server.py  a peer: HF transformers `generate` with static batching behind an OpenAI API
-cli.py        the flags and the command
+entrypoints/cli.py        the flags and the command
 """

@@ -62,7 +62,7 @@ class StaticBatcher:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..owner_thread import start_owner_thread
+        from ..engine.owner_thread import start_owner_thread
         from ..tokenizer import Tokenizer
 
         self.torch = torch
@@ -72,7 +72,7 @@ class StaticBatcher:
         self.threads = threads
         self.waiting: queue.Queue[Job] = queue.Queue()
         self.batches = 0
-        # The model loads in the thread that runs generate(), as `sluice serve`'s does (see owner_thread.py),
+        # The model loads in the thread that runs generate(), as `sluice serve`'s does (see engine/owner_thread.py),
         # so the peer is not slowed by stepping from another thread.
         def build() -> None:
             torch.set_num_threads(threads)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..quantization import CPU_FORMATS
+from ..quant.formats import CPU_FORMATS
 
 log = logging.getLogger("sluice.engine")
 

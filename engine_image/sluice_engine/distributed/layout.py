@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.model_config import ModelConfig
+from ..model_config import ModelConfig
 
 # The vocabulary is padded to a multiple of this times the TP size, so each rank's slice of the
 # embedding and the output layer has the same, aligned size.

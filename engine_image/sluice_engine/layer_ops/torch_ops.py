@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.rotary import RotaryEmbedding, rotate
+from .rotary import RotaryEmbedding, rotate
 
 
 class TorchLayerOps:

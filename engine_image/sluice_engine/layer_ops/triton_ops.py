@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.rotary import RotaryEmbedding
 from . import triton_kernels as tk
+from .rotary import RotaryEmbedding
 
 
 class TritonLayerOps:

@@ -41,12 +41,12 @@ import torch
 from torch import nn
 
 from ..distributed.layout import RankShard
+from ..model_config import ModelConfig
 from ..quant.checkpoint import QuantCheckpoint
 from ..quant.fp8 import Fp8Weights, quantize_fp8
 from ..quant.linear import ConcatQuantLinear, QuantLinear
 from ..quant.registry import weights_class
 from .llama import LlamaForCausalLM, dense_linear
-from .model_config import ModelConfig
 
 log = logging.getLogger("sluice.engine")
 

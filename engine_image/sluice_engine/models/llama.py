@@ -30,7 +30,7 @@ from ..distributed.layout import RankShard, single_shard
 from ..distributed.parallel_state import tp_all_reduce, tp_gather_last_dim
 from ..forward_context import get_forward_context
 from ..layer_ops import LayerOps, select_layer_ops
-from .model_config import ModelConfig
+from ..model_config import ModelConfig
 
 # (module name as in the model, e.g. "layers.3.self_attn.qkv_proj", in_features, out_features, bias) -> the
 # layer. Dense: nn.Linear, loaded afterwards by models/loader.py; a quantized checkpoint's loader builds its

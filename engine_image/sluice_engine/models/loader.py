@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from ..distributed.layout import RankShard, single_shard
-from ..quantization import CPU_FORMATS, GPU_FORMATS, gpu_formats_run
-from ..quantization import check_device as check_quant_device
+from ..model_config import ModelConfig
+from ..quant.formats import CPU_FORMATS, GPU_FORMATS, gpu_formats_run
+from ..quant.formats import check_device as check_quant_device
 from .llama import LlamaForCausalLM, dense_linear
-from .model_config import ModelConfig
 
 log = logging.getLogger("sluice.engine")
 
@@ -81,7 +81,7 @@ def checkpoint_quantization(model_dir: Path) -> str | None:
 def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend,
                          checkpoint: str | None = None, gguf: Path | None = None, unsharded: bool = True) -> str:
     """--quantization as this rank runs it: none, a CPU block format, `auto` (a GGUF's own CPU-format
-    blocks, layer by layer: models/quant_loader.py), or a GPU format (quantization.py).
+    blocks, layer by layer: models/quant_loader.py), or a GPU format (quant/formats.py).
     checkpoint: the checkpoint's own quantization (`checkpoint_quantization`), None for a dense one;
     gguf: the GGUF file the model came from (`gguf_source`), None for an HF directory."""
     q = cfg.quantization

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..cpu_kernels.quant import LinearMethod, QuantEmbedding, QuantLinear
-from ..quantization import CPU_FORMATS
+from ..quant.formats import CPU_FORMATS
 from .llama import LlamaForCausalLM, dense_linear
 
 log = logging.getLogger("sluice.engine")

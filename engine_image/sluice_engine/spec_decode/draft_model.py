@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
+from ..core.kv_cache import KVCacheManager
+from ..core.request import Request
+from ..core.sched_output import ScheduledRequest, SchedulerOutput
 from ..forward_context import ForwardContext, forward_context
-from ..input_buffers import InputBuffers
-from ..kv_cache import KVCacheManager
-from ..memory_meter import PeakMeter, dummy_step
+from ..model_config import ModelConfig
 from ..models.loader import checkpoint_quantization, load_model
-from ..models.model_config import ModelConfig
-from ..quantization import check_device as check_quant_device
-from ..request import Request
+from ..quant.formats import check_device as check_quant_device
 from ..sampling_params import SamplingParams
-from ..sched_output import ScheduledRequest, SchedulerOutput
+from ..worker.input_buffers import InputBuffers
+from ..worker.memory_meter import PeakMeter, dummy_step
 from .interface import DraftQuery
 
 log = logging.getLogger("sluice.engine")
@@ -46,7 +46,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.max_positions = max_positions
         # A catch-up longer than this is fed in several forwards: the draft's activations were
-        # profiled at this many tokens (memory_profile.py), --max-num-batched-tokens, as the target's.
+        # profiled at this many tokens (worker/memory_profile.py), --max-num-batched-tokens, as the target's.
         self.max_forward_tokens = max_forward_tokens
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         if mc.vocab_size > target_vocab_size:
@@ -62,7 +62,7 @@ class DraftModelProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.kv: KVCacheManager | None = None
         self._shadows: dict[str, Request] = {}
-        # Persistent inputs as the target's (input_buffers.py), one block-table row per shadow. The buffers
+        # Persistent inputs as the target's (worker/input_buffers.py), one block-table row per shadow. The buffers
         # grow on demand if a forward is larger (the draft is never captured in a graph).
         self.max_num_seqs = max_num_seqs
         self.inputs = self._new_inputs()
@@ -89,7 +89,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def profile_step_peak(self, num_seqs: int) -> int:
-        """The activation peak of the draft's largest forward (memory_profile.py): a catch-up of
+        """The activation peak of the draft's largest forward (worker/memory_profile.py): a catch-up of
         max_forward_tokens tokens over `num_seqs` speculating requests, over a scratch cache."""
         step = dummy_step(max(self.max_forward_tokens, num_seqs), num_seqs, self.block_size, self.max_positions,
                           every_row=False)

@@ -17,8 +17,8 @@ from .interface import DraftProposer
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from ..model_runner import ModelRunner
     from ..tokenizer import Tokenizer
+    from ..worker.model_runner import ModelRunner
     from .draft_model import DraftModelProposer
 
 

@@ -1,4 +1,4 @@
-"""One request's grammar state, as the engine's TokenConstraint (request.py): an xgrammar
+"""One request's grammar state, as the engine's TokenConstraint (core/request.py): an xgrammar
 GrammarMatcher that masks what may come next and advances with every token emitted; and the masking
 kernel's backend, named, and its warm-up at engine start-up on CUDA.
 

@@ -1,0 +1,118 @@
+"""A request inside the engine: token ids plus counters. There is no prefill or decode phase; the
+scheduler only ever closes the gap between `num_computed_tokens` and `num_tokens`."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ..sampling_params import SamplingParams
+
+# A logits processor sees the tokens generated so far and the row of logits for the next token,
+# and returns the row (in place is fine).
+LogitsProcessor = Callable[[list[int], "object"], "object"]
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """A logits processor with state, passed in `logits_processors` like a plain one: it allows only
+    some tokens next (a grammar: structured output, see structured/) and advances with every token
+    the request emits. Unlike a plain processor it composes with speculative decoding.
+
+    - `accept(token_id)`: the engine calls it for each token appended to the request's output.
+    - `valid_prefix(token_ids)`: how many of these tokens, in order, may come next (drafts are cut there).
+    - `apply_batch(logits, rows)`: one call per constraint class per sampling step, masking in place.
+      `rows` holds (first logits row, constraint, drafts): row first + i gets the mask of the state
+      after drafts[:i]. The constraints' own state is the same afterwards.
+    """
+
+    def accept(self, token_id: int) -> None: ...
+
+    def valid_prefix(self, token_ids: list[int]) -> int: ...
+
+    @classmethod
+    def apply_batch(cls, logits, rows: list[tuple[int, TokenConstraint, list[int]]]) -> None: ...
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # The TokenConstraints among the processors given, moved here by __post_init__.
+    constraints: list[TokenConstraint] = field(default_factory=list, init=False)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache on first admission (reported in usage).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # Per-request generator: a seeded request samples the same tokens whatever else is batched.
+    generator: object | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    # The metrics recorder's per-request state (metrics.RequestTimes), set the first time a step runs it.
+    metrics: object | None = None
+    # Prompt logprobs collected chunk by chunk: (token logprob, top-k) per prompt position >= 1.
+    prompt_logprobs: list = field(default_factory=list)
+    # Draft tokens proposed for this step (speculative decoding): computed after the last known token
+    # and verified by the sampler; never part of all_token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # An in-flight request with the same prompt (n > 1 siblings, identical concurrent prompts): once it
+    # has computed the prompt, this one shares its blocks instead of prefilling (see KVCacheManager.fork).
+    fork_source: Request | None = None
+    # Pipeline parallelism: the virtual engine (scheduler partition) this request is stepped on.
+    virtual_engine: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        procs = self.logits_processors
+        self.constraints = [p for p in procs if isinstance(p, TokenConstraint)]
+        self.logits_processors = [p for p in procs if not isinstance(p, TokenConstraint)]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,240 @@
+"""The engine's own loop: take in commands, step, hand out each step's outputs and a stats snapshot.
+
+One loop per engine, run in the thread that built the engine (AsyncEngine's in-process mode) or as the main
+loop of the engine-core process (engine/core_process.py). Where commands come from and where outputs go is the
+`Inbox` and the `Outbox`: a queue and the event loop in one process, ZMQ sockets across two. The loop is
+the same either way, so both modes keep every promise the server makes (docs/reliability.md): an add that
+fails is that request's error alone, a loop that dies fails every open request and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..core.request import LogitsProcessor
+from ..metrics import StatsSnapshot
+from ..objectives import ObjectivesFile
+from .llm_engine import LLMEngine, RequestOutput
+from .messages import AbortRequest, AddRequest, FinishRequest, RequestFailedError, Shutdown
+
+log = logging.getLogger("sluice.engine")
+
+IDLE_TICK_S = 0.5  # an idle loop wakes this often (keepalive of the other ranks, the objectives file)
+OBJECTIVES_POLL_S = 1.0
+
+
+@dataclass(slots=True)
+class LocalAdd:
+    """An add from the same process: it may carry logits processors (objects, which cannot cross processes)."""
+
+    add: AddRequest
+    logits_processors: list[LogitsProcessor] | None
+
+
+class Inbox(Protocol):
+    def get(self, timeout: float | None) -> AddRequest | LocalAdd | AbortRequest | Shutdown | None:
+        """The next command; None if none came within `timeout` seconds (None: do not wait)."""
+
+
+class Outbox(Protocol):
+    def send(self, items: list[tuple[str, RequestOutput | BaseException]], stats: StatsSnapshot | None) -> None:
+        """Hand out a step's outputs (and refused adds), after its stats snapshot (None: unchanged)."""
+
+    def warmed_up(self, report) -> None: ...
+
+    def dead(self, e: BaseException) -> None:
+        """The loop cannot serve any more: every open request fails, the server says so and exits."""
+
+
+class StepClock:
+    """When the step now running started (time.monotonic()), or None: what the watchdog reads. A float
+    store is atomic for readers in other threads; the core process puts one in shared memory instead."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+
+
+class SharedStepClock(StepClock):
+    """A StepClock in shared memory (multiprocessing.RawValue of a double, NaN: no step), so the API process's
+    watchdog reads the core's step time without a message per step."""
+
+    def __init__(self, value) -> None:  # noqa: D107 - the RawValue('d') both processes hold
+        self._value = value
+        self._value.value = math.nan
+
+    @property
+    def started(self) -> float | None:  # type: ignore[override]
+        v = self._value.value
+        return None if math.isnan(v) else v
+
+    @started.setter
+    def started(self, t: float | None) -> None:
+        self._value.value = math.nan if t is None else t
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox, clock: StepClock,
+                 objectives_file: str | None = None, structured_outputs=None):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.clock = clock
+        self.adds_taken = 0  # adds taken into the engine: the API counts the ones still in transit from it
+        self.dead: BaseException | None = None
+        self._stop = False
+        self._fail_lock = threading.Lock()
+        # The core process applies the objectives file itself (in one process the /metrics scrape does).
+        self._objectives = ObjectivesFile(objectives_file) if objectives_file else None
+        self._objectives_checked = 0.0
+        # Compiles an AddRequest's grammar (a spec from another process); None: built on first use.
+        self._structured = structured_outputs
+        self.after_warm_up: Callable[[], None] | None = None
+        engine.before_schedule = self._take_commands
+        engine.after_schedule = self._publish_now
+        self._pending_stats: StatsSnapshot | None = None
+        executor = getattr(engine, "executor", None)
+        if executor is not None:
+            executor.on_failure = self.fail
+
+    def snapshot(self) -> StatsSnapshot:
+        import dataclasses
+
+        return dataclasses.replace(self.engine.stats_snapshot(), adds_taken=self.adds_taken)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Warm up, then serve until Shutdown (or until the loop fails: fail() has then told everyone)."""
+        if self._stop:  # shut down before it ever started
+            return
+        self.outbox.send([], self.snapshot())
+        if not self._warm_up():
+            return
+        torch.set_grad_enabled(False)
+        engine = self.engine
+        try:
+            while not self._stop and self.dead is None:
+                self._poll_objectives()
+                busy = engine.has_unfinished()
+                errors = self._drain(None if busy else IDLE_TICK_S)
+                if self._stop:
+                    break
+                if not engine.has_unfinished():
+                    # What the adds and aborts changed; a step publishes once it has scheduled.
+                    self.outbox.send(errors, self.snapshot())
+                    engine.keepalive()
+                    continue
+                if errors:
+                    self.outbox.send(errors, None)
+                self.clock.started = time.monotonic()
+                outs = engine.step()
+                self.clock.started = None
+                # The snapshot goes before the outputs: a client that got its answer sees it counted.
+                self.outbox.send([(o.request_id, o) for o in outs], self.snapshot())
+        except BaseException as e:  # the loop must never die silently: fail every open request
+            log.exception("engine loop failed")
+            self.fail(e)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _warm_up(self) -> bool:
+        """Before the loop. A warm-up that fails is the engine's failure: the server never reports ready and
+        exits non-zero, instead of dying on its first request."""
+        try:
+            report = self.engine.warm_up(on_step=self._on_warmup_step)
+        except BaseException as e:  # noqa: BLE001 - reported through fail(), like a failed step
+            log.exception("warm-up failed")
+            self.clock.started = None
+            self.fail(e)
+            return False
+        self.clock.started = None
+        self.outbox.warmed_up(report)
+        return True
+
+    def _on_warmup_step(self, started: float | None) -> None:
+        self.clock.started = started  # a dummy step is a step: the watchdog covers it
+
+    def _poll_objectives(self) -> None:
+        if self._objectives is None:
+            return
+        now = time.monotonic()
+        if now - self._objectives_checked < OBJECTIVES_POLL_S:
+            return
+        self._objectives_checked = now
+        o = self._objectives.changed()
+        if o is not None:
+            self.engine.metrics.set_objectives(o)
+
+    # -- commands ------------------------------------------------------------------------------
+    def _take_commands(self) -> None:
+        # Right before each schedule: an abort that arrived during the previous step (a client that left) is
+        # applied before its request could be admitted.
+        errors = self._drain(None)
+        if errors:
+            self.outbox.send(errors, None)
+
+    def _publish_now(self) -> None:
+        # A step has been scheduled (the queue as the scheduler left it): the snapshot goes out at once, so
+        # /metrics shows the queue while a long step runs.
+        self.outbox.send([], self.snapshot())
+
+    def _drain(self, timeout: float | None) -> list[tuple[str, BaseException]]:
+        errors: list[tuple[str, BaseException]] = []
+        while True:
+            cmd = self.inbox.get(timeout)
+            timeout = None
+            if cmd is None:
+                return errors
+            if isinstance(cmd, Shutdown):
+                self._stop = True
+                return errors
+            if isinstance(cmd, AbortRequest):
+                self.engine.abort_request(cmd.request_id, client_left_at=cmd.client_left_at)
+                continue
+            if isinstance(cmd, FinishRequest):
+                self.engine.finish_request(cmd.request_id, cmd.stop_string)
+                continue
+            add, procs = (cmd.add, cmd.logits_processors) if isinstance(cmd, LocalAdd) else (cmd, None)
+            self.adds_taken += 1
+            try:
+                if add.grammar is not None:
+                    procs = [*(procs or []), self._constraint(add.grammar)]
+                self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, procs,
+                                        arrival_time=add.arrival_time)
+            except ValueError as e:
+                errors.append((add.request_id, e))
+            except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
+                log.warning("request %s could not be added: %r", add.request_id, e)
+                errors.append((add.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
+
+    def _constraint(self, spec):
+        if self._structured is None:
+            from ..structured import StructuredOutputs
+
+            info = self.engine.model_info
+            self._structured = StructuredOutputs(self.engine.tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._structured.constraint(self._structured.compiled_now(spec))
+
+    # -- failure -------------------------------------------------------------------------------
+    def fail(self, e: BaseException) -> None:
+        """The engine cannot serve any more (its loop died, or a rank of its group was lost): every open
+        request ends with an error, and the outbox says so once."""
+        with self._fail_lock:  # the loop's thread, or the executor's watcher of the other ranks
+            if self.dead is not None:
+                return
+            self.dead = e
+        engine = self.engine
+        engine.stats.finished["error"] += len(engine.scheduler.requests)  # every request in flight fails
+        try:
+            self.outbox.send([], self.snapshot())  # the loop is stopped or stopping: this is the last snapshot
+        except Exception:  # noqa: BLE001 - the failure itself must still be told
+            log.exception("could not publish the last snapshot")
+        self.outbox.dead(e)

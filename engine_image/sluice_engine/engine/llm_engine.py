@@ -1,0 +1,508 @@
+"""The synchronous engine: requests in, one step at a time, output deltas out.
+
+`LLMEngine.step()` schedules, runs one forward, appends sampled tokens, ends requests at their stop tokens or
+length, frees finished requests, and (unless `detokenize` is off) turns the token deltas into text deltas
+with the output processor (engine/output_processor.py: detokenization and stop strings). The engine loop and the
+offline `LLM` drive it; an engine-core process runs it with `detokenize` off and its API process makes the
+text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig
+from ..core.kv_cache import KVCacheManager
+from ..core.request import FinishReason, LogitsProcessor, Request
+from ..core.sched_output import SchedulerOutput
+from ..core.scheduler import Scheduler
+from ..executor.executor import Executor
+from ..metrics import HISTOGRAMS, EngineMetrics, StatsSnapshot
+from ..model_fetch import resolve_model
+from ..sample.sampler import Sampler, TokenLogprobs
+from ..sample.step_sampler import StepResult, sample_step
+from ..sampling_params import InvalidParam, SamplingParams
+from ..spec_decode import DraftQuery, build_proposer, resolve_draft
+from ..structured.constraint import warm_up_bitmask
+from ..tokenizer import Tokenizer
+from ..worker.warmup import WarmupReport, WarmupTarget, warm_up
+from ..worker.warmup import limits as warmup_limits
+from ..worker.warmup import resolve_mode as resolve_warmup_mode
+from .output import RequestOutput
+from .output_processor import OutputProcessor
+
+log = logging.getLogger("sluice.engine")
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (too long for the context or the KV cache)."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the API layer needs to know of the served model (the engine client's model info)."""
+
+    served_model_name: str
+    model_dir: Path
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class _InFlightStep:
+    virtual_engine: int
+    sched: SchedulerOutput
+    requests: list[Request]  # of sched.scheduled, in order
+    preempted: list[Request]
+    started: float
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)
+    steps: int = 0
+    # Requests whose client left, by how far they had got then (queued / prefill / decode), and
+    # those of them scheduled after their client had left: work done for nobody.
+    abandoned: Counter = field(default_factory=Counter)
+    scheduled_after_client_left: int = 0
+    # Speculative decoding: drafts verified, drafts accepted, and acceptances by draft position.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_per_pos: list[int] = field(default_factory=list)
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model_dir: Path = resolve_model(cfg.model)
+        self.served_model_name = cfg.served_model_name or (cfg.model and Path(cfg.model).name) or "SmolLM2-135M-Instruct"
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        if cfg.draft_model is not None and cfg.world_size > 1:
+            raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
+                             "above 1 yet; use --speculative-method ngram")
+        self.spec_config = cfg.speculative_config()
+        # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
+        # draft model beside rank 0's shard, its KV cache out of the same memory budget.
+        self.executor = Executor(cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
+        self.runner = self.executor.runner  # rank 0's shard (model config, device, dtype, backend)
+        capacity = self.executor.num_blocks * cfg.block_size
+        if cfg.max_model_len is not None and cfg.max_model_len > capacity:
+            raise ValueError(
+                f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({capacity} tokens); "
+                "raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len"
+            )
+        self.max_model_len = min(self.runner.max_model_len, capacity)
+        self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # One virtual engine per pipeline stage: disjoint micro-batches keep every stage busy.
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   num_virtual=self.executor.max_in_flight)
+        self._in_flight: deque[_InFlightStep] = deque()
+        self._next_ve = 0
+        # Set by AsyncEngine: takes in the commands (adds, aborts) that arrived since the step
+        # began, so a request whose client has just left is not scheduled.
+        self.before_schedule: Callable[[], None] | None = None
+        # Called once a step is scheduled, before it runs (the AsyncEngine publishes its stats snapshot: the queue
+        # as the scheduler left it).
+        self.after_schedule: Callable[[], None] | None = None
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.runner.model_config.eos_token_ids)
+        self.stats = EngineStats()
+        self.metrics = EngineMetrics.from_config(cfg, self.executor.num_devices)
+        self.sampler = Sampler(self.runner.device, cfg.seed)
+        self.proposer = build_proposer(self.spec_config, self.executor.draft)
+        # Requests in flight (added, not finished), and those whose prompt logprobs have gone out.
+        self._open: set[str] = set()
+        self._prompt_logprobs_sent: set[str] = set()
+        # Token deltas to text (detokenization, stop strings). An engine core in its own process turns it
+        # off (detokenize = False): the API process makes the text there (engine/output_processor.py).
+        self.detokenize = True
+        self.output_processor = OutputProcessor(self.tokenizer, self.finish_request)
+        self._prompt_leaders: dict[tuple[int, ...], Request] = {}
+        self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
+                                    self.runner.model_config.vocab_size, self.eos_token_ids)
+        log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
+                 self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
+
+    def warm_up(self, on_step: Callable[[float | None], None] | None = None) -> WarmupReport:
+        """Run --warmup's dummy steps (worker/warmup.py) before any request; the server calls it and reports
+        ready only after. on_step: told when each dummy step starts and ends (the watchdog)."""
+        mode = resolve_warmup_mode(self.cfg.warmup, self.runner.device)
+        if mode != "off":  # the structured-output mask's Triton kernel on CUDA, before the first grammar request
+            warm_up_bitmask(self.runner.device, self.runner.model_config.vocab_size)
+        target = WarmupTarget(
+            runner=self.runner, execute=self.executor.execute_model, pool=self.kv.pool,
+            block_size=self.cfg.block_size, take_freed=self.scheduler.take_freed,
+            note_freed=self.scheduler.note_freed, proposer=self.proposer,
+            limits=warmup_limits(self.cfg, self.runner, self.spec_config, self.max_model_len))
+        return warm_up(target, mode, on_step)
+
+    # -- requests ------------------------------------------------------------------------------
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        return max(1, self.max_model_len - num_prompt_tokens)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected if the request can never be served (a 400 at the API)."""
+        check_prompt(self.model_info, prompt_token_ids, params)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    logits_processors: list[LogitsProcessor] | None = None,
+                    arrival_time: float | None = None) -> Request:
+        self.check_prompt(prompt_token_ids, params)
+        if request_id in self._open:
+            raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                      logits_processors=list(logits_processors or []))
+        if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
+            req.arrival_time = arrival_time
+        # Everything that can fail comes before the request is registered anywhere: a request that
+        # fails here leaves no trace (a half-registered one once made later identical prompts wait
+        # forever on a leader that never ran).
+        if params.seed is not None:
+            try:
+                req.generator = torch.Generator(device=self.runner.device)
+                req.generator.manual_seed(params.seed)
+            except (RuntimeError, OverflowError, ValueError) as e:
+                raise InvalidParam("seed", f"seed {params.seed} is not usable ({e})") from None
+        # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
+        # first of them has computed it) instead of each prefilling it.
+        key = tuple(req.prompt_token_ids)
+        leader = self._prompt_leaders.get(key)
+        if leader is not None and not leader.is_finished and params.prompt_logprobs is None:
+            req.fork_source = leader
+        else:
+            self._prompt_leaders[key] = req
+        if self.detokenize:
+            self.output_processor.add(request_id, req.prompt_token_ids, params)
+        self._open.add(request_id)
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str, client_left_at: float | None = None) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            if client_left_at is not None:
+                self._count_abandoned(req, client_left_at)
+            self.scheduler.finish(req, FinishReason.ABORT)
+            self.stats.finished[FinishReason.ABORT.value] += 1
+            self._on_finished(req)
+        self._close(request_id)
+
+    def finish_request(self, request_id: str, stop_string: str) -> None:
+        """The request's text reached a stop string (the output processor found it): it is done, as if a stop
+        token had ended it. A no-op for a request that has already finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.finish(req, FinishReason.STOP)
+        req.stop_reason = stop_string
+        self._on_finished(req)
+        self.stats.finished[FinishReason.STOP.value] += 1
+        self.metrics.on_finished(req)
+        self._close(request_id)
+
+    def _close(self, request_id: str) -> None:
+        self._open.discard(request_id)
+        self._prompt_logprobs_sent.discard(request_id)
+        self.output_processor.drop(request_id)
+
+    def _count_abandoned(self, req: Request, left_at: float) -> None:
+        scheduled = req.first_scheduled_time
+        if scheduled is None or scheduled > left_at:
+            phase = "queued"
+            if scheduled is not None:  # scheduled between the client leaving and this abort
+                self.stats.scheduled_after_client_left += 1
+        elif req.num_output_tokens == 0:
+            phase = "prefill"
+        else:
+            phase = "decode"
+        self.stats.abandoned[phase] += 1
+
+    def _on_finished(self, req: Request) -> None:
+        """The request is finished: drop what the engine keeps for it besides its output."""
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
+        key = tuple(req.prompt_token_ids)
+        if self._prompt_leaders.get(key) is req:
+            del self._prompt_leaders[key]
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        """The engine's counters and gauges now, as plain copied values (metrics.py): the engine thread's
+        to call; /metrics renders the latest one published."""
+        m, stats, kv, graphs = self.metrics, self.stats, self.kv, self.runner.graph_state
+        return StatsSnapshot(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage(), kv_num_blocks=kv.num_blocks, graphs_captured=graphs.captured,
+            graphs_state=graphs.state, graphs_reason=graphs.reason, prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions, finished=dict(stats.finished),
+            abandoned=dict(stats.abandoned), scheduled_after_client_left=stats.scheduled_after_client_left,
+            requests_slo_checked=m.requests_slo_checked, requests_goodput=m.requests_goodput,
+            requests_met_ttft=m.requests_met_ttft, requests_met_tpot=m.requests_met_tpot,
+            busy_prefill_seconds=m.busy_prefill_seconds, busy_decode_seconds=m.busy_decode_seconds,
+            # Every draft has a position 0, so drafts verified = drafts at position 0.
+            spec_num_drafts=stats.spec_drafted_per_pos[0] if stats.spec_drafted_per_pos else 0,
+            spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
+            histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
+            slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._in_flight)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Start steps until one per pipeline stage is in flight (just one without pipeline
+        parallelism), then finish the oldest: its outputs, as text deltas (or token deltas only, with
+        detokenize off: an engine core whose API process makes the text)."""
+        outputs = self._step_tokens()
+        if not self.detokenize:
+            return outputs
+        texts = []
+        for out in outputs:
+            try:
+                text = self.output_processor.process(out)
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop strings: this request's failure
+                req = self.scheduler.requests.get(out.request_id)
+                text = self._fail(req, e) if req is not None else _failed_output(out, e)
+            if text is not None:
+                texts.append(text)
+        return texts
+
+    def _step_tokens(self) -> list[RequestOutput]:
+        while self.executor.num_in_flight < self.executor.max_in_flight and self._start_step():
+            pass
+        if not self._in_flight:
+            return []
+        step = self._in_flight.popleft()
+        sched, requests = step.sched, step.requests
+        # A failure of the forward is the engine's (device, memory, a lost rank): it propagates and
+        # the engine stops. What follows is per request: a failure there fails that request alone.
+        logits = self.executor.collect()
+        results, failed = self._sample(logits, sched, requests)
+        self.stats.steps += 1
+        outputs = [self._fail(req, e) for req, e in failed]
+        for res in results:
+            if res.request.is_finished:
+                continue  # aborted while its step was in flight
+            try:
+                out = self._process(res)
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop checks, a grammar's accept
+                out = self._fail(res.request, e)
+            if out is not None:
+                outputs.append(out)
+        self.metrics.on_step([(r, s.num_tokens) for r, s in zip(requests, sched.scheduled, strict=True)],
+                             step.preempted, step.started)
+        return outputs
+
+    def _start_step(self) -> bool:
+        """Schedule and submit a step of the next virtual engine that has work and no step in flight."""
+        if self.before_schedule is not None:
+            self.before_schedule()
+        busy = {st.virtual_engine for st in self._in_flight}
+        n = self.scheduler.num_virtual
+        for k in range(n):
+            ve = (self._next_ve + k) % n
+            if ve in busy or not self.scheduler.has_work_on(ve):
+                continue
+            started = time.monotonic()
+            if self.proposer is not None:
+                self._propose_drafts(ve)
+            sched = self.scheduler.schedule(ve)
+            if sched.is_empty:
+                continue
+            self._next_ve = (ve + 1) % n
+            requests = [self.scheduler.requests[s.request_id] for s in sched.scheduled]
+            preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
+            if self.after_schedule is not None:
+                self.after_schedule()
+            self.executor.submit(sched)
+            self._in_flight.append(_InFlightStep(ve, sched, requests, preempted, started))
+            return True
+        return False
+
+    def _sample(self, logits, sched, requests: list[Request]) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
+        """Sample the whole batch; if that raises, sample each request on its own, so only the
+        requests whose own state makes sampling fail (a logits processor that raises, say) fail."""
+        try:
+            return sample_step(self.sampler, logits, sched, requests), []
+        except Exception:  # noqa: BLE001 - attributed below, request by request
+            log.warning("sampling the batch failed; sampling its %d requests one by one", len(requests))
+        rows, firsts = sched.logits_layout()
+        results: list[StepResult] = []
+        failed: list[tuple[Request, Exception]] = []
+        for s, req, first in zip(sched.scheduled, requests, firsts, strict=True):
+            one = type(sched)([s])
+            k = s.logits_rows()
+            try:
+                results.extend(sample_step(self.sampler, logits[first : first + k], one, [req]))
+            except Exception as e:  # noqa: BLE001 - this request's failure
+                failed.append((req, e))
+        return results, failed
+
+    def _fail(self, req: Request, e: Exception) -> RequestOutput:
+        """Finish one request with an error; the engine goes on for everyone else."""
+        log.warning("request %s failed: %r", req.request_id, e)
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ERROR)
+            self._on_finished(req)
+            self.stats.finished[FinishReason.ERROR.value] += 1
+        self._close(req.request_id)
+        return RequestOutput(req.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             error=f"{type(e).__name__}: {e}")
+
+    def keepalive(self) -> None:
+        """Idle: keep the other ranks' wait for the next step alive (a no-op with one rank)."""
+        self.executor.keepalive()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _propose_drafts(self, ve: int = 0) -> None:
+        """The draft-proposal hook: guess the next tokens of each decoding request (speculative
+        decoding). The scheduler computes them after the last known token; the sampler verifies."""
+        assert self.proposer is not None
+        running = [r for r in self.scheduler.running if r.virtual_engine == ve]
+        if len(running) > self.spec_config.disable_batch_size:
+            return  # a large batch already uses the compute that speculation would fill
+        queries: list[DraftQuery] = []
+        asking: list[Request] = []
+        for req in running:
+            p = req.params
+            # Penalties and plain logits processors depend on the tokens before each position; drafts
+            # would need them applied position by position, which the verifier does not do (yet).
+            # Token constraints (grammars) do: the verifier masks each row by the state after the
+            # drafts before it.
+            if (not p.speculative or req.num_computed_tokens != req.num_tokens - 1
+                    or req.logits_processors or p.needs_penalties):
+                continue
+            # Room for the drafts plus the one token every step produces anyway.
+            room = min(p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if room > 0:
+                queries.append(DraftQuery(req.request_id, req.all_token_ids, room))
+                asking.append(req)
+        if not queries:
+            return
+        for req, drafts in zip(asking, self.proposer.propose_batch(queries), strict=True):
+            for c in req.constraints:  # a draft the grammar forbids would surely be rejected
+                del drafts[c.valid_prefix(drafts):]
+            self.scheduler.set_drafts(req, drafts)
+
+    def _process(self, res: StepResult) -> RequestOutput | None:
+        """Apply one request's step result: its tokens, and whether an end-of-sequence or stop token or the
+        length limit ends it. Tokens only: the text (and stop strings) are the output processor's."""
+        req = res.request
+        num_drafts = self.scheduler.update_from_output(req, res.num_scheduled, res.num_rejected)
+        if num_drafts:
+            self._count_spec(num_drafts, len(res.token_ids) - 1)
+        if res.prompt_logprobs:
+            req.prompt_logprobs.extend(res.prompt_logprobs)
+        if not res.token_ids:
+            return None
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.prompt_tokens += req.num_prompt_tokens
+
+        p = req.params
+        finish: FinishReason | None = None
+        stop_reason: int | None = None
+        new_token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        for token, lp in zip(res.token_ids, res.logprobs, strict=True):
+            req.append_output_token(token)
+            for c in req.constraints:
+                c.accept(token)
+            new_token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if lp is not None:
+                logprobs.append(lp)
+            if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
+                finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
+            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                finish = FinishReason.LENGTH
+            if finish is not None:
+                break  # accepted drafts after the end are dropped
+
+        if finish is not None:
+            self.scheduler.finish(req, finish)
+            self._on_finished(req)
+            req.stop_reason = stop_reason
+            self.stats.finished[finish.value] += 1
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_token_ids,
+            new_text="",
+            logprobs=logprobs,
+            finished=finish is not None,
+            finish_reason=finish.value if finish else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        if p.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent:
+            out.prompt_logprobs = list(req.prompt_logprobs)
+            self._prompt_logprobs_sent.add(req.request_id)
+        if finish is not None:
+            self._open.discard(req.request_id)
+            self._prompt_logprobs_sent.discard(req.request_id)
+        return out
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        st = self.stats
+        st.spec_draft_tokens += num_drafts
+        st.spec_accepted_tokens += num_accepted
+        grow = num_drafts - len(st.spec_drafted_per_pos)
+        if grow > 0:
+            st.spec_drafted_per_pos.extend([0] * grow)
+            st.spec_accepted_per_pos.extend([0] * grow)
+        for i in range(num_drafts):
+            st.spec_drafted_per_pos[i] += 1
+            st.spec_accepted_per_pos[i] += i < num_accepted
+
+
+def check_prompt(info: ModelInfo, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Raise RequestRejected if the request can never be served as asked: it reads only the model's fixed
+    limits, so the API process checks before a request reaches the engine, wherever that runs."""
+    n = len(prompt_token_ids)
+    max_model_len = info.max_model_len
+    if n == 0:
+        raise RequestRejected("prompt", "prompt is empty", "empty_prompt")
+    if n >= max_model_len:
+        raise RequestRejected(
+            "prompt", f"prompt has {n} tokens; this model's context window (max_model_len) is "
+            f"{max_model_len} tokens, leaving no room to generate", "context_length_exceeded",
+        )
+    if n + params.max_tokens > max_model_len:
+        raise RequestRejected(
+            "max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
+            f"of {max_model_len} tokens", "context_length_exceeded",
+        )
+    vocab = info.vocab_size
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _failed_output(out: RequestOutput, e: Exception) -> RequestOutput:
+    """An error delta for a request the core has already finished (its text failed to build)."""
+    log.warning("request %s failed: %r", out.request_id, e)
+    return RequestOutput(out.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
+                         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                         error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,26 @@
+"""What the engine hands out for a request each step: a delta of tokens (and, once the output processor has
+made it, their text). Plain data: it crosses from an engine-core process to the API process as it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sample.logprobs import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta: what one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, on the first delta, when asked
+    error: str | None = None  # the request failed (finish_reason "error"): why

@@ -1,0 +1,141 @@
+"""The HTTP server: FastAPI routes over OpenAIServing, health/readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
+from ...engine.llm_engine import LLMEngine
+from ...metrics import PrometheusExporter
+from .client_watch import ClientWatch
+from .errors import APIError, BodySizeLimit, api_error_handler, validation_error_handler
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving import OpenAIServing
+
+log = logging.getLogger("sluice.api")
+
+
+def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
+    """The OpenAI server over an engine: an AsyncEngine.spawn(...) one runs it in its own process (what
+    `sluice serve` does), an AsyncEngine.build(...) one in the thread that loaded it, a plain LLMEngine in a
+    thread of its own."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    engine = async_engine.engine  # None when the engine runs in its own process
+    info = async_engine.model_info
+    cfg = async_engine.cfg
+    serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len)
+    metrics = PrometheusExporter(engine, async_engine)  # renders the engine's snapshots (docs/metrics.md)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="Sluice engine", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.async_engine = async_engine
+    app.add_middleware(BodySizeLimit)  # 413 before a huge body is read
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own errors (a body that is not UTF-8 or JSON at all, 404, 405) in OpenAI's shape.
+        code = {400: "invalid_request_error", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(500, str(exc), code="engine_dead").response()
+
+    @app.exception_handler(ServerShuttingDownError)
+    async def _shutting_down(_: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return APIError(503, str(exc), code="shutting_down", headers={"Retry-After": "1"}).response()
+
+    def refuse_while_draining() -> None:
+        if async_engine.draining:  # another replica takes it: the client (or the gateway) retries
+            raise ServerShuttingDownError("server is shutting down; retry on another replica")
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return APIError(500, str(exc), code="request_failed").response()
+
+    async def respond(request: Request, serve):
+        # The client's connection is watched from here until the response is complete: a client
+        # that leaves aborts its engine requests at once (client_watch.py).
+        watch = ClientWatch(request.receive)
+        try:
+            result = await serve(watch)
+        except BaseException:
+            watch.close()
+            raise
+        if isinstance(result, dict):
+            watch.close()
+            return JSONResponse(result)
+
+        async def events():
+            try:
+                async for event in result:
+                    yield event
+            finally:
+                watch.close()
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        refuse_while_draining()
+        return await respond(request, lambda watch: serving.completions(body, watch))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        refuse_while_draining()
+        return await respond(request, lambda watch: serving.chat(body, watch))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": info.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
+            "root": str(info.model_dir), "max_model_len": info.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if async_engine.dead is not None:
+            return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=503)
+        if async_engine.hung_for() is not None:
+            return JSONResponse({"status": "hung", "error": f"a step has run longer than --step-timeout "
+                                 f"({cfg.step_timeout:g} s)"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        # The model is loaded before the app exists; ready means warmed up and the engine loop alive too.
+        if async_engine.dead is not None:
+            return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
+        if async_engine.hung_for() is not None:
+            return JSONResponse({"status": "not ready", "error": "a step is hung"}, status_code=503)
+        if async_engine.draining:
+            return JSONResponse({"status": "not ready", "error": "shutting down"}, status_code=503)
+        if async_engine.warming_up:  # compiling and running the kernels' shapes once (--warmup)
+            return JSONResponse({"status": "not ready", "error": "warming up"}, status_code=503)
+        return {"status": "ready", "model": info.served_model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,293 @@
+"""One rank's part of a step: its shard of the model weights and of the paged KV cache, and the
+forward of a SchedulerOutput (prepare -> forward -> logits). Every rank runs the same step from the
+same plain data; pipeline stages pass hidden states on, and the logits reach rank 0, which samples
+(sample/step_sampler.py). With one rank this is the whole model and every collective is a no-op."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..attention.backend import select_backend
+from ..config import EngineConfig
+from ..core.sched_output import SchedulerOutput
+from ..distributed import parallel_state as ps
+from ..distributed.layout import RankShard, rank_shard
+from ..forward_context import ForwardContext, forward_context
+from ..model_config import ModelConfig
+from ..model_fetch import OfflineError, gguf_source
+from ..models.loader import (
+    checkpoint_quantization,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+)
+from ..quant.formats import CPU_FORMATS, check_kv_cache_dtype
+from .cuda_graphs import (
+    DecodeGraphs,
+    GraphState,
+    TorchCudaGraphs,
+    capture_sizes,
+    decode_workspaces,
+    graphs_off_reason,
+)
+from .input_buffers import InputBuffers
+from .model_input import ModelInput
+
+log = logging.getLogger("sluice.engine")
+
+
+def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
+    limit = mc.max_position_embeddings
+    if mc.sliding_window is not None and mc.sliding_window < limit:
+        log.warning("sliding-window attention is not implemented: context capped to the window (%d)",
+                    mc.sliding_window)
+        limit = mc.sliding_window
+    if cfg.max_model_len is not None and cfg.max_model_len > limit:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds what this model supports ({limit} tokens)")
+    return cfg.max_model_len or limit
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_dir: Path, rank: int = 0, local_rank: int = 0):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device, local_rank)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.shard: RankShard = rank_shard(mc, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
+        self.max_model_len = max_model_len(cfg, mc)
+        self.backend = select_backend(cfg.attention_backend, self.device)
+        check_kv_cache_dtype(cfg.kv_cache_dtype, self.device.type, self.backend.name)  # auto now resolved
+        # fp8: e4m3 elements, one scale per layer for K and one for V (models/llama.py Attention.kv_scale).
+        # NOTE: a draft model's cache stays in the model dtype (spec_decode/draft_model.py): it is small, and
+        # its drafts are verified by the target anyway.
+        self.kv_cache_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
+        gguf = self._gguf(cfg)
+        self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend,
+                                                 checkpoint_quantization(model_dir), gguf,
+                                                 unsharded=self.shard.tp * self.shard.pp == 1)
+        if self.quantization in (*CPU_FORMATS, "auto") and self.backend.name == "cpu":
+            # A GGUF served in its own blocks on CPU computes as llama.cpp does, bit for bit (attention/ggml_cpu.py:
+            # int8 activations make any other rounding a different answer at near-ties), in an fp16 cache.
+            from ..attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention
+            from ..cpu_kernels import load as load_kernels
+
+            lib = load_kernels()
+            if lib.sluice_ggml_attention_supports_head_dim(mc.head_dim):
+                self.backend = GgmlCpuAttention(lib)
+                self.kv_cache_dtype = KV_DTYPE
+            else:
+                log.warning("head dim %d: the llama.cpp-exact attention takes multiples of 16 up to 256; serving "
+                            "with the cpu backend (right to float rounding, not llama.cpp's bit for bit)", mc.head_dim)
+        self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
+                                quantization=self.quantization,
+                                gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)
+        if cfg.kv_cache_dtype == "fp8":
+            self._log_kv_scales()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
+        self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA only)
+        self.graph_state = GraphState("off", "the KV cache is not allocated yet")
+        self._eager_only = False  # set by eager_steps(): every step runs eagerly, graphs or not
+
+    # -- the KV cache --------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in this rank's layers and KV heads. How many blocks the budget holds
+        is memory_profile.plan_kv_cache's to say (with the draft's cache, out of the same budget)."""
+        sh = self.shard
+        return 2 * sh.num_layers * sh.num_kv_heads * self.model_config.head_dim * self.kv_cache_dtype.itemsize
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.cfg.block_size
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Every rank allocates the same number of blocks (the smallest rank's capacity): block ids
+        mean the same slots on every rank."""
+        sh = self.shard
+        # One block more than the KV manager hands out: the scratch block (id num_blocks), where the padding
+        # rows of a CUDA graph's batch write and read (worker/cuda_graphs.py).
+        self.kv_caches = self._new_kv_cache(num_blocks + 1)
+        self.num_blocks = num_blocks
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s)", num_blocks, self.cfg.block_size,
+                 num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20,
+                 "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}")
+        self._setup_step_inputs()
+
+    @staticmethod
+    def _gguf(cfg: EngineConfig) -> Path | None:
+        """The GGUF behind --model (quantization auto serves its own blocks on CPU); for auto, None rather than
+        a failed start where the bundled model's GGUF is not kept and cannot be fetched (offline)."""
+        try:
+            return gguf_source(cfg.model)
+        except OfflineError:
+            if cfg.quantization != "auto":
+                raise
+            log.warning("the bundled model's GGUF is not here (offline): serving its fp32 weights")
+            return None
+
+    @contextmanager
+    def scratch_kv_cache(self, num_blocks: int) -> Iterator[None]:
+        """A throwaway cache for the memory profile's dummy step, before the real one is sized."""
+        assert not self.kv_caches, "the memory profile runs before the KV cache is allocated"
+        self.kv_caches = self._new_kv_cache(num_blocks)
+        self.inputs = self._new_inputs(scratch_block=None)  # the dummy step's rows go with it
+        try:
+            yield
+        finally:
+            self.kv_caches = []
+            self.inputs = None
+
+    def _new_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        sh = self.shard
+        shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
+        if self.device.type == "cpu":
+            return [_lazy_zeros(shape, self.kv_cache_dtype) for _ in range(sh.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(sh.num_layers)]
+
+    def _log_kv_scales(self) -> None:
+        layers = [layer.self_attn for layer in self.model.layers]
+        loaded = sum(a.kv_scale_source == "checkpoint" for a in layers)
+        if loaded:
+            k, v = torch.stack([a.kv_scale for a in layers]).cpu().T.tolist()
+            log.info("KV cache fp8 (e4m3): the checkpoint's k_scale/v_scale for %d of %d layers (k %.3g..%.3g, "
+                     "v %.3g..%.3g), 1.0 elsewhere", loaded, len(layers), min(k), max(k), min(v), max(v))
+        else:
+            # Without calibrated scales, 1.0 (as vLLM): K/V as bf16 models make them sit well inside e4m3's +-448
+            # (larger values saturate), at e4m3's relative precision of 2^-4 from 2^-6 up; below 2^-6 the steps are
+            # 2^-9 absolute, coarser relative to the value (a layer whose values are mostly that small loses most).
+            log.info("KV cache fp8 (e4m3): no k_scale/v_scale in the checkpoint; scales 1.0")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+    # -- persistent inputs and CUDA graphs ------------------------------------------------------
+    def _setup_step_inputs(self) -> None:
+        cfg = self.cfg
+        self.inputs = self._new_inputs(scratch_block=self.num_blocks)
+        self.graphs = None
+        reason = graphs_off_reason(cfg.enforce_eager, self.device, self.backend.name, cfg.world_size)
+        if reason is not None:
+            self.graph_state = GraphState("off", reason)
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: %s", reason)
+            return
+        try:
+            plan = self.graph_plan()
+            workspaces = decode_workspaces(plan, self.shard.num_heads, self.model_config.head_dim, self.dtype,
+                                           self.device)
+            graphs = DecodeGraphs(plan, self.inputs, self.forward, workspaces, self._graph_api(),
+                                  self.decode_splits)
+            graphs.capture()
+        except Exception as e:
+            # A capture that fails (a driver, a kernel that is not capturable) costs speed, not service:
+            # every step runs eagerly, over fresh buffers (capture froze the first ones). Logged with why, the
+            # traceback as an error and a one-line warning that says what it costs; the metrics show it.
+            log.exception("CUDA graph capture failed: every step runs eagerly (--enforce-eager skips capture)")
+            self.graph_state = GraphState("failed", f"{type(e).__name__}: {e}")
+            log.warning("CUDA graphs failed (%s): decode steps run eagerly, several times slower",
+                        self.graph_state.reason)
+            self.inputs = self._new_inputs(scratch_block=self.num_blocks)
+            return
+        self.graphs = graphs
+        self.graph_state = GraphState("on", captured=len(graphs.captured))
+
+    def graph_plan(self) -> dict[int, list[int]]:
+        """Decode graphs to capture: batch size -> split counts. Per size, every count the backend's chooser can
+        return for the batches that replay it (more than the next smaller size holds): worker/cuda_graphs.py."""
+        from ..attention.kernel_buckets import decode_split_choices
+
+        sizes = capture_sizes(min(self.cfg.cuda_graph_max_batch, self.cfg.max_num_seqs))
+        fixed = self.backend.num_splits  # tests fix it: every short-query batch gets that count
+        return {n: [fixed] if fixed else decode_split_choices(prev + 1, self.shard.num_kv_heads, self.backend.num_sms,
+                                                             self.max_model_len)
+                for prev, n in zip([0, *sizes], sizes, strict=False)}
+
+    def decode_splits(self, seq_lens: list[int]) -> int:
+        """The split count the attention backend launches for a decode batch of these contexts (a step's real
+        rows): a replayed graph has the count an eager step of the same batch would choose."""
+        sh = self.shard
+        return self.backend.choose(1, seq_lens, sh.num_heads // sh.num_kv_heads, sh.num_kv_heads).num_splits
+
+    @contextmanager
+    def eager_steps(self) -> Iterator[None]:
+        """Steps inside run eagerly even where a graph holds their batch (warm-up: the eager variants of the
+        decode kernels compile too; the graphs' compiled at capture)."""
+        prev, self._eager_only = self._eager_only, True
+        try:
+            yield
+        finally:
+            self._eager_only = prev
+
+    def _graph_api(self) -> TorchCudaGraphs:
+        return TorchCudaGraphs(self.device)
+
+    def _new_inputs(self, scratch_block: int | None) -> InputBuffers:
+        cfg = self.cfg
+        # Requests that may hold a block-table row at once: every virtual engine's running batch.
+        pp = cfg.pipeline_parallel_size
+        return InputBuffers(max_tokens=cfg.max_num_batched_tokens, max_rows=-(-cfg.max_num_seqs // pp) * pp,
+                            max_model_len=self.max_model_len, block_size=cfg.block_size, device=self.device,
+                            scratch_block=scratch_block)
+
+    # -- one step ------------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput, pad_to: int | None = None) -> ModelInput:
+        """The step's inputs, written into the persistent buffers (views of them are returned)."""
+        assert self.inputs is not None, "allocate_kv_cache() first"
+        rows, _ = sched.logits_layout()
+        return self.inputs.prepare(sched.scheduled, rows, sched.freed_req_ids, pad_to)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Run this rank's part of the step. Returns the logits ([rows of logits_layout(), vocab],
+        float32) when this rank is rank 0 and holds the last stage; None otherwise (a stage hands its
+        hidden states on; the last stage sends its logits to rank 0, which collects them: executor.py)."""
+        graph = self.graphs.key(sched) if self.graphs is not None and not self._eager_only else None
+        inp = self.prepare(sched, graph[0] if graph is not None else None)
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        sh = self.shard
+        hidden_in = None
+        if not sh.is_first_stage:
+            hidden_in = ps.recv_hidden((inp.num_tokens, self.model_config.hidden_size), self.dtype, self.device)
+        hidden = self.graphs.replay(graph) if graph is not None else self.forward(inp, hidden_in)
+        if not sh.is_last_stage:
+            ps.send_hidden(hidden)
+            return None
+        rows = inp.logits_rows.numel()
+        if not rows:
+            return torch.empty(0, self.model_config.vocab_size, device=self.device) if sh.rank == 0 else None
+        logits = self.model.compute_logits(hidden[inp.logits_rows])  # on the stage's first TP rank only
+        if logits is None or sh.rank == 0:
+            return logits
+        ps.send_logits(logits)
+        return None
+
+    def forward(self, inp: ModelInput, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        with forward_context(ForwardContext(inp.attn, self.kv_caches)):
+            return self.model(inp.input_ids, inp.positions, hidden_in)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:  # [2, num_blocks, ...]: K and V of each block in one copy
+            if cache.dtype == torch.float8_e4m3fn:  # torch's index_copy_ takes no float8: copy the bytes
+                cache = cache.view(torch.uint8)
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in memory the OS maps on first write: numpy's zeros is calloc, which for a large size is a fresh
+    anonymous mapping left untouched, where torch.zeros writes every byte. So on CPU a KV cache's blocks count
+    in the process's resident memory once used, not all at startup (1 GiB by default on CPU)."""
+    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
