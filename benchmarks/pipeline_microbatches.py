@@ -19,9 +19,9 @@ import statistics
 import time
 
 from sluice_engine.bench.machine import cpu_name, load_average
-from sluice_engine.distributed import executor as executor_mod
 from sluice_engine.distributed.parallel_state import destroy_distributed
 from sluice_engine.entrypoints.llm import LLM
+from sluice_engine.executor import executor as executor_mod
 from sluice_engine.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sluice_engine import cli
+from sluice_engine.entrypoints import cli
 from sluice_engine.entrypoints.cli import SUBCOMMANDS, build_parser, main
 
 HEAVY = ("torch", "kopf", "grpc", "aiohttp", "uvicorn", "pydantic", "sluice_operator", "sluice_autoscaler")
@@ -117,7 +117,7 @@ def test_main_runs_the_owner_and_turns_a_value_error_into_one_line(command: str,
 
 def test_a_reader_that_leaves_is_no_error() -> None:
     """`sluice render ... | head`: the pipe closes under the writer; exit 0 and no traceback."""
-    code = ("import sys\nfrom sluice_engine import cli\nimport sluice_operator.cli as owner\n"
+    code = ("import sys\nfrom sluice_engine.entrypoints import cli\nimport sluice_operator.cli as owner\n"
             "def leave(args):\n    raise BrokenPipeError\n"
             "owner.run_render = leave\nsys.exit(cli.main(['render', '-f', '-']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

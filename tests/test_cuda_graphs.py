@@ -23,9 +23,9 @@ import torch
 from reference_inputs import ReferenceInputs
 from safetensors.torch import save_file
 
-from sluice_engine import cuda_graphs as cg
 from sluice_engine.config import EngineConfig
 from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
+from sluice_engine.worker import cuda_graphs as cg
 
 CPU = torch.device("cpu")
 
@@ -351,7 +351,7 @@ def test_real_graphs(tiny_llama, kv_cache_dtype):
 @needs_interpreter
 def test_a_failed_capture_leaves_the_runner_serving_eagerly(tiny_llama, monkeypatch, caplog):
     """A GPU path never run before must not stop the server: the capture fails, steps run eagerly."""
-    from sluice_engine import model_runner
+    from sluice_engine.worker import model_runner
 
     class FailingCapture(ReplayByRerun):
         def capture(self, fn):
@@ -397,12 +397,12 @@ def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monke
     graph whose count is the backend's choice for the step's contexts: short contexts unsplit, a long one split
     as far as it needs (an eager step of the same batch launches the same), never the count of the longest
     context the window allows (16 here, for every step)."""
-    from sluice_engine import model_runner
     from sluice_engine.attention.kernel_buckets import (
         AttentionLaunch,
         attention_launches,
         decode_split_choices,
     )
+    from sluice_engine.worker import model_runner
 
     torch.set_num_threads(1)
     monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU

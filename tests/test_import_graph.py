@@ -66,4 +66,4 @@ def _writers(field: str) -> set[str]:
 
 @pytest.mark.parametrize("field", SCHEDULER_OWNED)
 def test_the_scheduler_is_the_only_writer_of_request_progress(field: str) -> None:
-    assert _writers(field) <= {"scheduler.py"}, _writers(field)
+    assert _writers(field) <= {"core/scheduler.py"}, _writers(field)

@@ -314,7 +314,7 @@ def test_engines_in_one_process_keep_their_own_metrics_and_count_errors():
 def test_cuda_graph_state_shows_why_graphs_are_off_or_failed(monkeypatch, caplog):
     """On CPU graphs are off, and say why; a capture that raises (a stand-in for torch.cuda's graphs, as on a GPU
     where capture fails) leaves the engine serving eagerly, exported as failed with the exception's text."""
-    from sluice_engine import model_runner
+    from sluice_engine.worker import model_runner
 
     kw = dict(kv_cache_memory=16 << 20, max_model_len=256, device="cpu")
 

@@ -299,10 +299,10 @@ def test_full_warmup_runs_exactly_the_launch_set(tiny_llama, tmp_path, monkeypat
     given 16 here."""
     import shutil
 
-    from sluice_engine import model_runner
     from sluice_engine.attention.kernel_buckets import attention_launches
     from sluice_engine.entrypoints.llm import LLM
     from sluice_engine.sampling_params import SamplingParams
+    from sluice_engine.worker import model_runner
 
     api = ReplayByRerun()
     if not CUDA:  # as on a GPU: graphs captured when the KV cache is allocated, with 16 SMs' split choices
