@@ -2,7 +2,7 @@
 
 import pytest
 
-from sluice_engine.engine.llm_engine import RequestRejected
+from sluice_engine.engine.model_info import RequestRejected
 from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.sampling_params import SamplingParams
 

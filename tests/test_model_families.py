@@ -17,7 +17,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from sluice_engine.engine.llm_engine import LLMEngine, RequestRejected
+from sluice_engine.engine.llm_engine import LLMEngine
+from sluice_engine.engine.model_info import RequestRejected
 from sluice_engine.entrypoints.llm import LLM
 from sluice_engine.model_config import ModelConfig
 from sluice_engine.sampling_params import SamplingParams

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -33,8 +34,6 @@ from ..core.request import LogitsProcessor
 from ..metrics import StatsSnapshot
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
-from .core_loop import IDLE_TICK_S, EngineLoop, LocalAdd, StepClock
-from .llm_engine import LLMEngine, ModelInfo, check_prompt
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -49,9 +48,14 @@ from .messages import (
     core_message_codec,
     refusal_error,
 )
+from .model_info import ModelInfo, check_prompt
 from .output import RequestOutput
 from .output_processor import OutputProcessor
 from .owner_thread import start_owner_thread
+from .step_clock import IDLE_TICK_S, MappedStepClock, StepClock
+
+if TYPE_CHECKING:  # the engine itself is imported only where it runs in this process (torch)
+    from .llm_engine import LLMEngine
 
 log = logging.getLogger("sluice.engine")
 
@@ -309,6 +313,8 @@ class _ClientOutbox:
 
 class _ThreadCore:
     def __init__(self, client: AsyncEngine, engine: LLMEngine):
+        from .core_loop import EngineLoop  # the engine runs here: torch is loaded already
+
         self.engine = engine
         self.inbox = _QueueInbox()
         self.clock = StepClock()
@@ -329,6 +335,8 @@ class _ThreadCore:
         if grammar is not None:
             procs.append(grammar.constraint())
         add.grammar = None  # compiled here already: the constraint goes as an object
+        from .core_loop import LocalAdd
+
         self.inbox.q.put(LocalAdd(add, procs or None))
 
     def abort(self, cmd: AbortRequest) -> None:
@@ -352,8 +360,6 @@ class _ProcessCore:
 
     def __init__(self, client: AsyncEngine, cfg: EngineConfig, log_level: str):
         import zmq
-
-        from .core_process import MappedStepClock
 
         self.client = client
         self._dir = tempfile.mkdtemp(prefix="sluice-core-")

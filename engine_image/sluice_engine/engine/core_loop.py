@@ -10,7 +10,6 @@ fails is that request's error alone, a loop that dies fails every open request a
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,12 +21,13 @@ import torch
 from ..core.request import LogitsProcessor
 from ..metrics import StatsSnapshot
 from ..objectives import ObjectivesFile
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine
 from .messages import AbortRequest, AddRequest, FinishRequest, RequestFailedError, Shutdown
+from .output import RequestOutput
+from .step_clock import IDLE_TICK_S, StepClock
 
 log = logging.getLogger("sluice.engine")
 
-IDLE_TICK_S = 0.5  # an idle loop wakes this often (keepalive of the other ranks, the objectives file)
 OBJECTIVES_POLL_S = 1.0
 
 
@@ -52,32 +52,6 @@ class Outbox(Protocol):
 
     def dead(self, e: BaseException) -> None:
         """The loop cannot serve any more: every open request fails, the server says so and exits."""
-
-
-class StepClock:
-    """When the step now running started (time.monotonic()), or None: what the watchdog reads. A float
-    store is atomic for readers in other threads; the core process puts one in shared memory instead."""
-
-    def __init__(self) -> None:
-        self.started: float | None = None
-
-
-class SharedStepClock(StepClock):
-    """A StepClock in shared memory (multiprocessing.RawValue of a double, NaN: no step), so the API process's
-    watchdog reads the core's step time without a message per step."""
-
-    def __init__(self, value) -> None:  # noqa: D107 - the RawValue('d') both processes hold
-        self._value = value
-        self._value.value = math.nan
-
-    @property
-    def started(self) -> float | None:  # type: ignore[override]
-        v = self._value.value
-        return None if math.isnan(v) else v
-
-    @started.setter
-    def started(self, t: float | None) -> None:
-        self._value.value = math.nan if t is None else t
 
 
 class EngineLoop:

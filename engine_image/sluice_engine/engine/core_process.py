@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import signal
-import struct
 import sys
 
 import msgspec
 import zmq
 
 from ..config import EngineConfig
-from .core_loop import EngineLoop, StepClock
+from .core_loop import EngineLoop
 from .llm_engine import LLMEngine
 from .messages import (
     CoreDead,
@@ -38,34 +36,10 @@ from .messages import (
     refusal,
 )
 from .output import RequestOutput
+from .step_clock import MappedStepClock
 
 log = logging.getLogger("sluice.engine")
 
-CLOCK_BYTES = 8  # one little-endian double: the monotonic start of the step now running, NaN for none
-
-
-class MappedStepClock(StepClock):
-    """The step clock in a small shared file (mmap): the API process's watchdog reads what the core writes,
-    with no message per step. One aligned 8-byte store: a reader sees the old value or the new one."""
-
-    def __init__(self, path: str):
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), CLOCK_BYTES)
-        self._view = memoryview(self._map).cast("d")
-
-    @property
-    def started(self) -> float | None:  # type: ignore[override]
-        v = self._view[0]
-        return None if v != v else v  # NaN: no step
-
-    @started.setter
-    def started(self, t: float | None) -> None:
-        self._view[0] = float("nan") if t is None else t
-
-    @staticmethod
-    def create(path: str) -> None:
-        with open(path, "wb") as f:
-            f.write(struct.pack("d", float("nan")))
 
 
 class ZmqInbox:

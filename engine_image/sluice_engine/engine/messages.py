@@ -18,7 +18,7 @@ import msgspec
 from ..metrics import Histogram, StatsSnapshot
 from ..sampling_params import InvalidParam, SamplingParams
 from ..structured.grammar import GrammarSpec
-from .llm_engine import ModelInfo, RequestRejected
+from .model_info import ModelInfo, RequestRejected
 from .output import RequestOutput
 
 

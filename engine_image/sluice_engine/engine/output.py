@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sample.logprobs import TokenLogprobs
+from ..sample.token_logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

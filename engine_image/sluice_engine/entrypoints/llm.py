@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
-from ..sample.sampler import TokenLogprobs
+from ..sample.token_logprobs import TokenLogprobs
 from ..sampling_params import SamplingParams
 
 

@@ -125,7 +125,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..engine.async_engine import AsyncEngine
-    from ..engine.llm_engine import LLMEngine
     from .openai.draining_server import DrainingServer
     from .openai.server import build_app
 
@@ -139,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_process:
         async_engine = AsyncEngine.spawn(cfg, args.log_level)
     else:
+        from ..engine.llm_engine import LLMEngine  # torch: only where the engine runs in this process
+
         async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
     app = build_app(async_engine)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

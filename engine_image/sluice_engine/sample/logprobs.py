@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-# (logprob of the chosen token, [(token_id, logprob) for the top-k, most likely first])
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
+from .token_logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -1,7 +1,6 @@
 """Structured output: grammars (JSON schema, regex, choice, EBNF) compiled with xgrammar, applied as
 per-request token masks inside the continuous batch, and tool calling built on them."""
 
-from .constraint import GrammarConstraint
 from .grammar import CompiledGrammar, GrammarError, GrammarSpec, StructuredOutputs, grammar_spec
 from .tools import ToolCallParser, ToolPlan, plan_tools, render_messages, template_renders_tools
 
@@ -18,3 +17,13 @@ __all__ = [
     "render_messages",
     "template_renders_tools",
 ]
+
+
+def __getattr__(name: str):
+    # GrammarConstraint holds tensors: torch is imported only by who applies one (the engine), so the API process,
+    # which compiles grammars to check them, stays free of it.
+    if name == "GrammarConstraint":
+        from .constraint import GrammarConstraint
+
+        return GrammarConstraint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

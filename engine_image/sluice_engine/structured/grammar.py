@@ -17,10 +17,12 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..tokenizer import Tokenizer
-from .constraint import GrammarConstraint
+
+if TYPE_CHECKING:  # torch: imported where a constraint is made (the engine), never for compiling alone
+    from .constraint import GrammarConstraint
 
 log = logging.getLogger("sluice.structured")
 
@@ -193,6 +195,10 @@ class StructuredOutputs:
 
     def constraint(self, compiled) -> GrammarConstraint:
         """A fresh per-request constraint (one per choice: each has its own grammar state)."""
+        from .constraint import GrammarConstraint
+
+        if self._stop_row is None:
+            self._stop_row = GrammarConstraint.stop_row(self.vocab_size, self.stop_token_ids)
         return GrammarConstraint(compiled, self._stop_row)
 
     def compiled_now(self, spec: GrammarSpec):
@@ -218,7 +224,7 @@ class StructuredOutputs:
 
                 info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # we cache, by spec
-                self._stop_row = GrammarConstraint.stop_row(self.vocab_size, self.stop_token_ids)
+                self._stop_row = None  # made with the first constraint (it is a tensor: torch)
                 log.info("structured output: vocabulary indexed (%d tokens, %s)", self.vocab_size,
                          info.vocab_type.name)
             return self._compiler

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,12 +14,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
-from ...engine.llm_engine import LLMEngine
 from ...metrics import PrometheusExporter
 from .client_watch import ClientWatch
 from .errors import APIError, BodySizeLimit, api_error_handler, validation_error_handler
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+
+if TYPE_CHECKING:
+    from ...engine.llm_engine import LLMEngine
 
 log = logging.getLogger("sluice.api")
 

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ...engine.async_engine import AsyncEngine, ServerShuttingDownError
-from ...engine.llm_engine import RequestOutput, RequestRejected
-from ...sample.sampler import TokenLogprobs
+from ...engine.model_info import RequestRejected
+from ...engine.output import RequestOutput
+from ...sample.token_logprobs import TokenLogprobs
 from ...sampling_params import MAX_TOP_K, InvalidParam, SamplingParams
 from ...structured import (
     CompiledGrammar,
