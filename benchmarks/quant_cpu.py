@@ -6,7 +6,7 @@ Q8_0 tied output layer; cpu_kernels/quant_gemm.cpp), in one sitting.
     PYTHONPATH=engine_image .venv/bin/python benchmarks/quant_cpu.py --kernels  # the GEMMs alone, ~30 s
 
 --kernels: the 30 decoder layers' four matmuls (576->960, 576->576, 576->3072, 1536->576) at M rows,
-PackedLinear (fp32, gemm.cpp) vs QuantLinear (q4_1, quant_gemm.cpp), random weights of the model's
+PackedLinear (fp32, gemm.cpp) vs GgufBlockLinear (q4_1, quant_gemm.cpp), random weights of the model's
 shapes, best of 5 rounds (same process, interleaved per row count).
 
 Workload: B identical-length prompts of 32 tokens (fixed ids, seed 0), greedy, ignore_eos, 65 new tokens
@@ -76,7 +76,7 @@ def kernels(rows: list[int]) -> None:
 
     from sluice_engine import cpu_kernels
     from sluice_engine.cpu_kernels.linear import PackedLinear
-    from sluice_engine.cpu_kernels.quant import QuantLinear, quantize_weight
+    from sluice_engine.cpu_kernels.quant import GgufBlockLinear, quantize_weight
 
     lib = cpu_kernels.load()
     g = torch.Generator().manual_seed(0)
@@ -84,7 +84,7 @@ def kernels(rows: list[int]) -> None:
     for k, n in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
         w = torch.randn(n, k, generator=g) * 0.05
         fp32.append(PackedLinear(w, None, lib))
-        q4_1.append(QuantLinear(quantize_weight(w, "q4_1"), "q4_1", k, None, lib))
+        q4_1.append(GgufBlockLinear(quantize_weight(w, "q4_1"), "q4_1", k, None, lib))
 
     def best_ms(layers, xs) -> float:
         def once() -> float:

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 
 from sluice_engine.cpu_kernels.quant import (
     FORMAT_CODE,
+    GgufBlockLinear,
     QuantEmbedding,
-    QuantLinear,
     dequantize_rows,
     quantize_weight,
 )
@@ -92,7 +92,7 @@ def reference_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> tuple[tor
     return terms.sum(-1), scale
 
 
-def check(layer: QuantLinear, x: torch.Tensor, blocks: torch.Tensor) -> float:
+def check(layer: GgufBlockLinear, x: torch.Tensor, blocks: torch.Tensor) -> float:
     # Tolerance: the integer sums are exact, so the kernel and the float64 reference differ only by float
     # rounding: d_w * d_x (1 rounding), each lane's FMA over K/32 <= 48 blocks (<= 48), the lanes' 7 adds
     # and Q4_1's m_w s_x FMAs and final add (<= 49): <= ~100 roundings of 2^-24 relative to the sum of the
@@ -126,7 +126,7 @@ def test_packed_layout_unpacks_to_gguf_weights(any_lib, fmt, n):
     bytes only: as many as the blocks, plus the padding of a ragged last group of 16 rows."""
     g = torch.Generator().manual_seed(n)
     blocks = random_blocks(g, n, 96, fmt)
-    layer = QuantLinear(blocks, fmt, 96, None, any_lib)
+    layer = GgufBlockLinear(blocks, fmt, 96, None, any_lib)
     w = reference(blocks, fmt)
     assert torch.equal(layer.dequantized_weight(), w)
     ids = torch.randint(0, n, (2, 3), generator=g)
@@ -174,7 +174,7 @@ def test_activation_quantization_matches_reference(any_lib, fmt):
 def test_quant_gemm_matches_reference(any_lib, fmt, m, k, n):
     g = torch.Generator().manual_seed(m * 7919 + k + n)
     blocks = random_blocks(g, n, k, fmt)
-    check(QuantLinear(blocks, fmt, k, None, any_lib), torch.randn(m, k, generator=g), blocks)
+    check(GgufBlockLinear(blocks, fmt, k, None, any_lib), torch.randn(m, k, generator=g), blocks)
 
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -236,7 +236,7 @@ def test_float_order_is_llama_cpps(any_lib, fmt):
         blocks = random_blocks(g, 21, k, fmt)
         x = torch.randn(3, k, generator=g) * torch.tensor([[0.01], [1.0], [40.0]])
         x[1, 32:64] = 0
-        y = QuantLinear(blocks, fmt, k, None, any_lib)(x).numpy()
+        y = GgufBlockLinear(blocks, fmt, k, None, any_lib)(x).numpy()
         assert np.array_equal(y.view(np.uint32), llama_order(x, blocks, fmt).view(np.uint32))
 
 
@@ -247,7 +247,7 @@ def test_every_level_gives_the_same_bits(fmt):
     blocks = random_blocks(g, 40, 576, fmt)
     for m in (1, 5, 70):
         x = torch.randn(m, 576, generator=g)
-        outs = {isa: QuantLinear(blocks, fmt, 576, None, isa_lib(isa))(x) for isa in CPU_ISAS}
+        outs = {isa: GgufBlockLinear(blocks, fmt, 576, None, isa_lib(isa))(x) for isa in CPU_ISAS}
         for isa, y in outs.items():
             assert torch.equal(y, outs["portable"]), (isa, m)
 
@@ -256,7 +256,7 @@ def test_big_prefill_chunks(lib):
     """Rows past one chunk of quantized x (~256 KB: 455 rows at K = 576), unevenly split."""
     g = torch.Generator().manual_seed(5)
     blocks = random_blocks(g, 70, 576, "q4_1")
-    check(QuantLinear(blocks, "q4_1", 576, None, lib), torch.randn(1001, 576, generator=g), blocks)
+    check(GgufBlockLinear(blocks, "q4_1", 576, None, lib), torch.randn(1001, 576, generator=g), blocks)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -269,7 +269,7 @@ def test_int8_activations_close_to_fp32(lib, fmt):
         blocks = random_blocks(g, 50, k, fmt)
         w = reference(blocks, fmt)
         x = torch.randn(9, k, generator=g)
-        y = QuantLinear(blocks, fmt, k, None, lib)(x)
+        y = GgufBlockLinear(blocks, fmt, k, None, lib)(x)
         assert ((y - F.linear(x, w)).abs() <= 0.02 * (x.abs() @ w.abs().t())).all()
 
 
@@ -277,7 +277,7 @@ def test_bias_strided_rows_leading_dims_empty(lib):
     g = torch.Generator().manual_seed(2)
     blocks = quantize_weight(torch.randn(70, 64, generator=g), "q4_1")
     bias = torch.randn(70, generator=g)
-    layer = QuantLinear(blocks, "q4_1", 64, bias, lib)
+    layer = GgufBlockLinear(blocks, "q4_1", 64, bias, lib)
     wide = torch.randn(2, 5, 80, generator=g)
     x = wide[..., 8:72]  # rows 80 apart, read in place
     ref, scale = reference_gemm(x.reshape(10, 64), blocks, "q4_1")
@@ -290,9 +290,9 @@ def test_bias_strided_rows_leading_dims_empty(lib):
 
 def test_shapes_refused(lib):
     with pytest.raises(ValueError, match="multiple of 32"):
-        QuantLinear(torch.zeros(4, 20, dtype=torch.uint8), "q4_1", 40, None, lib)
+        GgufBlockLinear(torch.zeros(4, 20, dtype=torch.uint8), "q4_1", 40, None, lib)
     with pytest.raises(ValueError, match=r"uint8 \[N, 40\]"):
-        QuantLinear(torch.zeros(4, 36, dtype=torch.uint8), "q4_1", 64, None, lib)
+        GgufBlockLinear(torch.zeros(4, 36, dtype=torch.uint8), "q4_1", 64, None, lib)
 
 
 # -- the bundled model: its GGUF blocks loaded as they are, served end to end --------------------------
@@ -325,7 +325,7 @@ def test_gguf_blocks_are_the_converted_weights(lib, model_dir, bundled_gguf):
             blocks = torch.from_numpy(np.array(gguf.rows(name, heads)))
             w = dequantize_rows(blocks, fmt)
             assert torch.equal(w, st.get_tensor(hf_name)), name
-            layer = QuantLinear(blocks, fmt, w.shape[1], None, lib)
+            layer = GgufBlockLinear(blocks, fmt, w.shape[1], None, lib)
             if name == "token_embd.weight":
                 ids = torch.tensor([[0, 1, 2, 49151], [17, 4000, 31337, 5]])
                 assert torch.equal(QuantEmbedding(layer)(ids), w[ids])

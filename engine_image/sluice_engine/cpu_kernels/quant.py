@@ -29,7 +29,7 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 def dequantize_rows(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """[..., K/32 * bytes] uint8 -> [..., K] fp32, in torch, from GGUF-layout blocks (the loader's checks;
-    layers dequantize from their packed layout in C++: QuantLinear.rows)."""
+    layers dequantize from their packed layout in C++: GgufBlockLinear.rows)."""
     lead = blocks.shape[:-1]
     b = blocks.reshape(-1, BLOCK_BYTES[fmt])
     d = b[:, :2].contiguous().view(torch.float16).float()
@@ -54,7 +54,7 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(q))
 
 
-class QuantLinear(nn.Module):
+class GgufBlockLinear(nn.Module):
     """y = x W^T (+ b), W given as GGUF blocks of format `fmt` ([N, K/32 * block bytes], byte for byte as
     a GGUF file stores them) and held repacked for the kernel (quant_gemm.cpp's layout: 16 output rows
     interleaved per group, fp16 scales apart; as many bytes as the blocks, plus a ragged last group's
@@ -117,10 +117,10 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """The input embedding of a tied model whose output layer is a QuantLinear: each id's row is
+    """The input embedding of a tied model whose output layer is a GgufBlockLinear: each id's row is
     dequantized from the output layer's packed weights, so the table is held once, quantized."""
 
-    def __init__(self, head: QuantLinear):
+    def __init__(self, head: GgufBlockLinear):
         super().__init__()
         self.head = head
 
@@ -144,4 +144,4 @@ class LinearMethod:
         assert self.fmt in CPU_FORMATS
         if blocks is None:
             blocks = quantize_weight(weight, self.fmt)
-        return QuantLinear(blocks, self.fmt, weight.shape[1], bias, lib)
+        return GgufBlockLinear(blocks, self.fmt, weight.shape[1], bias, lib)

@@ -206,12 +206,12 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     tensor the model does not know, a shape that does not fit, or a parameter left unfilled. The layers
     already built from a quantized checkpoint's packed tensors (gpu_quant_loader.py) are passed over, with
     the tensors of them and the auxiliary scales weight-only serving does not use."""
-    from ..cpu_kernels.quant import QuantLinear as BlockQuantLinear
+    from ..cpu_kernels.quant import GgufBlockLinear
     from .gpu_quant_loader import AUX_TENSORS, QUANT_MODULES
 
     params = dict(model.named_parameters())
     # Layers built before loading: from a quantized checkpoint's packed tensors, or from a GGUF's blocks.
-    quantized = {name for name, m in model.named_modules() if isinstance(m, (*QUANT_MODULES, BlockQuantLinear))}
+    quantized = {name for name, m in model.named_modules() if isinstance(m, (*QUANT_MODULES, GgufBlockLinear))}
     # parameter name -> the rows of it filled so far (fused projections fill in parts)
     filled: dict[str, int] = {}
     with torch.no_grad():

@@ -3,7 +3,7 @@ its blocks read from the GGUF file the model came from, byte for byte, never deq
 
 Runs after models/loader.py has loaded the fp32 weights (the norms, and any layer the GGUF does not hold
 in the wanted format, come from there); each quantized layer's fp32 weight is dropped as its
-QuantLinear replaces it, so the steady state holds the blocks only.
+GgufBlockLinear replaces it, so the steady state holds the blocks only.
 
 GGUF names and layout (llama.cpp's converter): `blk.{i}.attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|
 ffn_down.weight`, `token_embd.weight`, `output.weight`; rows are outputs, as in nn.Linear. The converter
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..cpu_kernels.quant import LinearMethod, QuantEmbedding, QuantLinear
+from ..cpu_kernels.quant import GgufBlockLinear, LinearMethod, QuantEmbedding
 from ..quant.formats import CPU_FORMATS
 from .llama import LlamaForCausalLM, dense_linear
 
@@ -95,7 +95,7 @@ class GGUFLinears:
         own = _own_format(self.gguf, [f"blk.{i}.{p}.weight" for p in parts])
         if own is None or self.quantization not in ("auto", own):
             return dense_linear(name, in_features, out_features, bias)
-        new = QuantLinear(_stacked_blocks(self.gguf, self.mc, i, parts), own, in_features, None, self.lib)
+        new = GgufBlockLinear(_stacked_blocks(self.gguf, self.mc, i, parts), own, in_features, None, self.lib)
         if new.out_features != out_features:
             raise ValueError(f"{self.gguf.path}: layer {i} {module_name}: {new.out_features} rows, the model "
                              f"has {out_features}")
@@ -118,7 +118,7 @@ def quantize_linears(model: LlamaForCausalLM, quantization: str, gguf: GGUFBlock
             parent_name, _, child = module_name.rpartition(".")
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, child)
-            if isinstance(linear, QuantLinear):  # built from the GGUF's blocks with the model (GGUFLinears)
+            if isinstance(linear, GgufBlockLinear):  # built from the GGUF's blocks with the model (GGUFLinears)
                 counts[linear.fmt] = counts.get(linear.fmt, 0) + 1
                 continue
             own = _own_format(gguf, [f"blk.{i}.{p}.weight" for p in parts]) if gguf is not None else None
@@ -148,7 +148,7 @@ def _quantize_head(model: LlamaForCausalLM, gguf: GGUFBlocks | None, lib, counts
         return
     table = model.embed_tokens if tied else model.lm_head
     blocks = torch.from_numpy(np.array(gguf.rows(name)))
-    head = QuantLinear(blocks, fmt, table.weight.shape[1], None, lib)
+    head = GgufBlockLinear(blocks, fmt, table.weight.shape[1], None, lib)
     if head.out_features != table.weight.shape[0]:
         raise ValueError(f"{gguf.path}: {name} has {head.out_features} rows, the model {table.weight.shape[0]}")
     model.lm_head = head
