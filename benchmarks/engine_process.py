@@ -58,7 +58,11 @@ def main() -> None:
     }
     if a.before:
         old = worktree(a.before)
-        servers[f"before-{a.before}"] = ([*serve, "--port", str(a.port + 2)],
+        # The command line's module as that commit has it (it moved to entrypoints/ in the re-layout).
+        cli = ("sluice_engine.entrypoints.cli" if (old / "engine_image/sluice_engine/entrypoints/cli.py").exists()
+               else "sluice_engine.cli")
+        old_serve = [sys.executable, "-m", cli, *serve[3:]]
+        servers[f"before-{a.before}"] = ([*old_serve, "--port", str(a.port + 2)],
                                          {**env, "PYTHONPATH": str(old / "engine_image")})
     print(f"CPU: {cpu_name()}, {a.threads} threads per server", flush=True)
     with contextlib.ExitStack() as stack:
