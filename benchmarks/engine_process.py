@@ -14,13 +14,12 @@ twice a second). Every server gets the same threads (OMP_NUM_THREADS, default th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from server_process import Server
+from server_process import compare_servers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,9 +51,9 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     serve = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
-    servers: dict[str, tuple[list[str], dict]] = {
-        "core-process": ([*serve, "--port", str(a.port)], env),
-        "in-thread": ([*serve, "--port", str(a.port + 1), "--no-engine-process"], env),
+    servers: dict[str, tuple[list[str], dict[str, str], str]] = {
+        "core-process": ([*serve, "--port", str(a.port)], env, "/ready"),
+        "in-thread": ([*serve, "--port", str(a.port + 1), "--no-engine-process"], env, "/ready"),
     }
     if a.before:
         old = worktree(a.before)
@@ -63,25 +62,13 @@ def main() -> None:
                else "sluice_engine.cli")
         old_serve = [sys.executable, "-m", cli, *serve[3:]]
         servers[f"before-{a.before}"] = ([*old_serve, "--port", str(a.port + 2)],
-                                         {**env, "PYTHONPATH": str(old / "engine_image")})
+                                         {**env, "PYTHONPATH": str(old / "engine_image")}, "/ready")
     print(f"CPU: {cpu_name()}, {a.threads} threads per server", flush=True)
-    with contextlib.ExitStack() as stack:
-        urls = {name: f"http://127.0.0.1:{a.port + i}" for i, name in enumerate(servers)}
-        procs = []
-        for name, (cmd, server_env) in servers.items():
-            procs.append(server := Server(name, cmd, server_env, logs / f"{name}.log", urls[name], "/ready"))
-            stack.callback(server.stop)
-        for server in procs:
-            server.wait_ready(600)
-        bench = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "bench", "--compare",
-                 *(f"{n}={u}" for n, u in urls.items()), "--max-concurrency", a.concurrency,
-                 "--num-requests", str(a.num_requests), "--seed", str(a.seed), "--no-progress"]
-        if a.json:
-            bench += ["--json", a.json]
-        print("$ " + " ".join(bench[2:]), flush=True)
-        rc = subprocess.run(bench, env=env).returncode
-    sys.exit(rc)
-
+    bench = ["--max-concurrency", a.concurrency, "--num-requests", str(a.num_requests), "--seed", str(a.seed),
+             "--no-progress"]
+    if a.json:
+        bench += ["--json", a.json]
+    sys.exit(compare_servers(servers, a.port, logs, bench, env))
 
 if __name__ == "__main__":
     main()

@@ -19,13 +19,11 @@ TPOT <= 500 ms.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from server_process import Server
+from server_process import compare_servers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,34 +55,20 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     sluice = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
     servers = {
-        "sluice-q4_1": [*sluice, "--port", str(a.port), "--quantization", "q4_1"],
-        "llama-q4_1": [a.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(a.port + 1),
-                       "--threads", str(a.threads), "--parallel", str(top), "--ctx-size", str(2048 * top),
-                       "--no-repack", "--no-webui"],
-        "sluice-fp32": [*sluice, "--port", str(a.port + 2), "--quantization", "none"],
+        "sluice-q4_1": ([*sluice, "--port", str(a.port), "--quantization", "q4_1"], env, "/ready"),
+        "llama-q4_1": ([a.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(a.port + 1),
+                        "--threads", str(a.threads), "--parallel", str(top), "--ctx-size", str(2048 * top),
+                        "--no-repack", "--no-webui"], env, "/health"),
+        "sluice-fp32": ([*sluice, "--port", str(a.port + 2), "--quantization", "none"], env, "/ready"),
     }
     print(f"CPU: {cpu_name()}, {a.threads} threads per server; GGUF {gguf}")
-    with contextlib.ExitStack() as stack:
-        urls = {name: f"http://127.0.0.1:{a.port + i}" for i, name in enumerate(servers)}
-        procs = []
-        for name, cmd in servers.items():
-            procs.append(server := Server(name, cmd, env, logs / f"{name}.log", urls[name],
-                                          "/health" if name.startswith("llama") else "/ready"))
-            stack.callback(server.stop)
-        for server in procs:
-            server.wait_ready(600)
-        bench = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "bench", "--compare",
-                 *(f"{n}={u}" for n, u in urls.items()), "--max-concurrency", a.concurrency,
-                 "--num-requests", str(a.num_requests), "--seed", str(a.seed), "--slo-ttft-ms", "2000",
-                 "--slo-tpot-ms", "500", "--no-progress"]
-        if a.json:
-            bench += ["--json", a.json]
-        if a.plot_dir:
-            bench += ["--plot-dir", a.plot_dir]
-        print("$ " + " ".join(bench[2:]), flush=True)
-        rc = subprocess.run(bench, env=env).returncode
-    sys.exit(rc)
-
+    bench = ["--max-concurrency", a.concurrency, "--num-requests", str(a.num_requests), "--seed", str(a.seed),
+             "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500", "--no-progress"]
+    if a.json:
+        bench += ["--json", a.json]
+    if a.plot_dir:
+        bench += ["--plot-dir", a.plot_dir]
+    sys.exit(compare_servers(servers, a.port, logs, bench, env))
 
 if __name__ == "__main__":
     main()

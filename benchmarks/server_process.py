@@ -1,12 +1,15 @@
 """A server under benchmark as a subprocess: started with its output in a log file, waited on until its
 readiness path answers 200 (or it exits, with its log's tail in the error), and stopped (terminate, then kill
-after 20 s). Shared by the benchmark scripts that start sluice and its peers (llama-server) themselves."""
+after 20 s). Shared by the benchmark scripts that start sluice and its peers (llama-server) themselves;
+`compare_servers` runs one `sluice bench --compare` sitting over several of them."""
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,3 +57,22 @@ def stop_process(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def compare_servers(servers: dict[str, tuple[list[str], dict[str, str], str]], first_port: int, log_dir: Path,
+                    bench_args: list[str], env: dict[str, str]) -> int:
+    """One sitting: start every server (name -> (command, environment, readiness path); the i-th listens on
+    first_port + i, as its command says), wait until all are ready, load them with one `sluice bench --compare`
+    (bench_args appended) and stop them. Returns the bench's exit code."""
+    urls = {name: f"http://127.0.0.1:{first_port + i}" for i, name in enumerate(servers)}
+    with contextlib.ExitStack() as stack:
+        started = []
+        for name, (cmd, server_env, ready_path) in servers.items():
+            started.append(server := Server(name, cmd, server_env, log_dir / f"{name}.log", urls[name], ready_path))
+            stack.callback(server.stop)
+        for server in started:
+            server.wait_ready(600)
+        bench = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "bench", "--compare",
+                 *(f"{n}={u}" for n, u in urls.items()), *bench_args]
+        print("$ " + " ".join(bench[2:]), flush=True)
+        return subprocess.run(bench, env=env).returncode

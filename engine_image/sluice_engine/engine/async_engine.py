@@ -101,16 +101,15 @@ class AsyncEngine:
     def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
         """Build the engine in the thread that will step it (faster on CPU: see engine/owner_thread.py), and
         return once it is built; the loop starts with start()."""
-        self = cls.__new__(cls)
         started = threading.Event()
         holder: list[_ThreadCore] = []
 
-        def run() -> None:
+        def run() -> None:  # in the owner thread, once start() has set `started` (holder is filled by then)
             started.wait()
             holder[0].loop.run()
 
         engine, thread = start_owner_thread(factory, run, "sluice-engine")
-        cls.__init__(self, engine)
+        self = cls(engine)
         assert isinstance(self._core, _ThreadCore)
         holder.append(self._core)
         self._core.thread, self._core.started = thread, started

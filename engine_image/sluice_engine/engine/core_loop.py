@@ -9,10 +9,10 @@ fails is that request's error alone, a loop that dies fails every open request a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,7 +56,7 @@ class Outbox(Protocol):
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox, clock: StepClock,
-                 objectives_file: str | None = None, structured_outputs=None):
+                 objectives_file: str | None = None):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -68,19 +68,15 @@ class EngineLoop:
         # The core process applies the objectives file itself (in one process the /metrics scrape does).
         self._objectives = ObjectivesFile(objectives_file) if objectives_file else None
         self._objectives_checked = 0.0
-        # Compiles an AddRequest's grammar (a spec from another process); None: built on first use.
-        self._structured = structured_outputs
-        self.after_warm_up: Callable[[], None] | None = None
+        # Compiles an AddRequest's grammar (a spec from another process): built on first use.
+        self._structured = None
         engine.before_schedule = self._take_commands
         engine.after_schedule = self._publish_now
-        self._pending_stats: StatsSnapshot | None = None
         executor = getattr(engine, "executor", None)
         if executor is not None:
             executor.on_failure = self.fail
 
     def snapshot(self) -> StatsSnapshot:
-        import dataclasses
-
         return dataclasses.replace(self.engine.stats_snapshot(), adds_taken=self.adds_taken)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -91,18 +87,21 @@ class EngineLoop:
         self.outbox.send([], self.snapshot())
         if not self._warm_up():
             return
+        self.outbox.send([], self.snapshot())  # what the warm-up changed
         torch.set_grad_enabled(False)
         engine = self.engine
         try:
             while not self._stop and self.dead is None:
-                self._poll_objectives()
+                changed = self._poll_objectives()
                 busy = engine.has_unfinished()
-                errors = self._drain(None if busy else IDLE_TICK_S)
+                errors, taken = self._drain(None if busy else IDLE_TICK_S)
                 if self._stop:
                     break
                 if not engine.has_unfinished():
-                    # What the adds and aborts changed; a step publishes once it has scheduled.
-                    self.outbox.send(errors, self.snapshot())
+                    # What the adds, aborts or objectives changed (an idle tick changes nothing: no message);
+                    # a step publishes once it has scheduled.
+                    if taken or changed:
+                        self.outbox.send(errors, self.snapshot())
                     engine.keepalive()
                     continue
                 if errors:
@@ -136,22 +135,24 @@ class EngineLoop:
     def _on_warmup_step(self, started: float | None) -> None:
         self.clock.started = started  # a dummy step is a step: the watchdog covers it
 
-    def _poll_objectives(self) -> None:
+    def _poll_objectives(self) -> bool:
+        """Apply the objectives file if it changed (checked once a second at most); whether it did."""
         if self._objectives is None:
-            return
+            return False
         now = time.monotonic()
         if now - self._objectives_checked < OBJECTIVES_POLL_S:
-            return
+            return False
         self._objectives_checked = now
         o = self._objectives.changed()
         if o is not None:
             self.engine.metrics.set_objectives(o)
+        return o is not None
 
     # -- commands ------------------------------------------------------------------------------
     def _take_commands(self) -> None:
         # Right before each schedule: an abort that arrived during the previous step (a client that left) is
         # applied before its request could be admitted.
-        errors = self._drain(None)
+        errors, _ = self._drain(None)
         if errors:
             self.outbox.send(errors, None)
 
@@ -160,16 +161,20 @@ class EngineLoop:
         # /metrics shows the queue while a long step runs.
         self.outbox.send([], self.snapshot())
 
-    def _drain(self, timeout: float | None) -> list[tuple[str, BaseException]]:
+    def _drain(self, timeout: float | None) -> tuple[list[tuple[str, BaseException]], int]:
+        """Apply the commands waiting (the first waited for up to `timeout` s): the adds refused, and how many
+        commands were applied."""
         errors: list[tuple[str, BaseException]] = []
+        taken = 0
         while True:
             cmd = self.inbox.get(timeout)
             timeout = None
             if cmd is None:
-                return errors
+                return errors, taken
+            taken += 1
             if isinstance(cmd, Shutdown):
                 self._stop = True
-                return errors
+                return errors, taken
             if isinstance(cmd, AbortRequest):
                 self.engine.abort_request(cmd.request_id, client_left_at=cmd.client_left_at)
                 continue

@@ -41,9 +41,6 @@ class OutputProcessor:
         """The request ended otherwise (aborted, refused, failed): forget its text."""
         self._states.pop(request_id, None)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
-
     def process(self, out: RequestOutput) -> RequestOutput | None:
         """The core's token delta as a text delta (written into `out`); None for a delta of a request that
         already ended here at a stop string (tokens the core made before it heard)."""
