@@ -63,7 +63,7 @@ def _run(sched_out, scheduler: Scheduler, rows: BlockTableRows) -> dict[str, tup
     seen = {s.request_id: rows.update(s.request_id, s.block_ids) for s in sched_out.scheduled}
     for s in sched_out.scheduled:
         req = scheduler.requests[s.request_id]
-        req.num_computed_tokens += s.num_tokens
+        scheduler.update_from_output(req, s.num_tokens, 0, s.samples)
         if s.samples:
             req.append_output_token(0)
     return seen

@@ -33,7 +33,8 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch) -> None:
 
 
 # -- one writer per request field (issue 25): the scheduler owns the request's progress ------------------------
-SCHEDULER_OWNED = ("num_computed_tokens", "spec_token_ids", "status", "num_preemptions")
+SCHEDULER_OWNED = ("num_computed_tokens", "num_in_flight_tokens", "num_output_placeholders", "spec_token_ids", "status",
+                   "num_preemptions")
 
 
 def _writers(field: str) -> set[str]:

@@ -2,6 +2,7 @@
 
 from sluice_engine.core.kv_cache import KVCacheManager
 from sluice_engine.core.request import FinishReason, Request, RequestStatus
+from sluice_engine.core.sched_output import PLACEHOLDER
 from sluice_engine.core.scheduler import Scheduler
 from sluice_engine.sampling_params import SamplingParams
 
@@ -18,8 +19,8 @@ def run_step(s: Scheduler, token=7):
         req, n = s.requests[sr.request_id], sr.num_tokens
         assert sr.token_ids == req.all_token_ids[sr.start : sr.end] and sr.start == req.num_computed_tokens
         assert len(sr.block_ids) * s.kv.block_size >= sr.end  # the plain step holds all the runner needs
-        req.num_computed_tokens += n
-        if req.num_computed_tokens == req.num_tokens:
+        s.update_from_output(req, n, 0, sr.samples)
+        if sr.samples:
             req.append_output_token(token)
             if req.num_output_tokens >= req.params.max_tokens:
                 s.finish(req, FinishReason.LENGTH)
@@ -96,8 +97,8 @@ def test_virtual_engines_partition_requests_and_preempt_only_their_own():
         assert {s.requests[x.request_id].virtual_engine for x in out.scheduled} <= {ve}
         for sr in out.scheduled:
             req = s.requests[sr.request_id]
-            req.num_computed_tokens += sr.num_tokens
-            if req.num_computed_tokens == req.num_tokens:
+            s.update_from_output(req, sr.num_tokens, 0, sr.samples)
+            if sr.samples:
                 req.append_output_token(7)
                 if req.num_output_tokens >= req.params.max_tokens:
                     s.finish(req, FinishReason.LENGTH)
@@ -113,3 +114,61 @@ def test_virtual_engines_partition_requests_and_preempt_only_their_own():
         step(0)
         step(1)
     assert all(r.num_output_tokens == 6 for r in reqs) and kv.num_free_blocks() == 6
+
+
+# -- async scheduling: a step scheduled while the one before is in flight ------------------------------------
+def test_a_step_ahead_reads_the_token_in_flight_as_a_placeholder():
+    s, _ = make(budget=64)
+    r = Request("a", list(range(5)), SamplingParams(max_tokens=4))
+    s.add(r)
+    first = s.schedule()  # the prompt; samples token 5
+    (sr,) = first.scheduled
+    assert sr.token_ids == list(range(5)) and sr.samples
+    assert (r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders) == (0, 5, 1)
+    ahead = s.schedule()  # before the prompt's step is back: one token, not known yet
+    (sa,) = ahead.scheduled
+    assert sa.token_ids == [PLACEHOLDER] and sa.start == 5 and sa.samples
+    assert len(sa.block_ids) * s.kv.block_size >= 6
+    # The prompt's step comes back with its token: counters as if it had run alone, one step still in flight.
+    s.update_from_output(r, 5, 0, True)
+    r.append_output_token(42)
+    assert (r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders) == (5, 1, 1)
+    nxt = s.schedule()  # the token at 6 is the one the step ahead samples: a placeholder again
+    assert nxt.scheduled[0].token_ids == [PLACEHOLDER] and nxt.scheduled[0].start == 6
+
+
+def test_a_request_whose_tokens_in_flight_reach_its_length_waits_for_them():
+    s, _ = make(budget=64)
+    r = Request("a", list(range(5)), SamplingParams(max_tokens=1))
+    s.add(r)
+    s.schedule()  # its one token is in flight
+    assert s.schedule().is_empty  # no second step: the first may end it
+    s.update_from_output(r, 5, 0, True)
+    r.append_output_token(42)
+    s.finish(r, FinishReason.LENGTH)
+    assert not s.has_work()
+
+
+def test_a_request_preempted_with_a_step_in_flight_keeps_that_steps_token():
+    s, kv = make(num_blocks=4, block_size=4, budget=64, caching=False)
+    a = Request("a", list(range(7)), SamplingParams(max_tokens=6))
+    b = Request("b", list(range(100, 107)), SamplingParams(max_tokens=6))
+    s.add(a)
+    s.add(b)
+    first = s.schedule()  # both prompts (2 blocks each): the pool is full
+    assert [x.request_id for x in first.scheduled] == ["a", "b"]
+    ahead = s.schedule()  # position 7 fits in each second block
+    assert [x.token_ids for x in ahead.scheduled] == [[PLACEHOLDER], [PLACEHOLDER]]
+    for req in (a, b):  # the prompts' step comes back
+        s.update_from_output(req, 7, 0, True)
+        req.append_output_token(1)
+    third = s.schedule()  # position 8 needs a third block each: b is preempted with its step ahead in flight
+    assert third.preempted == ["b"] and b.status is RequestStatus.WAITING
+    assert (b.num_computed_tokens, b.num_in_flight_tokens, b.num_output_placeholders) == (0, 0, 0)
+    # That step comes back: b's token counts (as it would have, run alone, before the preemption); its counters
+    # stay those of a request about to recompute from the start.
+    s.update_from_output(a, 1, 0, True)
+    a.append_output_token(2)
+    s.update_from_output(b, 1, 0, True)
+    b.append_output_token(2)
+    assert b.num_tokens == 9 and b.num_computed_tokens == 0 and b.num_in_flight_tokens == 0

@@ -95,6 +95,10 @@ class EngineConfig:
     # scales (the Triton attention kernels; half a bf16 cache's bytes per token).
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # Async scheduling (engine/llm_engine.py): the next step is scheduled and queued while this one runs on the
+    # device, its host work (outputs, scheduling) hidden behind the forward. One rank only (tensor/pipeline
+    # parallel groups run their steps one at a time, pipelined by stage); steps that verify drafts run alone.
+    async_scheduling: bool = True
     # Speculative decoding (None: off). See spec_decode/proposer.py.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4

@@ -3,7 +3,8 @@
 Up: everything the step's sampling needs from the host (per-row parameters, token histories, index
 lists) goes in one copy per dtype, from pinned memory and non-blocking, so the host never waits for
 the forward still queued on the device. Down: everything the host needs back (tokens, accepted
-lengths, logprobs) comes in ONE blocking copy per step, `fetch`.
+lengths, logprobs) comes in ONE copy per step, `fetch` (or `start_fetch` in the thread that queues the
+step's device work, and `.result()` where the values are used).
 
 NOTE: a plain `torch.tensor(values, device=cuda)` or `t[python_list]` is also a copy up, and a
 pageable one waits for the stream to drain: on CUDA that is as much a host sync as `.item()`. Code on
@@ -53,16 +54,48 @@ class DeviceResult(Protocol):
 def fetch(parts: Sequence[DeviceResult]) -> list[object]:
     """The step's one device-to-host transfer: every part's tensors packed into one float64 vector
     (exact for token ids and float32 logprobs alike), read with a single blocking copy."""
-    groups = [p.tensors() for p in parts]
-    tensors = [t for g in groups for t in g]
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist() if tensors else []
-    values: list[list[float]] = []
-    at = 0
-    for t in tensors:
-        values.append(flat[at : at + t.numel()])
-        at += t.numel()
-    results = []
-    for p, g in zip(parts, groups, strict=True):
-        results.append(p.read(values[: len(g)]))
-        values = values[len(g) :]
-    return results
+    return start_fetch(parts).result()
+
+
+class PendingFetch:
+    """A step's device-to-host transfer under way: started by the thread that issues the step's device work,
+    waited for (`result`) by the one that uses the values, so the device work queued in between is not
+    waited for (async scheduling: the next step's forward is queued before this step's tokens are read)."""
+
+    def __init__(self, parts: Sequence[DeviceResult]):
+        self.parts = list(parts)
+        self.groups = [p.tensors() for p in self.parts]
+        tensors = [t for g in self.groups for t in g]
+        self.sizes = [t.numel() for t in tensors]
+        self._event = None
+        self._host: torch.Tensor | None = None
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def result(self) -> list[object]:
+        if self._event is not None:
+            self._event.synchronize()
+        flat = self._host.tolist() if self._host is not None else []
+        values: list[list[float]] = []
+        at = 0
+        for n in self.sizes:
+            values.append(flat[at : at + n])
+            at += n
+        results = []
+        for p, g in zip(self.parts, self.groups, strict=True):
+            results.append(p.read(values[: len(g)]))
+            values = values[len(g) :]
+        return results
+
+
+def start_fetch(parts: Sequence[DeviceResult]) -> PendingFetch:
+    """Start the step's one device-to-host transfer; `.result()` waits for it and reads the parts."""
+    return PendingFetch(parts)

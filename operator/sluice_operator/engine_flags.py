@@ -60,12 +60,13 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "ngram-max": int,
     "speculative-disable-batch-size": int,
     "distributed-timeout": float,
-    # On by default: "false" renders --no-engine-process (NEGATABLE_SWITCHES).
+    # On by default: "false" renders --no-engine-process / --no-async-scheduling (NEGATABLE_SWITCHES).
     "engine-process": bool,
+    "async-scheduling": bool,
 }
 
 # Switches that are on by default in the engine (argparse's BooleanOptionalAction): "false" renders --no-<flag>.
-NEGATABLE_SWITCHES = frozenset({"engine-process"})
+NEGATABLE_SWITCHES = frozenset({"engine-process", "async-scheduling"})
 
 # What the CRD can type-check and CEL can read: x-kubernetes-int-or-string. So a float is written as a
 # string ("0.85") and a switch as "true" or "false", as they would be on a command line.

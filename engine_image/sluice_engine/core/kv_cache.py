@@ -190,7 +190,7 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id)
         if blocks is None:
             blocks = []
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_computed = request.num_scheduled_tokens + len(cached_prefix) * self.block_size
         total = num_computed + num_new_tokens
         need = self.blocks_needed(total) - len(blocks) - len(cached_prefix)
         # Cached blocks sitting in the free queue are not available for new allocations once touched.
@@ -207,7 +207,8 @@ class KVCacheManager:
             # NOTE: the blocks filled by this step are registered now, before the forward writes
             # them. That is safe: a request hitting them is batched into the same or a later step,
             # and every layer writes the whole batch's K/V before any attention reads it.
-            # Only known tokens are hashed: draft tokens (speculative decoding) may be rejected.
+            # Only known tokens are hashed: draft tokens (speculative decoding) may be rejected, and a
+            # placeholder (async scheduling) is hashed by a later step, once its token is known.
             hashes = self._block_hashes(request, min(total, request.num_tokens))
             for block, h in zip(blocks, hashes, strict=False):
                 self.pool.cache_block(block, h)

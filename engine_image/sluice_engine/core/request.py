@@ -78,6 +78,11 @@ class Request:
     metrics: object | None = None
     # Prompt logprobs collected chunk by chunk: (token logprob, top-k) per prompt position >= 1.
     prompt_logprobs: list = field(default_factory=list)
+    # Async scheduling (docs/architecture.md): tokens scheduled in steps whose results are not back yet, and of
+    # those steps, how many sample a token (each such token is a placeholder the next step reads on the device).
+    # Both are 0 between steps when steps run one at a time.
+    num_in_flight_tokens: int = 0
+    num_output_placeholders: int = 0
     # Draft tokens proposed for this step (speculative decoding): computed after the last known token
     # and verified by the sampler; never part of all_token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -100,6 +105,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Computed, or being computed by a step in flight: where the next step starts."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A token id not known yet when the step was scheduled (async scheduling): the token the previous step samples
+# for this request. The model runner reads it from that step's sampled tokens on the device.
+PLACEHOLDER = -1
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # computed this step: the next known tokens, then the drafts
+    token_ids: list[int]  # computed this step: the next known tokens (the last may be a PLACEHOLDER), then the drafts
     start: int  # position of token_ids[0]: the request's num_computed_tokens
     block_ids: list[int]  # its block table, covering every position up to start + len(token_ids)
     num_drafts: int = 0  # speculative tokens at the end of token_ids, verified by the sampler

@@ -10,6 +10,11 @@ vLLM's virtual engines): each step schedules one of them, so while its micro-bat
 step schedules another, disjoint set and every stage has work. A request stays on its virtual engine;
 a new one joins the least loaded; preemption only ever takes from the virtual engine being scheduled
 (never a request whose step is still in flight). Each virtual engine may run max_num_seqs / num_virtual.
+
+Async scheduling: a step may be scheduled while the previous one is still in flight. A request's next
+step starts after the tokens in flight (`num_scheduled_tokens`), and the token its step in flight will
+sample is a PLACEHOLDER in the new step's input (the runner takes it from that step's sampled tokens on the
+device). A request whose tokens in flight may already reach its length limit waits for them instead.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from collections import deque
 
 from .kv_cache import KVCacheManager
 from .request import FinishReason, Request, RequestStatus
-from .sched_output import ScheduledRequest, SchedulerOutput
+from .sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, num_virtual: int = 1):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, num_virtual: int = 1,
+                 max_model_len: int | None = None):
         self.kv = kv
+        self.max_model_len = max_model_len
         self.num_virtual = num_virtual
         self.max_num_seqs = max(1, -(-max_num_seqs // num_virtual))  # per virtual engine
         self._load = [0] * num_virtual  # unfinished requests per virtual engine
@@ -87,11 +94,19 @@ class Scheduler:
         """A proposer's guesses for the request's next tokens, scheduled for verification next step."""
         request.spec_token_ids = drafts
 
-    def update_from_output(self, request: Request, num_scheduled: int, num_rejected: int) -> int:
+    def update_from_output(self, request: Request, num_scheduled: int, num_rejected: int, sampled: bool) -> int:
         """A step's result for the request: its `num_scheduled` tokens are in the cache but for the
-        `num_rejected` drafts at the end (the counter stops before their slots; later steps overwrite them).
-        The drafts are spent either way. Returns how many drafts the step verified."""
-        request.num_computed_tokens += num_scheduled - num_rejected
+        `num_rejected` drafts at the end (the counter stops before their slots; later steps overwrite them);
+        `sampled`: the step sampled a token (the caller appends it). The drafts are spent either way. Returns how
+        many drafts the step verified.
+
+        A request preempted while this step was in flight (async scheduling) starts again from 0: its token
+        still counts (the caller appends it: the same token a step run alone would have given before the
+        preemption), its counters do not."""
+        if request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens += num_scheduled - num_rejected
+            request.num_in_flight_tokens -= num_scheduled
+            request.num_output_placeholders -= sampled
         num_drafts = len(request.spec_token_ids)
         if num_drafts:
             request.spec_token_ids = []
@@ -110,8 +125,8 @@ class Scheduler:
             if req.virtual_engine != ve:  # another virtual engine's (with one, every request is on 0)
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to do (cannot happen unless a step was skipped)
+            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens, budget)
+            if num_new <= 0 or self._may_be_done(req):  # nothing to do / its step in flight may end it
                 i += 1
                 continue
             if req.spec_token_ids:
@@ -176,6 +191,14 @@ class Scheduler:
             out.freed_req_ids = self.take_freed()
         return out
 
+    def _may_be_done(self, req: Request) -> bool:
+        """Its tokens in flight reach the request's length limit: it ends when they are back."""
+        ph = req.num_output_placeholders
+        if not ph:
+            return False
+        over_len = self.max_model_len is not None and req.num_tokens + ph >= self.max_model_len
+        return req.num_output_tokens + ph >= req.params.max_tokens or over_len
+
     def _pop_victim(self, ve: int) -> Request:
         for j in range(len(self.running) - 1, -1, -1):
             if self.running[j].virtual_engine == ve:
@@ -202,14 +225,20 @@ class Scheduler:
         out.scheduled.append(self._plain(req, num_new))
 
     def _plain(self, req: Request, num_new: int) -> ScheduledRequest:
-        """The step's part of one request as plain data (its blocks are allocated by now)."""
-        start = req.num_computed_tokens
+        """The step's part of one request as plain data (its blocks are allocated by now); its tokens count as in
+        flight until update_from_output."""
+        start = req.num_scheduled_tokens
         drafts = req.spec_token_ids
         known_end = start + num_new - len(drafts)
-        tokens = req.all_token_ids[start:known_end] + drafts  # all_token_ids ends where the drafts begin
+        tokens = req.all_token_ids[start:known_end]  # all_token_ids ends where the drafts begin
+        if known_end > req.num_tokens:  # the token the step in flight samples (at most one: one step ahead)
+            tokens += [PLACEHOLDER] * (known_end - max(start, req.num_tokens))
+        samples = known_end == req.num_tokens + req.num_output_placeholders
+        req.num_in_flight_tokens += num_new
+        req.num_output_placeholders += samples
         return ScheduledRequest(
-            req.request_id, tokens, start, self.kv.block_ids(req.request_id), len(drafts),
-            samples=known_end == req.num_tokens,
+            req.request_id, tokens + drafts, start, self.kv.block_ids(req.request_id), len(drafts),
+            samples=samples,
             prompt_logprobs=req.params.prompt_logprobs is not None and start < req.num_prompt_tokens,
         )
 
@@ -218,6 +247,7 @@ class Scheduler:
         self._freed.append(req.request_id)
         req.spec_token_ids.clear()
         req.num_computed_tokens = 0
+        req.num_in_flight_tokens = req.num_output_placeholders = 0  # a step in flight still brings its token
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -5,14 +5,25 @@ length, frees finished requests, and (unless `detokenize` is off) turns the toke
 with the output processor (engine/output_processor.py: detokenization and stop strings). The engine loop and the
 offline `LLM` drive it; an engine-core process runs it with `detokenize` off and its API process makes the
 text.
+
+Async scheduling (one rank, on by default): the step's device work (inputs, forward, sampling) runs in a step
+thread (engine/step_thread.py) and the next step is scheduled and queued before this one's outputs are applied,
+so the engine's host work (scheduling, applying outputs, publishing them) runs while the device computes. The
+token a step in flight will sample is a placeholder in the next step's input (core/scheduler.py), copied on the
+device from the sampled tokens (worker/model_runner.py). What keeps the tokens exactly those of steps run one at
+a time: a step samples only after the outputs of the step before are applied (grammars, penalties, prompt
+logprobs and stop checks see every earlier token), and a step that could verify drafts never runs ahead (its
+drafts need the last token).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,9 +38,10 @@ from ..executor.executor import Executor
 from ..metrics import HISTOGRAMS, EngineMetrics, StatsSnapshot
 from ..model_fetch import resolve_model
 from ..sample.sampler import Sampler, TokenLogprobs
-from ..sample.step_sampler import StepResult, sample_step
+from ..sample.step_sampler import LaunchedSample, StepResult, launch_step_sample
 from ..sampling_params import InvalidParam, SamplingParams
 from ..spec_decode import DraftQuery, build_proposer, resolve_draft
+from ..step_timeline import StepTimeline, span
 from ..structured.constraint import warm_up_bitmask
 from ..tokenizer import Tokenizer
 from ..worker.warmup import WarmupReport, WarmupTarget, warm_up
@@ -38,6 +50,7 @@ from ..worker.warmup import resolve_mode as resolve_warmup_mode
 from .model_info import ModelInfo, check_prompt
 from .output import RequestOutput
 from .output_processor import OutputProcessor
+from .step_thread import StepThread
 
 log = logging.getLogger("sluice.engine")
 
@@ -49,6 +62,10 @@ class _InFlightStep:
     requests: list[Request]  # of sched.scheduled, in order
     preempted: list[Request]
     started: float
+    # Async scheduling: the step's device work in the step thread ((results, failures) once sampled), and set
+    # once its outputs are applied (the next step samples only then).
+    device_work: Future | None = None
+    applied: threading.Event | None = None
 
 
 @dataclass(slots=True)
@@ -78,9 +95,15 @@ class LLMEngine:
             raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 yet; use --speculative-method ngram")
         self.spec_config = cfg.speculative_config()
+        # Async scheduling needs the sampled tokens on the device of the rank that starts the next step: rank 0
+        # alone samples, so with more ranks steps run one at a time (pipeline stages still overlap).
+        self.async_scheduling = cfg.async_scheduling and cfg.world_size == 1
+        # The step thread owns the device work, the model's loading and warm-up included: on CPU torch's OpenMP
+        # workers serve the thread that first ran parallel work (engine/owner_thread.py).
+        self._steps = StepThread() if self.async_scheduling else None
         # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
         # draft model beside rank 0's shard, its KV cache out of the same memory budget.
-        self.executor = Executor(cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
+        self.executor = self._on_device(Executor, cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
         self.runner = self.executor.runner  # rank 0's shard (model config, device, dtype, backend)
         capacity = self.executor.num_blocks * cfg.block_size
         if cfg.max_model_len is not None and cfg.max_model_len > capacity:
@@ -92,7 +115,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         # One virtual engine per pipeline stage: disjoint micro-batches keep every stage busy.
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   num_virtual=self.executor.max_in_flight)
+                                   num_virtual=self.executor.max_in_flight, max_model_len=self.max_model_len)
+        # Steps in flight: one per pipeline stage; with async scheduling, this step and the next.
+        self._max_in_flight = 2 if self.async_scheduling else self.executor.max_in_flight
         self._in_flight: deque[_InFlightStep] = deque()
         self._next_ve = 0
         # Set by AsyncEngine: takes in the commands (adds, aborts) that arrived since the step
@@ -114,10 +139,21 @@ class LLMEngine:
         self.detokenize = True
         self.output_processor = OutputProcessor(self.tokenizer, self.finish_request)
         self._prompt_leaders: dict[tuple[int, ...], Request] = {}
+        self.timeline: StepTimeline | None = None  # set_timeline(): where each step's time goes (benchmarks)
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
                                     self.runner.model_config.vocab_size, self.eos_token_ids)
-        log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s", self.model_dir,
-                 self.served_model_name, self.max_model_len, "on" if cfg.enable_prefix_caching else "off")
+        log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s, async scheduling %s",
+                 self.model_dir, self.served_model_name, self.max_model_len,
+                 "on" if cfg.enable_prefix_caching else "off", "on" if self.async_scheduling else "off")
+
+    def set_timeline(self, timeline: StepTimeline | None) -> None:
+        self.timeline = self.runner.timeline = timeline
+
+    def _on_device(self, fn, *args):
+        """Run fn in the thread that owns the device work (the step thread with async scheduling, else this one)."""
+        if self._steps is None:
+            return fn(*args)
+        return self._steps.submit(fn, *args).result()
 
     def warm_up(self, on_step: Callable[[float | None], None] | None = None) -> WarmupReport:
         """Run --warmup's dummy steps (worker/warmup.py) before any request; the server calls it and reports
@@ -130,7 +166,7 @@ class LLMEngine:
             block_size=self.cfg.block_size, take_freed=self.scheduler.take_freed,
             note_freed=self.scheduler.note_freed, proposer=self.proposer,
             limits=warmup_limits(self.cfg, self.runner, self.spec_config, self.max_model_len))
-        return warm_up(target, mode, on_step)
+        return self._on_device(warm_up, target, mode, on_step)
 
     # -- requests ------------------------------------------------------------------------------
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
@@ -265,21 +301,39 @@ class LLMEngine:
         return texts
 
     def _step_tokens(self) -> list[RequestOutput]:
-        while self.executor.num_in_flight < self.executor.max_in_flight and self._start_step():
+        while len(self._in_flight) < self._max_in_flight and self._start_step():
             pass
         if not self._in_flight:
             return []
         step = self._in_flight.popleft()
+        try:
+            return self._finish_step(step)
+        finally:
+            if step.applied is not None:
+                step.applied.set()  # the next step may sample (also when this one failed: it has nothing to wait for)
+
+    def _finish_step(self, step: _InFlightStep) -> list[RequestOutput]:
         sched, requests = step.sched, step.requests
         # A failure of the forward is the engine's (device, memory, a lost rank): it propagates and
         # the engine stops. What follows is per request: a failure there fails that request alone.
-        logits = self.executor.collect()
-        results, failed = self._sample(logits, sched, requests)
+        if step.device_work is not None:
+            launched, failed = step.device_work.result()
+        else:
+            logits = self.executor.collect()
+            with span(self.timeline, "sample"):
+                launched, failed = self._launch_sample(logits, sched, requests)
+        with span(self.timeline, "outputs"):
+            return self._apply_outputs(step, launched, failed)
+
+    def _apply_outputs(self, step: _InFlightStep, launched: list[LaunchedSample],
+                       failed: list[tuple[Request, Exception]]) -> list[RequestOutput]:
+        sched, requests = step.sched, step.requests
+        results = [r for part in launched for r in part.results()]
         self.stats.steps += 1
         outputs = [self._fail(req, e) for req, e in failed]
         for res in results:
             if res.request.is_finished:
-                continue  # aborted while its step was in flight
+                continue  # aborted (or ended by the step before) while its step was in flight
             try:
                 out = self._process(res)
             except Exception as e:  # noqa: BLE001 - detokenizing, stop checks, a grammar's accept
@@ -291,10 +345,13 @@ class LLMEngine:
         return outputs
 
     def _start_step(self) -> bool:
-        """Schedule and submit a step of the next virtual engine that has work and no step in flight."""
+        """Schedule and submit a step of the next virtual engine that has work and no step in flight (with async
+        scheduling: of the one virtual engine, whose step in flight may be one)."""
+        if self._in_flight and self.async_scheduling and not self._may_run_ahead():
+            return False
         if self.before_schedule is not None:
             self.before_schedule()
-        busy = {st.virtual_engine for st in self._in_flight}
+        busy = set() if self.async_scheduling else {st.virtual_engine for st in self._in_flight}
         n = self.scheduler.num_virtual
         for k in range(n):
             ve = (self._next_ve + k) % n
@@ -303,7 +360,8 @@ class LLMEngine:
             started = time.monotonic()
             if self.proposer is not None:
                 self._propose_drafts(ve)
-            sched = self.scheduler.schedule(ve)
+            with span(self.timeline, "schedule"):
+                sched = self.scheduler.schedule(ve)
             if sched.is_empty:
                 continue
             self._next_ve = (ve + 1) % n
@@ -311,29 +369,65 @@ class LLMEngine:
             preempted = [self.scheduler.requests[rid] for rid in sched.preempted]
             if self.after_schedule is not None:
                 self.after_schedule()
-            self.executor.submit(sched)
-            self._in_flight.append(_InFlightStep(ve, sched, requests, preempted, started))
+            step = _InFlightStep(ve, sched, requests, preempted, started)
+            if self._steps is not None:
+                before = self._in_flight[-1].applied if self._in_flight else None
+                step.applied = threading.Event()
+                step.device_work = self._steps.submit(self._run_step, sched, requests, before)
+            else:
+                self.executor.submit(sched)
+            self._in_flight.append(step)
             return True
         return False
 
-    def _sample(self, logits, sched, requests: list[Request]) -> tuple[list[StepResult], list[tuple[Request, Exception]]]:
-        """Sample the whole batch; if that raises, sample each request on its own, so only the
-        requests whose own state makes sampling fail (a logits processor that raises, say) fail."""
+    def _may_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is back: not when a request could get
+        drafts (they are guessed from its last token, which is not known yet)."""
+        if self.proposer is None:
+            return True
+        running = self.scheduler.running
+        if len(running) > self.spec_config.disable_batch_size:
+            return True
+        return not any(r.params.speculative and not r.logits_processors and not r.params.needs_penalties
+                       for r in running)
+
+    def _run_step(self, sched: SchedulerOutput, requests: list[Request], before: threading.Event | None):
+        """In the step thread: the step's forward, then, once the outputs of the step before are applied, its
+        sampling. The sampled tokens stay on the device for the next step's placeholders."""
+        logits = self.executor.execute_model(sched)
+        if before is not None:
+            before.wait()
+        # A request the step before ended (a stop token, its length) is not sampled: its grammar may have
+        # nothing left to allow.
+        live = [i for i, r in enumerate(requests) if not r.is_finished]
+        if len(live) < len(requests):
+            sched, requests, logits = _select(sched, requests, logits, live)
+        with span(self.timeline, "sample"):
+            launched, failed = self._launch_sample(logits, sched, requests)
+        self.runner.placeholder_source = launched[0].sampled_tokens if len(launched) == 1 else _merged(launched)
+        return launched, failed
+
+    def _launch_sample(self, logits, sched, requests: list[Request]) -> tuple[list[LaunchedSample],
+                                                                             list[tuple[Request, Exception]]]:
+        """Queue the whole batch's sampling; if that raises, each request's on its own, so only the requests
+        whose own state makes sampling fail (a logits processor that raises, say) fail."""
+        if not requests:
+            return [], []
         try:
-            return sample_step(self.sampler, logits, sched, requests), []
+            return [launch_step_sample(self.sampler, logits, sched, requests)], []
         except Exception:  # noqa: BLE001 - attributed below, request by request
             log.warning("sampling the batch failed; sampling its %d requests one by one", len(requests))
         rows, firsts = sched.logits_layout()
-        results: list[StepResult] = []
+        launched: list[LaunchedSample] = []
         failed: list[tuple[Request, Exception]] = []
         for s, req, first in zip(sched.scheduled, requests, firsts, strict=True):
             one = type(sched)([s])
             k = s.logits_rows()
             try:
-                results.extend(sample_step(self.sampler, logits[first : first + k], one, [req]))
+                launched.append(launch_step_sample(self.sampler, logits[first : first + k], one, [req]))
             except Exception as e:  # noqa: BLE001 - this request's failure
                 failed.append((req, e))
-        return results, failed
+        return launched, failed
 
     def _fail(self, req: Request, e: Exception) -> RequestOutput:
         """Finish one request with an error; the engine goes on for everyone else."""
@@ -369,7 +463,7 @@ class LLMEngine:
             # would need them applied position by position, which the verifier does not do (yet).
             # Token constraints (grammars) do: the verifier masks each row by the state after the
             # drafts before it.
-            if (not p.speculative or req.num_computed_tokens != req.num_tokens - 1
+            if (not p.speculative or req.num_computed_tokens != req.num_tokens - 1 or req.num_in_flight_tokens
                     or req.logits_processors or p.needs_penalties):
                 continue
             # Room for the drafts plus the one token every step produces anyway.
@@ -388,7 +482,7 @@ class LLMEngine:
         """Apply one request's step result: its tokens, and whether an end-of-sequence or stop token or the
         length limit ends it. Tokens only: the text (and stop strings) are the output processor's."""
         req = res.request
-        num_drafts = self.scheduler.update_from_output(req, res.num_scheduled, res.num_rejected)
+        num_drafts = self.scheduler.update_from_output(req, res.num_scheduled, res.num_rejected, res.sampled)
         if num_drafts:
             self._count_spec(num_drafts, len(res.token_ids) - 1)
         if res.prompt_logprobs:
@@ -456,6 +550,30 @@ class LLMEngine:
         for i in range(num_drafts):
             st.spec_drafted_per_pos[i] += 1
             st.spec_accepted_per_pos[i] += i < num_accepted
+
+
+def _select(sched: SchedulerOutput, requests: list[Request], logits, keep: list[int]):
+    """The step's part for the requests at `keep`, and their logits rows."""
+    rows, firsts = sched.logits_layout()
+    picked = [firsts[i] + j for i in keep for j in range(sched.scheduled[i].logits_rows())]
+    sub = SchedulerOutput([sched.scheduled[i] for i in keep])
+    idx = torch.tensor(picked, dtype=torch.long).to(logits.device, non_blocking=True)
+    return sub, [requests[i] for i in keep], logits.index_select(0, idx)
+
+
+def _merged(launched: list[LaunchedSample]):
+    """One SampledTokens over several launches (a batch sampled request by request after a failure)."""
+    from ..sample.step_sampler import SampledTokens
+
+    parts = [x.sampled_tokens for x in launched if x.sampled_tokens is not None]
+    if not parts:
+        return None
+    row_of: dict[str, int] = {}
+    base = 0
+    for p in parts:
+        row_of.update({rid: base + r for rid, r in p.row_of.items()})
+        base += p.tokens.shape[0]
+    return SampledTokens(torch.cat([p.tokens for p in parts]), row_of)
 
 
 def _failed_output(out: RequestOutput, e: Exception) -> RequestOutput:

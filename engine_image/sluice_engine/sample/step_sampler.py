@@ -4,7 +4,10 @@ grammars, penalties' history) lives with the requests, which only rank 0 has.
 
 Plain samples and draft verification are one batched pass (a plain sample is a request with no
 drafts), and everything the host needs from the step, prompt logprobs included, comes back in one
-device-to-host transfer (device_io.fetch)."""
+device-to-host transfer (device_io.fetch). `launch_step_sample` queues the step's sampling on the device and
+starts that transfer; `LaunchedSample.results()` waits for it: async scheduling launches in the thread that
+runs the step and reads in the engine's, with the next step queued in between. The sampled tokens stay on the
+device for that next step's placeholders (`SampledTokens`)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 
 from ..core.request import Request
 from ..core.sched_output import SchedulerOutput
-from ..device_io import fetch, upload
+from ..device_io import PendingFetch, start_fetch, upload
 from .logprobs import TokenLogprobs, gather_logprobs
 from .sampler import Sampler
 
@@ -32,13 +35,60 @@ class StepResult:
     prompt_logprobs: list[TokenLogprobs] | None
     # Draft tokens computed this step but rejected: their KV slots hold garbage until overwritten.
     num_rejected: int = 0
+    # The step reached the end of the request's tokens: it sampled (or verified) its next token.
+    sampled: bool = True
 
 
-@torch.inference_mode()
+@dataclass(slots=True)
+class SampledTokens:
+    """A step's sampled tokens still on the device, and the row of each request that sampled exactly one (no
+    drafts): where the next step's PLACEHOLDER inputs come from (async scheduling, worker/model_runner.py)."""
+
+    tokens: torch.Tensor  # [rows], int64
+    row_of: dict[str, int]
+
+
+@dataclass(slots=True)
+class LaunchedSample:
+    """A step's sampling queued on the device, its one transfer to the host under way."""
+
+    items: list  # (ScheduledRequest, Request, first logits row)
+    plp_counts: list[int]
+    transfer: PendingFetch
+    has_sampling: bool
+    has_prompt_logprobs: bool
+    sampled_tokens: SampledTokens | None
+
+    def results(self) -> list[StepResult]:
+        fetched = iter(self.transfer.result())
+        sampled = iter(next(fetched) if self.has_sampling else [])
+        prompt_lps = next(fetched) if self.has_prompt_logprobs else []
+        results: list[StepResult] = []
+        at = 0
+        for (s, req, _), count in zip(self.items, self.plp_counts, strict=True):
+            tokens: list[int] = []
+            lps: list[TokenLogprobs | None] = []
+            if s.samples or s.num_drafts:
+                tokens, lps = next(sampled)
+            plp = None
+            if s.prompt_logprobs and not s.num_drafts:
+                plp, at = prompt_lps[at : at + count], at + count
+            rejected = s.num_drafts + 1 - len(tokens) if s.num_drafts else 0
+            results.append(StepResult(req, s.num_tokens, tokens, lps, plp, rejected, s.samples))
+        return results
+
+
 def sample_step(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
                 requests: list[Request]) -> list[StepResult]:
     """`requests[i]` is the request of `sched.scheduled[i]`; `logits` has the rows of
     `sched.logits_layout()`."""
+    return launch_step_sample(sampler, logits, sched, requests).results()
+
+
+@torch.inference_mode()
+def launch_step_sample(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
+                       requests: list[Request]) -> LaunchedSample:
+    """Queue the step's sampling (and prompt logprobs) on the device and start their transfer to the host."""
     _, firsts = sched.logits_layout()
     items = list(zip(sched.scheduled, requests, firsts, strict=True))
     # A request samples from its last num_drafts + 1 rows (with prompt logprobs its rows are all the
@@ -61,23 +111,13 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
         parts.append(sampler.sample(picked, [req for _, req, _ in sampling], drafts))
     if plp_rows:
         parts.append(gather_logprobs(logits.index_select(0, idx["plp_rows"]), idx["plp_targets"], plp_ks))
-    fetched = iter(fetch(parts))
-    sampled = iter(next(fetched) if sampling else [])
-    prompt_lps = next(fetched) if plp_rows else []
-
-    results: list[StepResult] = []
-    at = 0
-    for (s, req, _), count in zip(items, plp_counts, strict=True):
-        tokens: list[int] = []
-        lps: list[TokenLogprobs | None] = []
-        if s.samples or s.num_drafts:
-            tokens, lps = next(sampled)
-        plp = None
-        if s.prompt_logprobs and not s.num_drafts:
-            plp, at = prompt_lps[at : at + count], at + count
-        rejected = s.num_drafts + 1 - len(tokens) if s.num_drafts else 0
-        results.append(StepResult(req, s.num_tokens, tokens, lps, plp, rejected))
-    return results
+    pending = parts[0] if sampling else None
+    sampled_tokens = None
+    if pending is not None:
+        row_of = {s.request_id: first for (s, _, _), first in zip(sampling, pending.batch.firsts, strict=True)
+                  if not s.num_drafts}
+        sampled_tokens = SampledTokens(pending.tokens, row_of)
+    return LaunchedSample(items, plp_counts, start_fetch(parts), bool(sampling), bool(plp_rows), sampled_tokens)
 
 
 def _prompt_logprob_rows(items) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -16,7 +16,8 @@ import torch
 
 from ..attention.backend import select_backend
 from ..config import EngineConfig
-from ..core.sched_output import SchedulerOutput
+from ..core.sched_output import PLACEHOLDER, SchedulerOutput
+from ..device_io import upload
 from ..distributed import parallel_state as ps
 from ..distributed.layout import RankShard, rank_shard
 from ..forward_context import ForwardContext, forward_context
@@ -30,6 +31,8 @@ from ..models.loader import (
     resolve_quantization,
 )
 from ..quant.formats import CPU_FORMATS, check_kv_cache_dtype
+from ..sample.step_sampler import SampledTokens
+from ..step_timeline import StepTimeline, span
 from .cuda_graphs import (
     DecodeGraphs,
     GraphState,
@@ -97,6 +100,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA only)
         self.graph_state = GraphState("off", "the KV cache is not allocated yet")
         self._eager_only = False  # set by eager_steps(): every step runs eagerly, graphs or not
+        # Async scheduling: the previous step's sampled tokens, still on the device, where this step's
+        # PLACEHOLDER inputs come from (set by the engine once it has queued that step's sampling).
+        self.placeholder_source: SampledTokens | None = None
+        self.timeline: StepTimeline | None = None  # where a step's time goes (a benchmark sets it)
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -253,7 +260,13 @@ class ModelRunner:
         float32) when this rank is rank 0 and holds the last stage; None otherwise (a stage hands its
         hidden states on; the last stage sends its logits to rank 0, which collects them: executor.py)."""
         graph = self.graphs.key(sched) if self.graphs is not None and not self._eager_only else None
-        inp = self.prepare(sched, graph[0] if graph is not None else None)
+        with span(self.timeline, "prepare"):
+            inp = self.prepare(sched, graph[0] if graph is not None else None)
+            self._fill_placeholders(sched, inp.input_ids)
+        with span(self.timeline, "forward"):
+            return self._forward_step(sched, inp, graph)
+
+    def _forward_step(self, sched: SchedulerOutput, inp: ModelInput, graph) -> torch.Tensor | None:
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         sh = self.shard
@@ -272,6 +285,31 @@ class ModelRunner:
             return logits
         ps.send_logits(logits)
         return None
+
+    def _fill_placeholders(self, sched: SchedulerOutput, input_ids: torch.Tensor) -> None:
+        """Async scheduling: a request's token sampled by the step before this one was a PLACEHOLDER when this
+        step was scheduled. It is copied from that step's sampled tokens on the device, behind the step's inputs,
+        so the host never waits for the sampling (the token reaches the host later, with its step's outputs)."""
+        at: list[int] = []
+        rows: list[int] = []
+        gone: list[int] = []
+        base = 0
+        src = self.placeholder_source
+        for s in sched.scheduled:
+            known = s.num_tokens - s.num_drafts
+            if known and s.token_ids[known - 1] == PLACEHOLDER:
+                if src is not None and s.request_id in src.row_of:
+                    at.append(base + known - 1)
+                    rows.append(src.row_of[s.request_id])
+                else:  # the request ended before that step sampled: its row here is computed for nobody
+                    gone.append(base + known - 1)
+            base += s.num_tokens
+        if gone:
+            input_ids.index_fill_(0, upload(self.device, {"gone": gone})["gone"], 0)
+        if not at:
+            return
+        idx = upload(self.device, {"at": at, "rows": rows})
+        input_ids.index_copy_(0, idx["at"], src.tokens.index_select(0, idx["rows"]).to(input_ids.dtype))
 
     def forward(self, inp: ModelInput, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         with forward_context(ForwardContext(inp.attn, self.kv_caches)):
