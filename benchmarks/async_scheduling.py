@@ -3,8 +3,10 @@
 of requests, alternating, `--reps` times each. Prints per batch size, medians over the reps:
 
 - ms per step and output tok/s;
-- the host's work per step (schedule + prepare + outputs, ms) and the share of it that ran while a forward
-  was computing (hidden behind the forward; 0 by construction when steps run one at a time);
+- the host's work per step (schedule + prepare + outputs, ms), the share of it that ran while a forward
+  was computing (0 by construction when steps run one at a time), and the host's work left on the step's
+  critical path ("crit"): one at a time, all of it plus the sampling; async, the time the step thread waited
+  for the engine's thread (the next step not queued yet, or the step before's outputs not applied yet);
 - whether both modes gave the same tokens (greedy, seeded sampling; with --spec, ngram speculative decoding;
   with --grammar, a JSON schema).
 
@@ -63,7 +65,7 @@ def main() -> None:
     print(f"# {os.uname().machine}, {os.cpu_count()} cores, model {args.model or 'bundled SmolLM2-135M'}, "
           f"{args.max_tokens} tokens per request, median of {args.reps}")
     print(f"{'batch':>5} {'mode':>5} {'ms/step':>8} {'tok/s':>8} {'host ms':>8} {'sched':>6} {'prep':>6} "
-          f"{'outs':>6} {'fwd ms':>7} {'hidden':>7}")
+          f"{'outs':>6} {'fwd ms':>7} {'hidden':>7} {'crit ms':>8}")
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     for b in batches:
         prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(b)]
@@ -86,7 +88,7 @@ def main() -> None:
                   f"{b * args.max_tokens / wall:8.1f} {med(lambda r: r[2]['host_ms']):8.2f} "
                   f"{med(lambda r: r[2]['schedule_ms']):6.2f} {med(lambda r: r[2]['prepare_ms']):6.2f} "
                   f"{med(lambda r: r[2]['outputs_ms']):6.2f} {med(lambda r: r[2]['forward_ms']):7.1f} "
-                  f"{med(lambda r: r[2]['hidden_share']):7.0%}")
+                  f"{med(lambda r: r[2]['hidden_share']):7.0%} {med(lambda r: r[2]['critical_ms']):8.2f}")
         print(f"{b:>5} same greedy tokens: {tokens[False] == tokens[True]}")
     # Exactness beyond greedy: seeded sampling (and, when asked, speculative decoding and a grammar).
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]

@@ -1,6 +1,9 @@
 """Where a step's time goes, for benchmarks (benchmarks/async_scheduling.py): spans of the host's work
-(scheduling, input preparation, applying outputs) and of the forward, from whichever thread runs them, and how
-much of the host's work ran while a forward was computing (hidden behind it, with async scheduling).
+(scheduling, input preparation, applying outputs) and of the forward, from whichever thread runs them, how much
+of the host's work ran while a forward was computing, and (async scheduling) how long the step thread waited for
+the engine's thread: between its jobs (the next step not queued yet) and before sampling (the outputs of the step
+before not applied yet). That wait is the host's work left on the step's critical path; steps run one at a
+time have all of it there.
 
 Off unless a benchmark sets one on the engine (LLMEngine.timeline): then each span costs two clock reads and a
 list append (atomic under the GIL, so the step thread and the engine's thread may both record).
@@ -17,7 +20,18 @@ DEVICE_KINDS = ("forward",)
 
 class StepTimeline:
     def __init__(self) -> None:
-        self.spans: dict[str, list[tuple[float, float]]] = {k: [] for k in (*HOST_KINDS, *DEVICE_KINDS, "sample")}
+        self.spans: dict[str, list[tuple[float, float]]] = {
+            k: [] for k in (*HOST_KINDS, *DEVICE_KINDS, "sample", "device_wait")}
+        self._job_end: float | None = None
+
+    def job_started(self) -> None:
+        """The step thread starts a step: the time since its last one ended it waited for the next."""
+        now = time.perf_counter()
+        if self._job_end is not None:
+            self.spans["device_wait"].append((self._job_end, now))
+
+    def job_ended(self) -> None:
+        self._job_end = time.perf_counter()
 
     @contextmanager
     def span(self, kind: str):
@@ -30,10 +44,12 @@ class StepTimeline:
     def clear(self) -> None:
         for v in self.spans.values():
             v.clear()
+        self._job_end = None
 
     def report(self, steps: int) -> dict[str, float]:
-        """Per step, in ms: each kind's time, the host's work (schedule + prepare + outputs), and the share of
-        the host's work that ran while a forward computed."""
+        """Per step, in ms: each kind's time, the host's work (schedule + prepare + outputs), the share of the
+        host's work that ran while a forward computed, and the host's work on the critical path: with a step
+        thread, the time it waited for the engine's thread (device_wait); else all of it (and the sampling)."""
         steps = max(steps, 1)
         out = {f"{k}_ms": 1e3 * sum(b - a for a, b in v) / steps for k, v in self.spans.items()}
         forward = _merged(self.spans["forward"])
@@ -44,6 +60,8 @@ class StepTimeline:
                 hidden += _overlap(a, b, forward)
         out["host_ms"] = 1e3 * host_total / steps
         out["hidden_share"] = hidden / host_total if host_total else 0.0
+        threaded = bool(self.spans["device_wait"])
+        out["critical_ms"] = out["device_wait_ms"] if threaded else out["host_ms"] + out["sample_ms"]
         return out
 
 

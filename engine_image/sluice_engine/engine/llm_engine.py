@@ -394,9 +394,13 @@ class LLMEngine:
     def _run_step(self, sched: SchedulerOutput, requests: list[Request], before: threading.Event | None):
         """In the step thread: the step's forward, then, once the outputs of the step before are applied, its
         sampling. The sampled tokens stay on the device for the next step's placeholders."""
+        tl = self.timeline
+        if tl is not None:
+            tl.job_started()
         logits = self.executor.execute_model(sched)
         if before is not None:
-            before.wait()
+            with span(tl, "device_wait"):
+                before.wait()
         # A request the step before ended (a stop token, its length) is not sampled: its grammar may have
         # nothing left to allow.
         live = [i for i, r in enumerate(requests) if not r.is_finished]
@@ -405,6 +409,8 @@ class LLMEngine:
         with span(self.timeline, "sample"):
             launched, failed = self._launch_sample(logits, sched, requests)
         self.runner.placeholder_source = launched[0].sampled_tokens if len(launched) == 1 else _merged(launched)
+        if tl is not None:
+            tl.job_ended()
         return launched, failed
 
     def _launch_sample(self, logits, sched, requests: list[Request]) -> tuple[list[LaunchedSample],
