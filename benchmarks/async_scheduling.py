@@ -11,7 +11,7 @@ of requests, alternating, `--reps` times each. Prints per batch size, medians ov
   with --grammar, a JSON schema).
 
     .venv/bin/python benchmarks/async_scheduling.py                        # the bundled model on CPU, ~3 min
-    .venv/bin/python benchmarks/async_scheduling.py --model /tmp/llama8b --batch 64 --max-tokens 64   # a GPU
+    .venv/bin/python benchmarks/async_scheduling.py --model /tmp/llama8b --batch 64 --kv-cache-memory 2G   # a GPU
 
 On CPU the step thread runs the forward itself (torch releases the GIL in its kernels) while the engine's thread
 schedules and applies outputs. On a GPU the forward's span is its launch (the host's view): the hidden share is
@@ -22,6 +22,7 @@ hides.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -55,9 +56,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--spec", action="store_true", help="also check ngram speculative decoding gives the same tokens")
     p.add_argument("--grammar", action="store_true", help="also check a JSON-schema request gives the same tokens")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kv-cache-memory", default=None, help="per engine (both are loaded at once), e.g. 2G")
+    p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    kw = dict(max_num_seqs=max(batches))
+    kw = dict(max_num_seqs=max(batches), device=args.device)
+    if args.kv_cache_memory:
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        v = args.kv_cache_memory
+        kw["kv_cache_memory"] = int(float(v[:-1]) * units[v[-1]]) if v[-1] in units else int(v)
+    figures: dict = {"batches": {}}
     llms = {mode: LLM(args.model, async_scheduling=mode, **kw) for mode in (False, True)}
     for llm in llms.values():
         llm.engine.warm_up()
@@ -76,6 +85,7 @@ def main() -> None:
                 wall, steps, toks, rep = run(llm, prompts, greedy)
                 rows[mode].append((wall, steps, rep))
                 tokens[mode] = toks
+        figures["batches"][b] = {"same_greedy": tokens[False] == tokens[True]}
         for mode in (False, True):
             runs = rows[mode]
 
@@ -84,6 +94,10 @@ def main() -> None:
 
             wall = med(lambda r: r[0])
             steps = med(lambda r: r[1])
+            figures["batches"][b]["async" if mode else "sync"] = {
+                "ms_per_step": 1e3 * wall / steps, "tok_per_s": b * args.max_tokens / wall,
+                **{k: med(lambda r, k=k: r[2][k]) for k in ("host_ms", "schedule_ms", "prepare_ms", "outputs_ms",
+                                                            "forward_ms", "sample_ms", "hidden_share", "critical_ms")}}
             print(f"{b:>5} {'async' if mode else 'sync':>5} {1e3 * wall / steps:8.1f} "
                   f"{b * args.max_tokens / wall:8.1f} {med(lambda r: r[2]['host_ms']):8.2f} "
                   f"{med(lambda r: r[2]['schedule_ms']):6.2f} {med(lambda r: r[2]['prepare_ms']):6.2f} "
@@ -95,11 +109,10 @@ def main() -> None:
     seeded = SamplingParams(max_tokens=args.max_tokens, temperature=0.9, top_p=0.95, seed=7)
     same = {m: run(llm, prompts, seeded)[2] for m, llm in llms.items()}
     print(f"same seeded-sampling tokens: {same[False] == same[True]}")
+    figures["same_seeded"] = same[False] == same[True]
     if args.grammar:
         schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
                   "required": ["name", "age"]}
-        import json
-
         from sluice_engine.structured import StructuredOutputs
         from sluice_engine.structured.grammar import GrammarSpec
 
@@ -120,6 +133,7 @@ def main() -> None:
                     got[o.request_id].extend(o.new_token_ids)
             outs[m] = [got[r] for r in ids]
         print(f"same grammar tokens: {outs[False] == outs[True]}")
+        figures["same_grammar"] = outs[False] == outs[True]
     for llm in llms.values():
         llm.engine.shutdown()
     if args.spec:
@@ -127,8 +141,16 @@ def main() -> None:
         rep = "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat,"
         outs = {m: [c.token_ids for c in llm.generate([rep] * 4 + prompts[:4], greedy)] for m, llm in spec.items()}
         print(f"same ngram speculative-decoding tokens: {outs[False] == outs[True]}")
+        figures["same_spec"] = outs[False] == outs[True]
         for llm in spec.values():
             llm.engine.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    same = [v["same_greedy"] for v in figures["batches"].values()]
+    same += [v for k, v in figures.items() if k.startswith("same_")]
+    if not all(same):
+        raise SystemExit("async scheduling changed the tokens")
 
 
 if __name__ == "__main__":

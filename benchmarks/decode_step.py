@@ -97,7 +97,7 @@ def summarize(r: dict) -> dict:
 
 def bench(model_dir: Path, device: str, dtype: str, batches: list[int], steps: int, prompt_len: int,
           modes: list[bool], backend: str, kv_cache_memory: int, warmup: bool = True) -> dict[bool, list[dict]]:
-    """{eager: [summary per batch size]} (the core, also run by tests/test_decode_step_bench.py)."""
+    """{eager: [summary per batch size]} (the core, also run by tests/engine/test_decode_step_bench.py)."""
     results: dict[bool, list[dict]] = {}
     for eager in modes:
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ its Q4_1 blocks on CPU).
 
     .venv/bin/python benchmarks/engine_process.py --before 7d7c94a          # ~8 min on 2 cores
     .venv/bin/python benchmarks/engine_process.py --concurrency 1,8 --num-requests 16
+    .venv/bin/python benchmarks/engine_process.py --servers core-process,async --before 7d7c94a   # async scheduling
 
 All servers stay up for the whole sitting; the idle ones wait while another is measured (an idle engine wakes
 twice a second). Every server gets the same threads (OMP_NUM_THREADS, default the machine's cores).
@@ -40,7 +41,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--before", default=None, metavar="REV", help="also serve this commit's engine (a worktree)")
-    p.add_argument("--port", type=int, default=18400, help="first of three ports")
+    p.add_argument("--servers", default="core-process,in-thread",
+                   help="which of this tree's servers: core-process (the default flags), in-thread "
+                        "(--no-engine-process), no-async (--no-async-scheduling), async (--async-scheduling)")
+    p.add_argument("--port", type=int, default=18400, help="first of the servers' ports")
     p.add_argument("--json", help="the bench's JSON results")
     p.add_argument("--log-dir", default=str(ROOT / "bench-results" / "engine-process-logs"))
     a = p.parse_args()
@@ -51,17 +55,18 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     serve = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--log-level", "warning"]
-    servers: dict[str, tuple[list[str], dict[str, str], str]] = {
-        "core-process": ([*serve, "--port", str(a.port)], env, "/ready"),
-        "in-thread": ([*serve, "--port", str(a.port + 1), "--no-engine-process"], env, "/ready"),
-    }
+    variants = {"core-process": [], "in-thread": ["--no-engine-process"], "no-async": ["--no-async-scheduling"],
+                "async": ["--async-scheduling"]}
+    servers: dict[str, tuple[list[str], dict[str, str], str]] = {}
+    for i, name in enumerate(a.servers.split(",")):
+        servers[name] = ([*serve, "--port", str(a.port + i), *variants[name]], env, "/ready")
     if a.before:
         old = worktree(a.before)
         # The command line's module as that commit has it (it moved to entrypoints/ in the re-layout).
         cli = ("sluice_engine.entrypoints.cli" if (old / "engine_image/sluice_engine/entrypoints/cli.py").exists()
                else "sluice_engine.cli")
         old_serve = [sys.executable, "-m", cli, *serve[3:]]
-        servers[f"before-{a.before}"] = ([*old_serve, "--port", str(a.port + 2)],
+        servers[f"before-{a.before}"] = ([*old_serve, "--port", str(a.port + len(servers))],
                                          {**env, "PYTHONPATH": str(old / "engine_image")}, "/ready")
     print(f"CPU: {cpu_name()}, {a.threads} threads per server", flush=True)
     bench = ["--max-concurrency", a.concurrency, "--num-requests", str(a.num_requests), "--seed", str(a.seed),

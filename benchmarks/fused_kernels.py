@@ -17,7 +17,7 @@ call, L2 flushed; includes the gaps while the CPU launches the next kernel, whic
 and replayed from a CUDA graph (launch cost gone: what remains is the kernels' own time) -- the GPU kernels one
 call launches (torch.profiler), and the max abs difference between the two outputs relative to the largest
 reference value, so a wrong kernel cannot post a number (bf16: <= 1e-2 expected). No figures are claimed here:
-run it on the GPU you care about. The kernels' correctness on CPU: tests/test_layer_ops_triton.py.
+run it on the GPU you care about. The kernels' correctness on CPU: tests/engine/test_layer_ops_triton.py.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def main() -> int:
         return cpu_smoke()
     if not torch.cuda.is_available():
         print("benchmarks/fused_kernels.py needs CUDA: no GPU here, nothing measured (--cpu-smoke checks the "
-              "kernels in Triton's interpreter; tests/test_layer_ops_triton.py too)", file=sys.stderr)
+              "kernels in Triton's interpreter; tests/engine/test_layer_ops_triton.py too)", file=sys.stderr)
         return 2
     import triton
 

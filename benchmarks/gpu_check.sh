@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check (issues 15 and 23): one command for a lent, offline GPU machine (H200: ~4 minutes, 8 at most).
+# The GPU check (issues 15, 23, 25): one command for a lent, offline GPU machine (H200: ~5 minutes, 9 at most).
 #
 #   bash benchmarks/gpu_wheels.sh                 # once, on a machine with pip: .whl/ (what the GPU image lacks)
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine, from anywhere; output in $OUT
 #   bash benchmarks/gpu_check.sh --cpu-dry-run    # no GPU: tiny model, Triton's interpreter, the same control flow
 #
 # Options: --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...] (leave steps out;
-# a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 470, or
+# a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 540, or
 # GPU_CHECK_BUDGET). Environment: OUT (default bench-results/gpu), PYTHON (default the `python` on PATH),
 # WHEELS (default .whl), GPU_CHECK_TESTS (the test modules of the last step), CC (the C compiler env checks).
 #
@@ -19,6 +19,8 @@
 #                  CUDA graphs, against the weight-read floor
 #   serve          benchmarks/serve_backends.py: `sluice serve` with the triton and torch attention backends,
 #                  greedy tokens compared, tok/s of each
+#   async          benchmarks/async_scheduling.py: batch 64, steps one at a time vs async scheduling: ms per
+#                  step, the host's work left on the critical path, the same tokens
 #   attention      benchmarks/attention_kernels.py: decode bandwidth at 4k-32k context (share of HBM)
 #   fused          benchmarks/fused_kernels.py: the fused layer ops against torch's
 #   quant-gemm     benchmarks/quant_gpu.py: FP8 and AWQ GEMMs at M 1 and 16
@@ -32,7 +34,7 @@ set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
-DRY=0 ALLOW_SKIPS=0 SKIP_STEPS="" BUDGET=${GPU_CHECK_BUDGET:-470}
+DRY=0 ALLOW_SKIPS=0 SKIP_STEPS="" BUDGET=${GPU_CHECK_BUDGET:-540}
 while (($#)); do
     case "$1" in
         --cpu-dry-run) DRY=1 ;;
@@ -270,6 +272,18 @@ elif needs_env serve; then
             --kv-cache-memory "$( ((DRY)) && echo 64M || echo 2G)" --log-dir "$OUT" --json "$OUT/serve.json"
     fi
 fi
+# -- async: async scheduling vs steps one at a time -------------------------------------------------------------
+if skipped_by_user async; then skip async "--skip"
+elif needs_env async; then
+    if ! wait_model; then skip async "no random model: $MODEL_STATE"
+    elif ((DRY)); then
+        step async 120 "$PY" benchmarks/async_scheduling.py --model "$MODEL_DIR" --device cpu --batch 4 --max-tokens 8 \
+            --reps 1 --kv-cache-memory 64M --json "$OUT/async.json"
+    else
+        step async 100 "$PY" benchmarks/async_scheduling.py --model "$MODEL_DIR" --batch 64 --max-tokens 32 --reps 2 \
+            --kv-cache-memory 2G --json "$OUT/async.json"
+    fi
+fi
 # the model is not needed past here: free the tmpfs
 [[ -n "$GEN_PID" ]] && kill "$GEN_PID" 2>/dev/null
 GEN_PID=""
@@ -296,11 +310,11 @@ fi
 # -- the Triton / CUDA test modules ---------------------------------------------------------------------------
 # The engine tests among them build no C++ on CUDA; on CPU (dry run) one quick module shows the step works.
 if ((DRY)); then
-    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/test_layer_ops_triton.py}"
+    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/engine/test_layer_ops_triton.py}"
 else
-    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/test_triton_attention.py tests/test_layer_ops_triton.py \
-tests/test_quant_triton.py tests/test_cuda_graphs.py tests/test_fp8_kv_cache.py tests/test_sampler_syncs.py \
-tests/test_layer_ops_model.py tests/test_quant_model.py tests/test_input_buffers.py}"
+    read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/engine/test_triton_attention.py tests/engine/test_layer_ops_triton.py \
+tests/engine/test_quant_triton.py tests/engine/test_cuda_graphs.py tests/engine/test_fp8_kv_cache.py tests/engine/test_sampler_syncs.py \
+tests/engine/test_layer_ops_model.py tests/engine/test_quant_model.py tests/engine/test_input_buffers.py}"
 fi
 if needs_env triton-tests; then
     PYTEST_ARGS=(-v -p no:cacheprovider --continue-on-collection-errors -rfEs -o addopts="" --durations=10

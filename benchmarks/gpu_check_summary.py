@@ -70,7 +70,7 @@ def test_counts(xml_path: Path) -> dict | None:
 
 FIGURES = {"decode-step": ("decode_step.json", decode_figures), "serve": ("serve.json", lambda d: d),
            "attention": ("attention.json", attention_figures), "fused": ("fused.json", fused_figures),
-           "quant-gemm": ("quant_gpu.json", quant_figures)}
+           "quant-gemm": ("quant_gpu.json", quant_figures), "async": ("async.json", lambda d: d)}
 
 
 def headline(figures: dict) -> list[str]:
@@ -91,6 +91,11 @@ def headline(figures: dict) -> list[str]:
     if serve:
         lines.append("serve tok/s: " + ", ".join(f"{b} {v['tok_per_s']:.0f}" for b, v in serve["backends"].items())
                      + f" (greedy {'agrees' if serve.get('ok') else 'DIFFERS'})")
+    for b, v in ((figures.get("async") or {}).get("batches") or {}).items():
+        sy, asy = v["sync"], v["async"]
+        lines.append(f"async scheduling b{b}: {sy['ms_per_step']:.2f} -> {asy['ms_per_step']:.2f} ms/step, host work on the "
+                     f"critical path {sy['critical_ms']:.2f} -> {asy['critical_ms']:.2f} ms "
+                     f"(tokens {'agree' if v['same_greedy'] else 'DIFFER'})")
     tests = figures.get("triton-tests")
     if tests:
         lines.append(f"tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "

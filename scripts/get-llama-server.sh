@@ -19,7 +19,7 @@
 #
 # LLAMA_CPU_ISA=avx2 builds the same tools for AVX2+FMA+F16C+BMI2 only (no AVX-512, whatever this CPU has)
 # into .tools/bin/avx2 from the build tree build-avx2: the peer, and the reference for the bit-exact checks
-# (tests/test_ggml_attention.py, tests/test_llama_cpp_parity.py), of sluice's avx2 kernels (SLUICE_CPU_ISA=avx2).
+# (tests/engine/test_ggml_attention.py, tests/engine/test_llama_cpp_parity.py), of sluice's avx2 kernels (SLUICE_CPU_ISA=avx2).
 # The default, native, is llama.cpp's own GGML_NATIVE build for this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Puts promtool and prometheus into .tools/bin (used by tests/test_monitoring.py), without root.
+# Puts promtool and prometheus into .tools/bin (used by tests/operator/test_monitoring.py), without root.
 # Idempotent: a no-op when both are already there.
 #
 # Debian's `prometheus` package ships both (statically built Go, needing only libc). `apt-get download` fetches

@@ -7,7 +7,7 @@ kernel level against the llama.cpp build of the same instruction set:
 The kernels are compiled with the level's own flags (cpu_kernels.isa_flags, as the engine builds them), the
 check's driver with the same. llama.cpp's static libraries come from scripts/get-llama-server.sh (native: its
 GGML_NATIVE build, on an AVX-512 VNNI CPU for that level; LLAMA_CPU_ISA=avx2: AVX2+FMA+F16C, no AVX-512).
-Exit status 0 when every check printed its all-identical line. tests/test_ggml_attention.py runs it."""
+Exit status 0 when every check printed its all-identical line. tests/engine/test_ggml_attention.py runs it."""
 
 from __future__ import annotations
 

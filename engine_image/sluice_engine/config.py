@@ -98,7 +98,8 @@ class EngineConfig:
     # Async scheduling (engine/llm_engine.py): the next step is scheduled and queued while this one runs on the
     # device, its host work (outputs, scheduling) hidden behind the forward. One rank only (tensor/pipeline
     # parallel groups run their steps one at a time, pipelined by stage); steps that verify drafts run alone.
-    async_scheduling: bool = True
+    # None: on for CUDA, off on CPU (where the forward is the host's own work: docs/BENCHMARKS.md#async-scheduling).
+    async_scheduling: bool | None = None
     # Speculative decoding (None: off). See spec_decode/proposer.py.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4

@@ -82,7 +82,7 @@ GATEWAY_INFLIGHT_METRIC = "sluice_gateway_inflight_requests"  # gauge {endpoint}
 GATEWAY_BACKENDS_METRIC = "sluice_gateway_backends"  # gauge {endpoint, role, state}
 GATEWAY_STANDBY_REQUESTS_METRIC = "sluice_gateway_standby_requests_total"  # counter {endpoint}: sent to the warm pool
 # The engines', one series per replica (the ServiceMonitor adds namespace, sluice_dev_endpoint, sluice_dev_role,
-# pod). The engine names them in sluice_engine/metrics.py; tests/test_monitoring.py checks that it exports each.
+# pod). The engine names them in sluice_engine/metrics.py; tests/operator/test_monitoring.py checks that it exports each.
 ENGINE_REQUESTS_WAITING_METRIC = "sluice_num_requests_waiting"  # gauge: the queue targetQueueDepth counts
 ENGINE_REQUESTS_RUNNING_METRIC = "sluice_num_requests_running"  # gauge: the running batch
 ENGINE_KV_CACHE_USAGE_METRIC = "sluice_kv_cache_usage_perc"  # gauge, 0-1

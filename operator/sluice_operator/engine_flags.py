@@ -60,7 +60,8 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "ngram-max": int,
     "speculative-disable-batch-size": int,
     "distributed-timeout": float,
-    # On by default: "false" renders --no-engine-process / --no-async-scheduling (NEGATABLE_SWITCHES).
+    # "false" renders --no-engine-process / --no-async-scheduling (NEGATABLE_SWITCHES), "true" the flag itself
+    # (engine-process is on by default; async-scheduling by device: on for CUDA, off on CPU).
     "engine-process": bool,
     "async-scheduling": bool,
 }

@@ -646,7 +646,7 @@ class EndpointStatus(_Object):
 # -- the resource ---------------------------------------------------------------------------------------
 # For every layout, not only multi-node: a Service's name, and a LeaderWorkerSet's name as LWS's webhook checks it
 # (NameIsDNS1035Label), must each be a DNS-1035 label of at most 63 characters, which these rules imply for
-# `<name>` and `<name>-warm` (tests/test_operator_spec.py checks the LeaderWorkerSets' names).
+# `<name>` and `<name>-warm` (tests/operator/test_operator_spec.py checks the LeaderWorkerSets' names).
 NAME_RULES = (
     Rule(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
          f"metadata.name must be at most {MAX_NAME_LENGTH} characters: the names of the objects it creates add "

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from conftest import engine_core_pid
+from servers import engine_core_pid
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ with the output processor (engine/output_processor.py: detokenization and stop s
 offline `LLM` drive it; an engine-core process runs it with `detokenize` off and its API process makes the
 text.
 
-Async scheduling (one rank, on by default): the step's device work (inputs, forward, sampling) runs in a step
+Async scheduling (one rank; by default on CUDA): the step's device work (inputs, forward, sampling) runs in a step
 thread (engine/step_thread.py) and the next step is scheduled and queued before this one's outputs are applied,
 so the engine's host work (scheduling, applying outputs, publishing them) runs while the device computes. The
 token a step in flight will sample is a placeholder in the next step's input (core/scheduler.py), copied on the
@@ -97,7 +97,7 @@ class LLMEngine:
         self.spec_config = cfg.speculative_config()
         # Async scheduling needs the sampled tokens on the device of the rank that starts the next step: rank 0
         # alone samples, so with more ranks steps run one at a time (pipeline stages still overlap).
-        self.async_scheduling = cfg.async_scheduling and cfg.world_size == 1
+        self.async_scheduling = _wants_async_scheduling(cfg) and cfg.world_size == 1
         # The step thread owns the device work, the model's loading and warm-up included: on CPU torch's OpenMP
         # workers serve the thread that first ran parallel work (engine/owner_thread.py).
         self._steps = StepThread() if self.async_scheduling else None
@@ -556,6 +556,15 @@ class LLMEngine:
         for i in range(num_drafts):
             st.spec_drafted_per_pos[i] += 1
             st.spec_accepted_per_pos[i] += i < num_accepted
+
+
+def _wants_async_scheduling(cfg: EngineConfig) -> bool:
+    """--async-scheduling, or by default where the forward runs on a GPU. On CPU the forward is the host's own work:
+    there is no device to hide the host's work behind, the two threads share the cores and the GIL, and a request
+    that arrives during a step waits one step more (docs/BENCHMARKS.md#async-scheduling)."""
+    if cfg.async_scheduling is not None:
+        return cfg.async_scheduling
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def _select(sched: SchedulerOutput, requests: list[Request], logits, keep: list[int]):

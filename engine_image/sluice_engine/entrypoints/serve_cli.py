@@ -57,9 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(every prefill chunk, decode batch and attention launch bucket), minimal (one prefill "
                         "and one decode step), off; auto: full on CUDA, minimal on CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and queue the next step while this one runs on the device, hiding the host's "
-                        "work behind the forward (one rank; the same tokens either way)")
+                        "work behind the forward (one rank; the same tokens either way); default: on for CUDA, "
+                        "off on CPU")
     par = p.add_argument_group("parallelism (docs/engine-flags.md)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="shard every layer over this many ranks (devices); one process per rank")

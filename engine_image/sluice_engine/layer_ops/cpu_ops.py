@@ -3,7 +3,7 @@
 At decode the torch reference spends more on dispatch than on arithmetic (RMSNorm plus the residual add
 is two ops, the rotary six, SiLU-and-multiply three; ~1.6 ms of a 16 ms batch-1 step of the bundled
 model). Anything the kernels do not cover (16-bit activations, a layout they do not take) goes to the
-torch reference, which these ops match to float rounding (tests/test_cpu_layer_ops.py).
+torch reference, which these ops match to float rounding (tests/engine/test_cpu_layer_ops.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).parents[1]
-REFERENCE_CRDS = Path(__file__).parents[1].parent / "shared" / "reference-crds"
+ROOT = Path(__file__).parents[2]
+REFERENCE_CRDS = Path(__file__).parents[2].parent / "shared" / "reference-crds"
 CRD_FILE = ROOT / "crds" / "sluice.dev_inferenceendpoints.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 

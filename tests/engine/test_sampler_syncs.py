@@ -6,7 +6,7 @@ ops, one sort at most), and the outputs of the per-row sampler it replaced (refe
 - draft verification draws its randomness differently (exponential race instead of multinomial), so
   there greedy verification is identical, seeded verification reproduces across runs and batch
   compositions, and the verified output has the target's distribution (chi-square).
-Host reads are counted as tests/host_syncs.py explains; on CUDA the same counts hold (and blocking
+Host reads are counted as tests/support/host_syncs.py explains; on CUDA the same counts hold (and blocking
 uploads are counted too)."""
 
 from __future__ import annotations

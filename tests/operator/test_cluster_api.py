@@ -1,7 +1,7 @@
-"""The CRD against a real Kubernetes control plane (marker `cluster`; tests/dev_cluster.py: built from Go modules,
+"""The CRD against a real Kubernetes control plane (marker `cluster`; tests/support/dev_cluster.py: built from Go modules,
 run on 127.0.0.1 with kwok's simulated nodes).
 
-What the in-process twins (tests/operator_schemas.py: jsonschema plus cel-python) can only approximate, the
+What the in-process twins (tests/support/operator_schemas.py: jsonschema plus cel-python) can only approximate, the
 real server decides here: the CRD is accepted and Established, every example endpoint is admitted, and every
 hostile spec the twin tests use is refused, by the CRD's own CEL rule with the same message the Python twin
 (`sluice render`, the operator) gives, or by the schema naming the same field. A plain Deployment gets

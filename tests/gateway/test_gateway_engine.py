@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SERVED_NAME, ServerProcess
 from gateway_fakes import GatewayProcess
+from servers import SERVED_NAME, ServerProcess
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The operator, installed by the chart, against a real control plane (marker `cluster`; tests/dev_cluster.py).
+"""The operator, installed by the chart, against a real control plane (marker `cluster`; tests/support/dev_cluster.py).
 
 `helm install charts/sluice` puts the CRD, RBAC, the operator's and the gateway's Deployments into the cluster
 (their pods run on kwok's simulated nodes, which run no process). The operator under test is a real
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, stop_process
 from dev_cluster import ROOT, Cluster, tool, wait_until
 from operator_schemas import CRD_FILE, EXAMPLES, load_yaml
+from servers import free_port, stop_process
 
 from sluice_operator.meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING
 

@@ -1,5 +1,5 @@
 """Test helpers for the gateway: a tiny fake OpenAI backend (aiohttp, loopback) for tests where a real engine
-adds nothing, in-process or as its own process (`python tests/gateway_fakes.py NAME`, for SIGKILL and
+adds nothing, in-process or as its own process (`python tests/support/gateway_fakes.py NAME`, for SIGKILL and
 SIGSTOP), and a `sluice gateway` subprocess for tests that run real engines."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class GatewayProcess:
     """`sluice gateway` as a subprocess (the CLI as deployed), on free loopback ports."""
 
     def __init__(self, args: list[str], log_path: Path, peer_port: int | None = None):
-        from conftest import free_port
+        from servers import free_port
 
         self.port, self.scaler_port = free_port(), free_port()
         self.peer_port = peer_port or free_port()
@@ -202,7 +202,7 @@ class FakeBackendProcess:
     """A FakeBackend in its own process: something to SIGKILL or SIGSTOP."""
 
     def __init__(self, name: str, *, chunks: int = 3, delay: float = 0.0, model: str = "m"):
-        from conftest import free_port
+        from servers import free_port
 
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"

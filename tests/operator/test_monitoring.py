@@ -37,16 +37,16 @@ import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
-from conftest import free_port
+from helm import CHART, RELEASE, RELEASE_NS, run_helm
 from operator_schemas import EXAMPLES, crd_schema, load_yaml, reference_crd, schema_errors
-from test_chart import CHART, RELEASE, RELEASE_NS, helm, run_helm  # noqa: F401 - helm is a fixture
+from servers import free_port
 
 from sluice_operator import autoscaling, dashboards, monitoring
 from sluice_operator.config import OperatorConfig
 from sluice_operator.reconcile import reconcile
 from sluice_operator.spec import parse_endpoint
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 RULE_FILE = CHART / "rules" / "sluice.rules.yaml"
 DASHBOARD_DIR = CHART / "dashboards"
 KEDA_METRICS = {monitoring.KEDA_SCALER_ERRORS}

@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from conftest import free_port
 from gateway_fakes import (
     FakeBackend,
     GatewayProcess,
@@ -23,6 +22,7 @@ from gateway_fakes import (
     start_gateway,
     wait_until,
 )
+from servers import free_port
 
 from sluice_autoscaler import externalscaler_pb2 as pb
 from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc

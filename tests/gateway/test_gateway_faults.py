@@ -12,7 +12,7 @@
   against a real engine, its running count returns to 0;
 - the KEDA external scaler, run from the CLI with --scaler-token-file, refuses calls without the token.
 
-Fake backends are aiohttp apps (tests/gateway_fakes.py); those that get signals run as their own processes.
+Fake backends are aiohttp apps (tests/support/gateway_fakes.py); those that get signals run as their own processes.
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ def engine_gauge(url: str, name: str) -> float:
 
 @pytest.mark.slow
 async def test_client_disconnect_aborts_the_request_in_a_real_engine(start_server):
-    from conftest import SERVED_NAME
+    from servers import SERVED_NAME
 
     engine = await asyncio.to_thread(start_server)
     gw = await start_gateway(backends=[f"{SERVED_NAME}={engine.url}"])

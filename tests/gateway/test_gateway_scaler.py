@@ -14,7 +14,6 @@ import httpx
 import pytest
 import yaml
 from gateway_fakes import FakeBackend, chat, start_gateway, wait_until
-from test_chart import helm  # noqa: F401 - a fixture
 
 from sluice_autoscaler import externalscaler_pb2 as pb
 from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc
@@ -299,7 +298,7 @@ async def test_the_charts_certificate_lets_keda_in(helm, tmp_path):  # noqa: F81
     """End to end with what the chart generates (gateway.scalerTLS.generate): the gateway serves the Secret's
     tls.crt and requires ca.crt's clients; KEDA, given the same Secret through the TriggerAuthentication,
     verifies the server by the name in scalerAddress and is let in."""
-    from test_chart import CHART, RELEASE, RELEASE_NS, run_helm
+    from helm import CHART, RELEASE, RELEASE_NS, run_helm
 
     from sluice_operator.config import GATEWAY_HOST
 

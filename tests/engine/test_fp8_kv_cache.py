@@ -2,7 +2,7 @@
 one for V.
 
 Without a GPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is first
-imported: tests/triton_interpreter.py), in fp32/fp16 (the interpreter's bf16 arithmetic is wrong). On a CUDA
+imported: tests/support/triton_interpreter.py), in fp32/fp16 (the interpreter's bf16 arithmetic is wrong). On a CUDA
 machine the same tests run the compiled kernels, both the native e4m3 conversions (sm89+) and the integer
 byte conversions older GPUs use.
 
@@ -261,7 +261,7 @@ def test_flag_parses_into_the_config():
 
 # -- the engine ------------------------------------------------------------------------------------
 def _tiny_llama(root, kv_scales: dict[str, float] | None = None):
-    """The tests' tiny Llama (tests/tiny_llama.py) as an HF directory; kv_scales: checkpoint KV-cache scale
+    """The tests' tiny Llama (tests/support/tiny_llama.py) as an HF directory; kv_scales: checkpoint KV-cache scale
     tensors to add (name -> value)."""
     pytest.importorskip("safetensors")  # the engine tests: on a bare GPU machine (benchmarks/gpu_check.sh)
     pytest.importorskip("tokenizers")  # the kernel tests above need neither

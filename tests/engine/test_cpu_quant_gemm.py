@@ -2,7 +2,7 @@
 quantized to 8 bits per block of 32 as GGUF's Q8_0/Q8_1 define it, integer dot products per block, over
 weights repacked into the kernel's interleaved layout. Checked against a torch reference built from the
 gguf package's own quantize/dequantize of the weights and the same activation quantization written out
-here; on every kernel level this CPU runs (tests/cpu_isas.py), which agree bit for bit."""
+here; on every kernel level this CPU runs (tests/support/cpu_isas.py), which agree bit for bit."""
 
 import numpy as np
 import pytest

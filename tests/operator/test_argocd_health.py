@@ -9,7 +9,7 @@ import pytest
 
 lupa = pytest.importorskip("lupa", reason="lupa (dev extra) runs the Argo CD Lua health check")
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 HEALTH_LUA = ROOT / "charts" / "sluice" / "argocd" / "health.lua"
 
 

@@ -162,7 +162,7 @@ HIDDEN = HEADS * HEAD_DIM
 def _interpreter_ready() -> bool:
     if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
         return False
-    # As tests/test_triton_attention.py: the interpreter only if set before triton's first import.
+    # As tests/engine/test_triton_attention.py: the interpreter only if set before triton's first import.
     os.environ["TRITON_INTERPRET"] = "1"
     from sluice_engine.attention import triton_kernels as tk
 

@@ -268,7 +268,7 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama):
 
 
 class ReplayByRerun:
-    """torch.cuda's graphs on CPU (as tests/test_cuda_graphs.py's): capture keeps the forward, replay reruns it."""
+    """torch.cuda's graphs on CPU (as tests/engine/test_cuda_graphs.py's): capture keeps the forward, replay reruns it."""
 
     def __init__(self):
         self.replays = 0

@@ -13,8 +13,8 @@ import time
 
 import httpx
 import pytest
-from conftest import engine_core_pid, free_port, stop_process
 from openai import OpenAI
+from servers import engine_core_pid, free_port, stop_process
 from test_server_parity import PROMPTS, check_all_at_once, reference  # noqa: F401 - reference is a fixture
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import free_port
 from safetensors.torch import save_file
+from servers import free_port
 
 from sluice_engine.config import EngineConfig
 from sluice_engine.core.sched_output import ScheduledRequest, SchedulerOutput
