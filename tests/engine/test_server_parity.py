@@ -111,3 +111,15 @@ def test_parity_concurrent_chunked_and_preempted(start_server, reference):
     m = server.metrics()
     assert m["sluice_num_preemptions_total"] > 0, "the KV budget was meant to force preemption"
     assert m["sluice_num_requests_running"] == 0
+
+
+def test_parity_with_async_scheduling_chunked_and_preempted(start_server, reference):
+    # The same squeeze with the next step scheduled while this one computes (off by default on CPU): HF's greedy
+    # tokens and logprobs through the real server and client, with placeholders, chunks and preemption in flight.
+    server = start_server("--async-scheduling", "--max-num-batched-tokens", "64", "--kv-cache-memory",
+                          str(40 * 16 * 46080), "--max-model-len", "512", "--no-prefix-caching")
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
+    check_all_at_once(client, server.model, reference)
+    m = server.metrics()
+    assert m["sluice_num_preemptions_total"] > 0, "the KV budget was meant to force preemption"
+    assert m["sluice_num_requests_running"] == 0
