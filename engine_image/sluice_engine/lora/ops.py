@@ -1,0 +1,64 @@
+"""The low-rank half of a LoRA layer over a batch that mixes adapters (SGMV-style: segmented gather
+matrix-vector), the torch path (CPU, and the reference the Triton kernels are tested against).
+
+The batch is ragged and request-contiguous, so a step's tokens fall into segments of consecutive tokens on one
+adapter slot (`LoRASegments`; slot 0 = no adapter, skipped). The base layer's GEMM runs once for the whole
+batch; then, per segment, `shrink` (x @ A[slot].T: in -> rank) and `expand` (h @ B[slot].T: rank -> out, added into
+the base output at a column offset, so one shrink serves the q, k and v slices of a fused projection).
+
+Slots hold the resident adapters' weights stacked ([slots, rank, in] and [slots, out, rank]), padded with zeros
+to the largest rank (zero rows of A and columns of B change nothing), with the adapter's scaling folded into B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LoRASegments:
+    """Runs of consecutive tokens on one adapter slot, those on slot 0 (no adapter) left out."""
+
+    starts: list[int]
+    ends: list[int]
+    slots: list[int]
+
+    @classmethod
+    def from_requests(cls, num_tokens: list[int], slots: list[int]) -> LoRASegments:
+        """Per request in batch order, its token count and adapter slot; neighbours on one slot make one run."""
+        starts: list[int] = []
+        ends: list[int] = []
+        out_slots: list[int] = []
+        at = 0
+        for n, slot in zip(num_tokens, slots, strict=True):
+            if slot and out_slots and out_slots[-1] == slot and ends[-1] == at:
+                ends[-1] = at + n
+            elif slot and n:
+                starts.append(at)
+                ends.append(at + n)
+                out_slots.append(slot)
+            at += n
+        return cls(starts, ends, out_slots)
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, segs: LoRASegments) -> torch.Tensor:
+    """h[t] = A[slot(t)] @ x[t] for the tokens of every segment (rows outside them are zero).
+    x [T, in], a [slots, rank, in] -> [T, rank] in x's dtype, accumulated in float32."""
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
+    for s, e, slot in zip(segs.starts, segs.ends, segs.slots, strict=True):
+        h[s:e] = (x[s:e].float() @ a[slot].float().T).to(x.dtype)
+    return h
+
+
+def lora_expand(h: torch.Tensor, b: torch.Tensor, segs: LoRASegments, y: torch.Tensor, offset: int = 0) -> None:
+    """y[t, offset:offset + out] += B[slot(t)] @ h[t] for the tokens of every segment, in place.
+    h [T, rank], b [slots, out, rank], y [T, >= offset + out]."""
+    out = b.shape[1]
+    for s, e, slot in zip(segs.starts, segs.ends, segs.slots, strict=True):
+        delta = h[s:e].float() @ b[slot].float().T
+        y[s:e, offset : offset + out] += delta.to(y.dtype)
