@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .quant.formats import CHOICES as QUANT_CHOICES
 from .quant.formats import check_device as check_quant_device
@@ -95,6 +95,13 @@ class EngineConfig:
     # scales (the Triton attention kernels; half a bf16 cache's bytes per token).
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # LoRA adapters (lora/): off unless enable_lora; lora_modules "name=path" given at start; max_loras adapters
+    # resident in device slots at once (more are swapped in and out, least recently used first); ranks up to
+    # max_lora_rank.
+    enable_lora: bool = False
+    lora_modules: list[str] = field(default_factory=list)
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # Async scheduling (engine/llm_engine.py): the next step is scheduled and queued while this one runs on the
     # device, its host work (outputs, scheduling) hidden behind the forward. One rank only (tensor/pipeline
     # parallel groups run their steps one at a time, pipelined by stage); steps that verify drafts run alone.

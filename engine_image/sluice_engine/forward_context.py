@@ -74,6 +74,8 @@ class AttentionMetadata:
 class ForwardContext:
     attn: AttentionMetadata
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # The step's tokens by LoRA adapter slot (lora/ops.py LoRASegments); None or empty: every token on the base.
+    lora: object | None = None
 
 
 _context: ForwardContext | None = None

@@ -69,6 +69,12 @@ def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def _root(request: Request) -> int | None:
+    """The parent of a request's first block: the KV of a prefix computed under a LoRA adapter is that adapter's
+    (it changes k and v), never a hit for another adapter or for the base model."""
+    return None if request.lora_name is None else hash(("lora", request.lora_name))
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool):
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -165,7 +171,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else _root(request), tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

@@ -91,6 +91,10 @@ class Request:
     fork_source: Request | None = None
     # Pipeline parallelism: the virtual engine (scheduler partition) this request is stepped on.
     virtual_engine: int = 0
+    # The LoRA adapter the request runs on (None: the base model), and its device slot while it holds one
+    # (core/lora_slots.py: from admission until it finishes or is preempted).
+    lora_name: str | None = None
+    lora_slot: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

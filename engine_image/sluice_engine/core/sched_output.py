@@ -23,6 +23,7 @@ class ScheduledRequest:
     num_drafts: int = 0  # speculative tokens at the end of token_ids, verified by the sampler
     samples: bool = True  # the step reaches the end of the known tokens: a next token is sampled
     prompt_logprobs: bool = False  # logits of every row are needed (prompt logprobs)
+    lora_slot: int = 0  # the device slot of the request's LoRA adapter (0: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,8 @@ class SchedulerOutput:
     # Requests whose blocks were freed (finished, aborted, preempted) since the last step that ran: a
     # runner drops what it keeps for them (their block-table rows, worker/input_buffers.py) before this step.
     freed_req_ids: list[str] = field(default_factory=list)
+    # LoRA adapters to load into their device slots before this step's forward: (slot, adapter name).
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

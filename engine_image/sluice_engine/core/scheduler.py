@@ -23,15 +23,17 @@ import time
 from collections import deque
 
 from .kv_cache import KVCacheManager
+from .lora_slots import LoRASlotTable
 from .request import FinishReason, Request, RequestStatus
 from .sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, num_virtual: int = 1,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, lora_slots: LoRASlotTable | None = None):
         self.kv = kv
         self.max_model_len = max_model_len
+        self.lora_slots = lora_slots  # None: LoRA off
         self.num_virtual = num_virtual
         self.max_num_seqs = max(1, -(-max_num_seqs // num_virtual))  # per virtual engine
         self._load = [0] * num_virtual  # unfinished requests per virtual engine
@@ -42,6 +44,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests whose blocks were freed since the last step that ran (SchedulerOutput.freed_req_ids).
         self._freed: list[str] = []
+        # LoRA adapters to load into slots with the next step that runs (SchedulerOutput.lora_loads), in order.
+        self._lora_loads: list[tuple[int, str]] = []
 
     def note_freed(self, request_ids: list[str]) -> None:
         """Sequences that ran outside the scheduler (warm-up's dummy steps): the next step tells the model
@@ -84,6 +88,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._release_lora(request)
         self.kv.free(request)
         self._freed.append(request.request_id)
         self.requests.pop(request.request_id, None)
@@ -158,9 +163,13 @@ class Scheduler:
             if fork == "wait":
                 idx += 1  # its source is still computing the shared prompt; later requests may pass
                 continue
+            if not self._acquire_lora(req, out):
+                idx += 1  # every adapter slot is held by running requests of other adapters: it waits
+                continue
             if fork == "now":
                 copies = self.kv.fork(req, req.fork_source, req.num_prompt_tokens - 1)
                 if copies is None:
+                    self._release_lora(req)
                     break
                 del self.waiting[idx]
                 req.num_computed_tokens = req.num_prompt_tokens - 1
@@ -175,6 +184,7 @@ class Scheduler:
             num_cached = len(cached) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate(req, num_new, cached):
+                self._release_lora(req)
                 break
             del self.waiting[idx]
             if req.num_cached_tokens < 0:  # first admission: report prefix-cache use once
@@ -189,7 +199,21 @@ class Scheduler:
             # NOTE: only a step that runs reaches the runners (an empty one is dropped), so the list waits
             # for one; the runner releases these before taking rows for this step's requests.
             out.freed_req_ids = self.take_freed()
+            out.lora_loads, self._lora_loads = self._lora_loads, []
         return out
+
+    def _acquire_lora(self, req: Request, out: SchedulerOutput) -> bool:
+        if self.lora_slots is None or req.lora_name is None:
+            req.lora_slot = 0
+            return True
+        slot = self.lora_slots.acquire(req.lora_name, self._lora_loads)
+        req.lora_slot = slot
+        return slot is not None
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot and self.lora_slots is not None:
+            self.lora_slots.release(req.lora_name)
+        req.lora_slot = None
 
     def _may_be_done(self, req: Request) -> bool:
         """Its tokens in flight reach the request's length limit: it ends when they are back."""
@@ -240,9 +264,11 @@ class Scheduler:
             req.request_id, tokens + drafts, start, self.kv.block_ids(req.request_id), len(drafts),
             samples=samples,
             prompt_logprobs=req.params.prompt_logprobs is not None and start < req.num_prompt_tokens,
+            lora_slot=req.lora_slot or 0,
         )
 
     def _preempt(self, req: Request) -> None:
+        self._release_lora(req)
         self.kv.free(req)
         self._freed.append(req.request_id)
         req.spec_token_ids.clear()

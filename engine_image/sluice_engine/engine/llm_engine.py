@@ -31,6 +31,7 @@ import torch
 
 from ..config import EngineConfig
 from ..core.kv_cache import KVCacheManager
+from ..core.lora_slots import LoRASlotTable
 from ..core.request import FinishReason, LogitsProcessor, Request
 from ..core.sched_output import SchedulerOutput
 from ..core.scheduler import Scheduler
@@ -95,6 +96,7 @@ class LLMEngine:
             raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 yet; use --speculative-method ngram")
         self.spec_config = cfg.speculative_config()
+        self.lora_names = _check_lora_config(cfg, self.served_model_name)
         # Async scheduling needs the sampled tokens on the device of the rank that starts the next step: rank 0
         # alone samples, so with more ranks steps run one at a time (pipeline stages still overlap).
         self.async_scheduling = _wants_async_scheduling(cfg) and cfg.world_size == 1
@@ -114,8 +116,10 @@ class LLMEngine:
         self.max_model_len = min(self.runner.max_model_len, capacity)
         self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         # One virtual engine per pipeline stage: disjoint micro-batches keep every stage busy.
+        self.lora_slots = LoRASlotTable(cfg.max_loras) if cfg.enable_lora else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   num_virtual=self.executor.max_in_flight, max_model_len=self.max_model_len)
+                                   num_virtual=self.executor.max_in_flight, max_model_len=self.max_model_len,
+                                   lora_slots=self.lora_slots)
         # Steps in flight: one per pipeline stage; with async scheduling, this step and the next.
         self._max_in_flight = 2 if self.async_scheduling else self.executor.max_in_flight
         self._in_flight: deque[_InFlightStep] = deque()
@@ -178,12 +182,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     logits_processors: list[LogitsProcessor] | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, lora_name: str | None = None) -> Request:
         self.check_prompt(prompt_token_ids, params)
         if request_id in self._open:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
+        if lora_name is not None and lora_name not in self.lora_names:
+            known = ", ".join(sorted(self.lora_names)) or "none (start with --enable-lora --lora-modules)"
+            raise InvalidParam("model", f"no LoRA adapter {lora_name!r}; adapters: {known}")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                      logits_processors=list(logits_processors or []))
+                      logits_processors=list(logits_processors or []), lora_name=lora_name)
         if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
             req.arrival_time = arrival_time
         # Everything that can fail comes before the request is registered anywhere: a request that
@@ -197,7 +204,7 @@ class LLMEngine:
                 raise InvalidParam("seed", f"seed {params.seed} is not usable ({e})") from None
         # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
         # first of them has computed it) instead of each prefilling it.
-        key = tuple(req.prompt_token_ids)
+        key = (lora_name, *req.prompt_token_ids)  # the prompt's KV is the adapter's
         leader = self._prompt_leaders.get(key)
         if leader is not None and not leader.is_finished and params.prompt_logprobs is None:
             req.fork_source = leader
@@ -253,7 +260,7 @@ class LLMEngine:
         """The request is finished: drop what the engine keeps for it besides its output."""
         if self.proposer is not None:
             self.proposer.release(req.request_id)
-        key = tuple(req.prompt_token_ids)
+        key = (req.lora_name, *req.prompt_token_ids)
         if self._prompt_leaders.get(key) is req:
             del self._prompt_leaders[key]
 
@@ -556,6 +563,30 @@ class LLMEngine:
         for i in range(num_drafts):
             st.spec_drafted_per_pos[i] += 1
             st.spec_accepted_per_pos[i] += i < num_accepted
+
+
+def _check_lora_config(cfg: EngineConfig, served_model_name: str) -> frozenset[str]:
+    """The adapter names of --lora-modules (name=path), refused with a reason where they cannot work."""
+    if not cfg.enable_lora:
+        if cfg.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return frozenset()
+    if cfg.world_size > 1:
+        raise ValueError("--enable-lora does not run with --tensor-parallel-size or --pipeline-parallel-size above "
+                         "1 yet")
+    if cfg.max_loras < 1 or cfg.max_lora_rank < 1:
+        raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+    names: list[str] = []
+    for spec in cfg.lora_modules:
+        name, eq, path = spec.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, not {spec!r}")
+        if name == served_model_name:
+            raise ValueError(f"--lora-modules: adapter name {name!r} is the base model's served name")
+        if name in names:
+            raise ValueError(f"--lora-modules: adapter name {name!r} given twice")
+        names.append(name)
+    return frozenset(names)
 
 
 def _wants_async_scheduling(cfg: EngineConfig) -> bool:

@@ -30,22 +30,26 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | None = None) -> list[Completion]:
+                 params: SamplingParams | None = None, lora: str | list[str | None] | None = None) -> list[Completion]:
         """Runs all prompts through continuous batching; returns completions in prompt order
-        (with n > 1, the n completions of each prompt in a row)."""
+        (with n > 1, the n completions of each prompt in a row). lora: the LoRA adapter (a name from
+        lora_modules) for every prompt, or one per prompt (None: the base model)."""
         params = params or SamplingParams()
         if isinstance(prompts, str):
             prompts = [prompts]
         encoded = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         for toks in encoded:  # refuse the whole call before any request enters the engine
             self.engine.check_prompt(toks, params)
+        loras = lora if isinstance(lora, list) else [lora] * len(encoded)
+        if len(loras) != len(encoded):
+            raise ValueError(f"lora: {len(loras)} adapters for {len(encoded)} prompts")
         ids = []
         results: dict[str, Completion] = {}
-        for toks in encoded:
+        for toks, adapter in zip(encoded, loras, strict=True):
             for i in range(params.n):
                 rid = f"offline-{next(self._ids)}"
                 seed = None if params.seed is None else params.seed + i  # choices differ, yet repeat
-                self.engine.add_request(rid, toks, dataclasses.replace(params, seed=seed, n=1))
+                self.engine.add_request(rid, toks, dataclasses.replace(params, seed=seed, n=1), lora_name=adapter)
                 ids.append(rid)
                 results[rid] = Completion(toks, "", [], None, [], 0)
         while self.engine.has_unfinished():

@@ -94,6 +94,14 @@ class ModelRunner:
                                 gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)
         if cfg.kv_cache_dtype == "fp8":
             self._log_kv_scales()
+        self.lora = None  # the LoRA layers and adapters (lora/model.py), with --enable-lora
+        if cfg.enable_lora:
+            from ..lora.model import LoRAModel
+
+            self.lora = LoRAModel(self.model, mc, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device)
+            for spec in cfg.lora_modules:
+                name, _, path = spec.partition("=")
+                self.lora.register(name, path)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
@@ -104,6 +112,7 @@ class ModelRunner:
         # PLACEHOLDER inputs come from (set by the engine once it has queued that step's sampling).
         self.placeholder_source: SampledTokens | None = None
         self.timeline: StepTimeline | None = None  # where a step's time goes (a benchmark sets it)
+        self._lora_segments = None  # the current step's tokens by LoRA slot (set by execute_model)
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -184,6 +193,8 @@ class ModelRunner:
         self.inputs = self._new_inputs(scratch_block=self.num_blocks)
         self.graphs = None
         reason = graphs_off_reason(cfg.enforce_eager, self.device, self.backend.name, cfg.world_size)
+        if reason is None and cfg.enable_lora:
+            reason = "--enable-lora: the adapter slot of each token is not a graph input yet"
         if reason is not None:
             self.graph_state = GraphState("off", reason)
             if self.device.type == "cuda":
@@ -263,6 +274,7 @@ class ModelRunner:
         with span(self.timeline, "prepare"):
             inp = self.prepare(sched, graph[0] if graph is not None else None)
             self._fill_placeholders(sched, inp.input_ids)
+            self._lora_segments = self._prepare_lora(sched)
         with span(self.timeline, "forward"):
             return self._forward_step(sched, inp, graph)
 
@@ -311,8 +323,19 @@ class ModelRunner:
         idx = upload(self.device, {"at": at, "rows": rows})
         input_ids.index_copy_(0, idx["at"], src.tokens.index_select(0, idx["rows"]).to(input_ids.dtype))
 
+    def _prepare_lora(self, sched: SchedulerOutput):
+        """Load the adapters this step needs into their slots, and the step's tokens by slot."""
+        if self.lora is None:
+            return None
+        from ..lora.ops import LoRASegments
+
+        for slot, name in sched.lora_loads:
+            self.lora.load_slot(slot, name)
+        return LoRASegments.from_requests([s.num_tokens for s in sched.scheduled],
+                                          [s.lora_slot for s in sched.scheduled])
+
     def forward(self, inp: ModelInput, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
-        with forward_context(ForwardContext(inp.attn, self.kv_caches)):
+        with forward_context(ForwardContext(inp.attn, self.kv_caches, self._lora_segments)):
             return self.model(inp.input_ids, inp.positions, hidden_in)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -1,0 +1,53 @@
+"""A linear layer with LoRA slots: the base layer's GEMM once for the whole batch, then, for the tokens on an
+adapter, the low-rank delta of each projection it holds (a fused QKV layer holds q, k and v, each with its own
+A and B, at its column offset).
+
+Any base layer works (dense, GGUF blocks on CPU, the GPU formats): the delta is added to its output. The slots'
+weights are buffers in the model's dtype on its device, [slots, rank, in] and [slots, out, rank] per projection,
+zero where a slot's adapter leaves a projection alone or has a smaller rank; B holds the adapter's scaling.
+Which tokens are on which slot comes from the forward context (`ForwardContext.lora`, set by the model runner).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..forward_context import get_forward_context
+from .ops import lora_expand, lora_shrink
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, in_features: int, slices: list[tuple[str, int, int]], num_slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device):
+        """slices: (projection, column offset, width) of each projection the layer's output holds."""
+        super().__init__()
+        self.base = base
+        self.slices = slices
+        self.in_features = in_features
+        for proj, _, width in slices:
+            self.register_buffer(f"a_{proj}", torch.zeros(num_slots, max_rank, in_features, dtype=dtype,
+                                                          device=device), persistent=False)
+            self.register_buffer(f"b_{proj}", torch.zeros(num_slots, width, max_rank, dtype=dtype, device=device),
+                                 persistent=False)
+
+    def set_slot(self, slot: int, proj: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Load one projection of an adapter into a slot (a [rank, in], b [out, rank] with the scaling in it);
+        None clears it (the adapter leaves this projection alone)."""
+        a_buf, b_buf = getattr(self, f"a_{proj}"), getattr(self, f"b_{proj}")
+        a_buf[slot].zero_()
+        b_buf[slot].zero_()
+        if a is not None and b is not None:
+            r = a.shape[0]
+            a_buf[slot, :r].copy_(a)
+            b_buf[slot, :, :r].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        segs = get_forward_context().lora
+        if not segs:
+            return y
+        for proj, offset, _ in self.slices:
+            h = lora_shrink(x, getattr(self, f"a_{proj}"), segs)
+            lora_expand(h, getattr(self, f"b_{proj}"), segs, y, offset)
+        return y

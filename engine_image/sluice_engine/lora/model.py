@@ -1,0 +1,68 @@
+"""LoRA on a loaded model (issue 26): its decoder projections wrapped in LoRALinear layers, and adapters loaded
+into device slots as the scheduler asks (SchedulerOutput.lora_loads).
+
+One rank, for now: with tensor parallelism A and B would be sharded as their base layer is (the engine refuses
+LoRA with more than one rank until they are).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..model_config import ModelConfig
+from .adapter import LoRAAdapter
+from .layer import LoRALinear
+
+log = logging.getLogger("sluice.engine")
+
+
+def _layer_slices(mc: ModelConfig) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
+    """Our fused projections: attribute path -> (in_features, [(HF projection, column offset, width)])."""
+    q, kv, inter, hidden = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size, mc.hidden_size
+    return {
+        "self_attn.qkv_proj": (hidden, [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]),
+        "self_attn.o_proj": (q, [("o_proj", 0, hidden)]),
+        "mlp.gate_up_proj": (hidden, [("gate_proj", 0, inter), ("up_proj", inter, inter)]),
+        "mlp.down_proj": (inter, [("down_proj", 0, hidden)]),
+    }
+
+
+class LoRAModel:
+    """The model's LoRA layers and the adapters known to the engine (by name, read and checked at registration)."""
+
+    def __init__(self, model: torch.nn.Module, mc: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.mc = mc
+        self.max_rank = max_rank
+        self.adapters: dict[str, LoRAAdapter] = {}
+        # (layer index, HF projection) -> the LoRALinear that holds it
+        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        for i, layer in enumerate(model.layers):
+            for path, (fan_in, slices) in _layer_slices(mc).items():
+                owner_name, attr = path.split(".")
+                owner = getattr(layer, owner_name)
+                wrapped = LoRALinear(getattr(owner, attr), fan_in, slices, max_loras + 1, max_rank, dtype, device)
+                setattr(owner, attr, wrapped)
+                for proj, _, _ in slices:
+                    self.layers[(i, proj)] = wrapped
+
+    def register(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and check an adapter (AdapterError names what is wrong); it is loaded into a slot when a step
+        first needs it."""
+        adapter = LoRAAdapter.load(name, path, self.mc, self.max_rank)
+        self.adapters[name] = adapter
+        log.info("LoRA adapter %r: rank %d on %s (%s)", name, adapter.rank, ", ".join(adapter.target_modules), path)
+        return adapter
+
+    def load_slot(self, slot: int, name: str) -> None:
+        adapter = self.adapters[name]
+        for (layer, proj), wrapped in self.layers.items():
+            pair = adapter.weights.get((layer, proj))
+            if pair is None:
+                wrapped.set_slot(slot, proj, None, None)
+            else:
+                a, b = pair
+                wrapped.set_slot(slot, proj, a, b * adapter.scaling)
