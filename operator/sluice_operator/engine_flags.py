@@ -31,6 +31,9 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     # Not rendered: the ServiceMonitor labels every series with sluice_dev_endpoint (and the Prometheus
     # operator's own `endpoint` target label would shadow this one).
     "endpoint-label": "(the ServiceMonitor's sluice_dev_endpoint label)",
+    # LoRA adapters come from the spec (fetched into the model cache like the model), not from paths typed here.
+    "enable-lora": "spec.adapters (issue 26: not rendered yet)",
+    "lora-modules": "spec.adapters (issue 26: not rendered yet)",
 }
 
 # flag (without the leading dashes) -> the value type it takes, or the tuple of its choices.
@@ -64,6 +67,8 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     # (engine-process is on by default; async-scheduling by device: on for CUDA, off on CPU).
     "engine-process": bool,
     "async-scheduling": bool,
+    "max-loras": int,
+    "max-lora-rank": int,
 }
 
 # Switches that are on by default in the engine (argparse's BooleanOptionalAction): "false" renders --no-<flag>.

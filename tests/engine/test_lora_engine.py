@@ -109,3 +109,38 @@ def test_unknown_adapter_is_refused_by_name(llm):
     with pytest.raises(InvalidParam, match="no LoRA adapter 'nope'; adapters: all8, qv16"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), lora="nope")
     assert not llm.engine.has_unfinished()
+
+
+def test_the_server_serves_adapters_as_models(start_server, adapters, hf_model, llm):
+    """Through `sluice serve` (engine core in its own process) and the openai client: the request's `model` picks
+    the adapter; base and adapters at once give HF + PEFT's greedy tokens; /v1/models lists each adapter with the
+    base as parent; an unknown model is a 404 model_not_found."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from openai import NotFoundError, OpenAI
+
+    mods = [f"{n}={d}" for n, (d, _) in adapters.items()]
+    server = start_server("--enable-lora", "--lora-modules", *mods, "--max-loras", "2", "--max-model-len", "256")
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300)
+    listed = {m["id"]: m.get("parent") for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert listed == {server.model: None, "all8": server.model, "qv16": server.model}
+
+    def complete(job):
+        prompt, name = job
+        r = client.completions.create(model=name or server.model, prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert r.model == (name or server.model)
+        return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+
+    jobs = [(p, n) for p in PROMPTS[:2] for n in (None, "all8", "qv16")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(complete, jobs))
+    for (prompt, name), ids in zip(jobs, got, strict=True):
+        model = hf_model if name is None else adapters[name][1]
+        assert ids == hf_greedy(model, llm.tokenizer, prompt)[0], (prompt, name)
+    with pytest.raises(NotFoundError, match="model_not_found|does not exist"):
+        client.completions.create(model="nope", prompt="Hi", max_tokens=2)
+    stream = client.chat.completions.create(model="qv16", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            stream=True)
+    assert {chunk.model for chunk in stream} == {"qv16"}

@@ -187,7 +187,8 @@ class AsyncEngine:
         return self.waiting_in(self.stats())
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            logits_processors: list[LogitsProcessor] | None = None, grammar=None) -> AsyncIterator[RequestOutput]:
+            logits_processors: list[LogitsProcessor] | None = None, grammar=None,
+            lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request now (it counts as waiting from this call on: the API's queue bound is
         checked and taken in one go) and return its stream of output deltas. Leaving the stream early
         aborts the request; a stream never iterated must be aborted by the caller. grammar: the request's
@@ -198,7 +199,7 @@ class AsyncEngine:
         self._streams[request_id] = q
         self.adds_submitted += 1
         self._core.add(AddRequest(request_id, prompt_token_ids, params, time.monotonic(),
-                                  grammar.spec if grammar is not None else None),
+                                  grammar.spec if grammar is not None else None, lora_name),
                        logits_processors, grammar)
         return self._outputs(request_id, q)
 

@@ -187,7 +187,7 @@ class EngineLoop:
                 if add.grammar is not None:
                     procs = [*(procs or []), self._constraint(add.grammar)]
                 self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, procs,
-                                        arrival_time=add.arrival_time)
+                                        arrival_time=add.arrival_time, lora_name=add.lora_name)
             except ValueError as e:
                 errors.append((add.request_id, e))
             except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's

@@ -86,7 +86,7 @@ class ZmqOutbox:
 def ready_message(engine: LLMEngine, stats) -> CoreReady:
     info = engine.model_info
     return CoreReady(info.served_model_name, str(info.model_dir), info.max_model_len, info.vocab_size,
-                     sorted(info.eos_token_ids), stats)
+                     sorted(info.eos_token_ids), stats, list(info.lora_names))
 
 
 def serve_core(commands: str, outputs: str, clock_path: str, parent_pid: int) -> int:

@@ -145,7 +145,8 @@ class LLMEngine:
         self._prompt_leaders: dict[tuple[int, ...], Request] = {}
         self.timeline: StepTimeline | None = None  # set_timeline(): where each step's time goes (benchmarks)
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
-                                    self.runner.model_config.vocab_size, self.eos_token_ids)
+                                    self.runner.model_config.vocab_size, self.eos_token_ids,
+                                    tuple(sorted(self.lora_names)))
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s, async scheduling %s",
                  self.model_dir, self.served_model_name, self.max_model_len,
                  "on" if cfg.enable_prefix_caching else "off", "on" if self.async_scheduling else "off")

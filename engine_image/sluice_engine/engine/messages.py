@@ -33,6 +33,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the API took it (one clock for every process of the host)
     grammar: GrammarSpec | None = None  # the core compiles it (cached) into the request's token constraint
+    lora_name: str | None = None  # the LoRA adapter the request runs on (None: the base model)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -80,10 +81,11 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     eos_token_ids: list[int]
     stats: StatsSnapshot
+    lora_names: list[str] = []
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.served_model_name, Path(self.model_dir), self.max_model_len, self.vocab_size,
-                         frozenset(self.eos_token_ids))
+                         frozenset(self.eos_token_ids), tuple(self.lora_names))
 
 
 class CoreWarmedUp(msgspec.Struct, tag="warmed_up", array_like=True):

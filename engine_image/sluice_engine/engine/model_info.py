@@ -27,6 +27,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters served beside the base model (--lora-modules)
 
 
 def check_prompt(info: ModelInfo, prompt_token_ids: list[int], params: SamplingParams) -> None:

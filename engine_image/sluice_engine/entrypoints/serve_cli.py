@@ -57,6 +57,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(every prefill chunk, decode batch and attention launch bucket), minimal (one prefill "
                         "and one decode step), off; auto: full on CUDA, minimal on CPU")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    lora = p.add_argument_group("LoRA adapters (docs/engine-flags.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="PEFT adapters to serve, each as a model of its own name (a request's `model` selects it)")
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters resident in device slots at once (more are "
+                      "swapped in and out, least recently used first)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and queue the next step while this one runs on the device, hiding the host's "
                         "work behind the forward (one rank; the same tokens either way); default: on for CUDA, "

@@ -109,10 +109,11 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": info.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
-            "root": str(info.model_dir), "max_model_len": info.max_model_len,
-        }]}
+        base = {"id": info.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
+                "root": str(info.model_dir), "parent": None, "max_model_len": info.max_model_len}
+        # Each LoRA adapter is a model of its own, its parent the base (as vLLM lists them).
+        adapters = [{**base, "id": name, "parent": info.served_model_name} for name in info.lora_names]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/health")
     async def health():

@@ -61,10 +61,15 @@ class OpenAIServing:
         self.template_renders_tools = template_renders_tools(self.tokenizer.chat_template)
 
     # -- shared checks -------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise bad_request(f"model '{model}' does not exist; this server serves '{self.model_name}'",
-                              param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model); an unknown model is a 404."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.model_info.lora_names:
+            return model
+        served = ", ".join(repr(m) for m in (self.model_name, *self.engine.model_info.lora_names))
+        raise APIError(404, f"model '{model}' does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
 
     def check_fields(self, req) -> None:
         """The bounds that need the model or span fields (the rest are in protocol.py and
@@ -157,7 +162,7 @@ class OpenAIServing:
 
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
                            base_id: str, grammar: CompiledGrammar | None = None,
-                           watch: ClientWatch | None = None,
+                           watch: ClientWatch | None = None, lora: str | None = None,
                            ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
         grammar: the request's grammar, or None (each choice gets its own grammar state).
@@ -174,7 +179,7 @@ class OpenAIServing:
         # NOTE: from the queue check to the last submit nothing awaits, so concurrent requests cannot
         # all pass the check before any of them counts as waiting (a burst stays within the bound).
         self.check_capacity(len(choices))
-        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar)
+        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar, lora_name=lora)
                 for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -245,7 +250,7 @@ class OpenAIServing:
         """A completion: its response body, or (stream) its SSE events. watch: the client's connection."""
         watch = watch or NoWatch()
         self.check_fields(req)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         prompts = await _off_loop(self.completion_prompts, req)
@@ -257,12 +262,12 @@ class OpenAIServing:
         grammar = await self._constraints(req, watch=watch)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch)
+        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch, lora)
         if req.stream:
             return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter)
         return {
-            "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+            "id": rid, "object": "text_completion", "created": created, "model": lora or self.model_name,
             "choices": [self._completion_choice(ch, req) for ch in choices],
             "usage": _usage(choices, req.n),
         }
@@ -324,7 +329,7 @@ class OpenAIServing:
         """A chat completion: its response body, or (stream) its SSE events. watch: the client's connection."""
         watch = watch or NoWatch()
         self.check_fields(req)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: the request's own "
@@ -353,13 +358,13 @@ class OpenAIServing:
         grammar = await self._constraints(req, plan, watch=watch)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch)
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch, lora)
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
                                       tools=plan is not None)
         choices = await _collect(choices_iter)
         return {
-            "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+            "id": rid, "object": "chat.completion", "created": created, "model": lora or self.model_name,
             "choices": [
                 {"index": ch.index, **_chat_message(ch, plan is not None),
                  "logprobs": self._chat_logprobs(ch.token_ids, ch.logprobs, req.return_tokens_as_token_ids) if req.logprobs else None,
@@ -398,7 +403,8 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             def chunk(choices: list[dict], usage: dict | None = None) -> str:
-                body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+                body = {"id": rid, "object": obj, "created": created, "model": req.model or self.model_name,
+                        "choices": choices}
                 if include_usage:
                     body["usage"] = usage
                 return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
