@@ -99,7 +99,7 @@ def test_prefix_cache_serves_repeated_long_prompt(server, client):
 @pytest.mark.parametrize(
     ("body", "status", "param", "words"),
     [
-        ({"model": "nope", "prompt": "hi"}, 400, "model", "does not exist"),
+        ({"model": "nope", "prompt": "hi"}, 404, "model", "does not exist"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
         ({"prompt": "hi", "temperature": -0.5}, 400, "temperature", ">= 0"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
@@ -117,7 +117,7 @@ def test_bad_completion_inputs(server, body, status, param, words):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
 def test_bad_chat_inputs_and_malformed_json(server):

@@ -310,7 +310,7 @@ def test_schemathesis_finds_no_5xx(server, assert_settled, baseline):
             if type(body.get(key)) is int and body[key] > cap:
                 body[key] = cap
         if isinstance(body.get("model"), str):
-            body["model"] = server.model  # a random name is a 400 before anything else is looked at
+            body["model"] = server.model  # a random name is a 404 before anything else is looked at
         if type(body.get("best_of")) is int and type(body.get("n", 1)) is int:
             body["best_of"] = body.get("n", 1)
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
