@@ -60,3 +60,22 @@ def test_a_smaller_rank_padded_with_zeros_changes_nothing():
     y = torch.zeros(5, 24)
     lora_expand(lora_shrink(x, a, segs), b, segs, y)
     torch.testing.assert_close(y, (x @ a8.T) @ b8.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_per_token_gather_gives_the_per_segment_sums(dtype):
+    g = torch.Generator().manual_seed(3)
+    lens, slots = [1, 1, 1, 4, 1, 1], [1, 0, 2, 2, 3, 1]
+    x = torch.randn(sum(lens), 64, generator=g).to(dtype)
+    a = (torch.randn(4, 16, 64, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(4, 40, 16, generator=g) * 0.1).to(dtype)
+    a[0].zero_()
+    b[0].zero_()
+    segs = LoRASegments.from_requests(lens, slots)
+    y1 = torch.zeros(sum(lens), 40, dtype=dtype)
+    lora_expand(lora_shrink(x, a, segs), b, segs, y1)
+    segs.token_slots = torch.tensor([s for n, s in zip(lens, slots, strict=True) for _ in range(n)])
+    y2 = torch.zeros(sum(lens), 40, dtype=dtype)
+    lora_expand(lora_shrink(x, a, segs), b, segs, y2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y1, y2, atol=tol, rtol=tol)

@@ -3,7 +3,8 @@ adapter, the low-rank delta of each projection it holds (a fused QKV layer holds
 A and B, at its column offset).
 
 Any base layer works (dense, GGUF blocks on CPU, the GPU formats): the delta is added to its output. The slots'
-weights are buffers in the model's dtype on its device, [slots, rank, in] and [slots, out, rank] per projection,
+weights are buffers in the model's dtype on its device: the projections' A side by side along the rank
+([slots, projections x rank, in]: one shrink serves q, k and v), and a B per projection ([slots, out, rank]),
 zero where a slot's adapter leaves a projection alone or has a smaller rank; B holds the adapter's scaling.
 Which tokens are on which slot comes from the forward context (`ForwardContext.lora`, set by the model runner).
 """
@@ -25,21 +26,24 @@ class LoRALinear(nn.Module):
         self.base = base
         self.slices = slices
         self.in_features = in_features
+        self.max_rank = max_rank
+        self.register_buffer("a", torch.zeros(num_slots, len(slices) * max_rank, in_features, dtype=dtype,
+                                              device=device), persistent=False)
         for proj, _, width in slices:
-            self.register_buffer(f"a_{proj}", torch.zeros(num_slots, max_rank, in_features, dtype=dtype,
-                                                          device=device), persistent=False)
             self.register_buffer(f"b_{proj}", torch.zeros(num_slots, width, max_rank, dtype=dtype, device=device),
                                  persistent=False)
 
     def set_slot(self, slot: int, proj: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Load one projection of an adapter into a slot (a [rank, in], b [out, rank] with the scaling in it);
         None clears it (the adapter leaves this projection alone)."""
-        a_buf, b_buf = getattr(self, f"a_{proj}"), getattr(self, f"b_{proj}")
-        a_buf[slot].zero_()
+        j = next(i for i, (p, _, _) in enumerate(self.slices) if p == proj)
+        rows = self.a[slot, j * self.max_rank : (j + 1) * self.max_rank]
+        b_buf = getattr(self, f"b_{proj}")
+        rows.zero_()
         b_buf[slot].zero_()
         if a is not None and b is not None:
             r = a.shape[0]
-            a_buf[slot, :r].copy_(a)
+            rows[:r].copy_(a)
             b_buf[slot, :, :r].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +51,8 @@ class LoRALinear(nn.Module):
         segs = get_forward_context().lora
         if not segs:
             return y
-        for proj, offset, _ in self.slices:
-            h = lora_shrink(x, getattr(self, f"a_{proj}"), segs)
-            lora_expand(h, getattr(self, f"b_{proj}"), segs, y, offset)
+        h = lora_shrink(x, self.a, segs)
+        r = self.max_rank
+        for j, (proj, offset, _) in enumerate(self.slices):
+            lora_expand(h[:, j * r : (j + 1) * r], getattr(self, f"b_{proj}"), segs, y, offset)
         return y

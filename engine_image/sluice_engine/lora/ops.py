@@ -8,6 +8,11 @@ the base output at a column offset, so one shrink serves the q, k and v slices o
 
 Slots hold the resident adapters' weights stacked ([slots, rank, in] and [slots, out, rank]), padded with zeros
 to the largest rank (zero rows of A and columns of B change nothing), with the adapter's scaling folded into B.
+
+Two ways over the batch, the same sums: per segment (a GEMM per run of tokens: few long runs, e.g. prompt
+chunks), or gathered per token (each token's slot weights gathered, one batched product for the whole step:
+many short runs, e.g. decode steps mixing many adapters, where a loop over segments is dominated by launches).
+`LoRASegments.token_slots` (set for small steps with several runs) selects the second.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class LoRASegments:
     starts: list[int]
     ends: list[int]
     slots: list[int]
+    # Every token's slot (0 for the base) on the device: set when the step is gathered per token.
+    token_slots: torch.Tensor | None = None
 
     @classmethod
     def from_requests(cls, num_tokens: list[int], slots: list[int]) -> LoRASegments:
@@ -49,6 +56,8 @@ class LoRASegments:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, segs: LoRASegments) -> torch.Tensor:
     """h[t] = A[slot(t)] @ x[t] for the tokens of every segment (rows outside them are zero).
     x [T, in], a [slots, rank, in] -> [T, rank] in x's dtype, accumulated in float32."""
+    if segs.token_slots is not None:
+        return torch.einsum("tri,ti->tr", a.index_select(0, segs.token_slots), x)
     h = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
     for s, e, slot in zip(segs.starts, segs.ends, segs.slots, strict=True):
         h[s:e] = (x[s:e].float() @ a[slot].float().T).to(x.dtype)
@@ -59,6 +68,9 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, segs: LoRASegments, y: torch.T
     """y[t, offset:offset + out] += B[slot(t)] @ h[t] for the tokens of every segment, in place.
     h [T, rank], b [slots, out, rank], y [T, >= offset + out]."""
     out = b.shape[1]
+    if segs.token_slots is not None:  # the base's tokens gather slot 0, all zeros
+        y[:, offset : offset + out] += torch.einsum("tor,tr->to", b.index_select(0, segs.token_slots), h)
+        return
     for s, e, slot in zip(segs.starts, segs.ends, segs.slots, strict=True):
         delta = h[s:e].float() @ b[slot].float().T
         y[s:e, offset : offset + out] += delta.to(y.dtype)

@@ -47,6 +47,12 @@ from .model_input import ModelInput
 log = logging.getLogger("sluice.engine")
 
 
+# A step of at most this many tokens with several runs of adapters gathers each token's LoRA weights (one batched
+# product per projection) instead of a product per run (lora/ops.py); the gathered weights are tokens x rank x
+# width, so long prompt chunks keep the per-run path.
+GATHER_LORA_MAX_TOKENS = 256
+
+
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
     limit = mc.max_position_embeddings
     if mc.sliding_window is not None and mc.sliding_window < limit:
@@ -331,8 +337,13 @@ class ModelRunner:
 
         for slot, name in sched.lora_loads:
             self.lora.load_slot(slot, name)
-        return LoRASegments.from_requests([s.num_tokens for s in sched.scheduled],
-                                          [s.lora_slot for s in sched.scheduled])
+        sizes, slots = [s.num_tokens for s in sched.scheduled], [s.lora_slot for s in sched.scheduled]
+        segs = LoRASegments.from_requests(sizes, slots)
+        num_tokens = sum(sizes)
+        if len(segs.slots) > 1 and num_tokens <= GATHER_LORA_MAX_TOKENS:
+            per_token = [slot for n, slot in zip(sizes, slots, strict=True) for _ in range(n)]
+            segs.token_slots = upload(self.device, {"slots": per_token})["slots"]
+        return segs
 
     def forward(self, inp: ModelInput, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         with forward_context(ForwardContext(inp.attn, self.kv_caches, self._lora_segments)):
