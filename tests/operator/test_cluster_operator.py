@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,8 +242,13 @@ def _serving_pods(stack: Stack, name: str, ns: str) -> list[dict[str, Any]]:
     return stack.cluster.json("get", "pods", "-n", ns, "-l", selector)["items"]
 
 
+_LOG_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+\s*")
+
+
 def _forbidden(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "403" in line or "forbidden" in line.lower()]
+    # The timestamp goes first: its milliseconds are sometimes ",403".
+    return [line for line in text.splitlines()
+            if "403" in (body := _LOG_TIMESTAMP.sub("", line)) or "forbidden" in body.lower()]
 
 
 def _require_lws(cluster: Cluster) -> None:
