@@ -102,6 +102,11 @@ class EngineConfig:
     lora_modules: list[str] = field(default_factory=list)
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Adapters' weights kept on the host (least recently used dropped, re-read from disk when needed); None: all.
+    max_cpu_loras: int | None = None
+    # A JSON file {"adapters": [{"name", "path"}]} re-read while the engine runs: adapters it lists are loaded,
+    # adapters it no longer lists are unloaded (lora/modules_file.py; the operator writes it from spec.adapters).
+    lora_modules_file: str | None = None
     # Async scheduling (engine/llm_engine.py): the next step is scheduled and queued while this one runs on the
     # device, its host work (outputs, scheduling) hidden behind the forward. One rank only (tensor/pipeline
     # parallel groups run their steps one at a time, pipelined by stage); steps that verify drafts run alone.

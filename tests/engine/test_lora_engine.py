@@ -144,3 +144,191 @@ def test_the_server_serves_adapters_as_models(start_server, adapters, hf_model, 
     stream = client.chat.completions.create(model="qv16", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                             stream=True)
     assert {chunk.model for chunk in stream} == {"qv16"}
+
+
+# -- adapters loaded and unloaded while the engine runs (acceptance 2) ---------------------------------------
+def _run(engine, adds: list[tuple[str, list[int], str | None]], params: SamplingParams) -> dict[str, list[int]]:
+    for rid, ids, lora in adds:
+        engine.add_request(rid, ids, params, lora_name=lora)
+    got: dict[str, list[int]] = {rid: [] for rid, _, _ in adds}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    return got
+
+
+def test_an_adapter_loaded_at_run_time_serves_as_one_given_at_start(llm, adapters):
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, logprobs=0, ignore_eos=True)
+    llm.engine.load_lora("late", str(adapters["all8"][0]))
+    try:
+        assert "late" in llm.engine.model_info.lora_names
+        late = llm.generate(PROMPTS, params, lora="late")
+        start = llm.generate(PROMPTS, params, lora="all8")
+        assert [o.token_ids for o in late] == [o.token_ids for o in start]
+        assert [[lp for lp, _ in o.logprobs] for o in late] == [[lp for lp, _ in o.logprobs] for o in start]
+    finally:
+        assert llm.engine.unload_lora("late") == 0  # nothing runs on it: gone at once
+    assert "late" not in llm.engine.model_info.lora_names and "late" not in llm.engine.lora_slots.resident
+    from sluice_engine.sampling_params import InvalidParam
+
+    with pytest.raises(InvalidParam, match="no LoRA adapter 'late'"):
+        llm.generate(PROMPTS[:1], params, lora="late")
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(llm, adapters):
+    """Documented behaviour: an unload takes effect for new requests at once (404 at the API); requests already
+    on the adapter run to their end on it, and it leaves its slot and the host after the last of them."""
+    from sluice_engine.core.lora_slots import LoRABusy
+    from sluice_engine.sampling_params import InvalidParam
+
+    engine, path = llm.engine, str(adapters["all8"][0])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ids = llm.tokenizer.encode(PROMPTS[3])
+    want = _run(engine, [("ref", ids, "all8")], params)["ref"]
+    old = engine.load_lora("busy", path)
+    engine.add_request("busy-1", ids, params, lora_name="busy")
+    got = [t for out in engine.step() for t in out.new_token_ids]  # admitted: its adapter is in a slot
+    assert engine.unload_lora("busy") == 1  # one request still on it
+    assert "busy" not in engine.model_info.lora_names
+    with pytest.raises(InvalidParam, match="no LoRA adapter 'busy'"):
+        engine.add_request("busy-2", ids, params, lora_name="busy")
+    with pytest.raises(LoRABusy, match="requests still run on it"):
+        engine.load_lora("busy", path)
+    while engine.has_unfinished():
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    assert got == want  # it finished on the adapter it started on
+    assert not engine._unloading and "busy" not in engine.lora_slots.resident and old not in engine.runner.lora.host
+    # Loaded again (the same files): another adapter to the prefix cache, whose blocks the old one's never serve.
+    engine.load_lora("busy", path)
+    try:
+        again = llm.generate([PROMPTS[3]], params, lora="busy")[0]
+        assert again.token_ids == want and again.num_cached_tokens == 0
+    finally:
+        engine.unload_lora("busy")
+
+
+def test_bad_loads_and_unloads_are_refused_by_name(llm, adapters, tmp_path):
+    import json
+    import shutil
+
+    from sluice_engine.core.lora_slots import LoRAError, LoRANotFound
+    from sluice_engine.lora.adapter import AdapterError
+
+    engine = llm.engine
+    with pytest.raises(LoRAError, match="'all8' is already loaded"):
+        engine.load_lora("all8", str(adapters["qv16"][0]))
+    with pytest.raises(LoRAError, match="base model's served name"):
+        engine.load_lora(engine.served_model_name, str(adapters["qv16"][0]))
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        engine.load_lora("nothing", str(tmp_path))
+    big = tmp_path / "big"
+    shutil.copytree(adapters["qv16"][0], big)
+    cfg = json.loads((big / "adapter_config.json").read_text())
+    (big / "adapter_config.json").write_text(json.dumps({**cfg, "r": 32}))
+    with pytest.raises(AdapterError, match="rank 32 exceeds --max-lora-rank 16"):
+        engine.load_lora("big", str(big))
+    with pytest.raises(LoRANotFound, match="no LoRA adapter 'nope' is loaded"):
+        engine.unload_lora("nope")
+    assert sorted(engine.loras) == ["all8", "qv16"]  # nothing changed
+
+
+def test_the_modules_file_loads_and_unloads_adapters(llm, adapters, tmp_path):
+    """--lora-modules-file (what the operator writes from spec.adapters): an adapter listed is loaded once its
+    files are all there, one that does not fit is refused once (not retried every poll), one no longer listed
+    is unloaded; adapters from --lora-modules are never the file's."""
+    import json
+    import os
+    import shutil
+
+    from sluice_engine.lora.modules_file import LoRAModulesSync
+
+    engine, f = llm.engine, tmp_path / "adapters.json"
+    sync = LoRAModulesSync(str(f))
+    assert not sync.sync(engine)  # no file yet: nothing to do
+
+    def write(entries):
+        f.write_text(json.dumps({"adapters": [{"name": n, "path": str(p)} for n, p in entries]}))
+        os.utime(f, ns=(f.stat().st_mtime_ns + 10**9,) * 2)  # a new mtime, whatever the clock's grain
+
+    pending, bad = tmp_path / "pending", tmp_path / "bad"
+    shutil.copytree(adapters["qv16"][0], bad)
+    (bad / "adapter_config.json").write_text(json.dumps({**json.loads(
+        (bad / "adapter_config.json").read_text()), "r": 64}))
+    write([("filed", pending), ("bad", bad), ("all8", adapters["qv16"][0])])
+    assert not sync.sync(engine)  # "filed" is not there yet; "bad" and "all8" are refused
+    assert set(sync.failed) == {"bad", "all8"} and "rank 64" in sync.failed["bad"][1]
+    shutil.copytree(adapters["qv16"][0], pending)
+    assert sync.sync(engine) and "filed" in engine.model_info.lora_names
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert (llm.generate(PROMPTS[:1], params, lora="filed")[0].token_ids
+            == llm.generate(PROMPTS[:1], params, lora="qv16")[0].token_ids)
+    assert not sync.sync(engine)  # nothing changed: nothing tried again
+    write([("all8", adapters["qv16"][0])])
+    assert sync.sync(engine)
+    assert "filed" not in engine.loras and sorted(engine.loras) == ["all8", "qv16"]  # all8 is not the file's
+
+
+def test_the_server_loads_and_unloads_adapters_at_run_time(start_server, adapters, hf_model, llm, tmp_path):
+    """`sluice serve --allow-runtime-lora-updates --api-key` (engine core in its own process): POST
+    /v1/load_lora_adapter serves an adapter as one given at start would be (HF + PEFT's greedy tokens), behind the
+    key; bad calls are a 400 naming the field or a 404; after /v1/unload_lora_adapter the model is gone; the
+    --lora-modules-file is re-read while the server runs."""
+    import json
+    import time
+
+    import httpx
+    from openai import AuthenticationError, NotFoundError, OpenAI
+
+    modules = tmp_path / "adapters.json"
+    server = start_server("--enable-lora", "--max-loras", "2", "--max-model-len", "256", "--api-key", "sekret",
+                          "--allow-runtime-lora-updates", "--lora-modules-file", str(modules))
+    key = {"Authorization": "Bearer sekret"}
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="sekret", timeout=300)
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()
+    assert httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"}).status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # probes stay open
+
+    def call(route, **body):
+        return httpx.post(f"{server.url}/v1/{route}", json=body, headers=key, timeout=60)
+
+    r = call("load_lora_adapter", lora_name="sql", lora_path=str(adapters["all8"][0]))
+    assert r.status_code == 200, r.text
+    assert {m.id: m.parent for m in client.models.list().data if m.id != server.model} == {"sql": server.model}
+    r = client.completions.create(model="sql", prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert r.model == "sql"
+    got = [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+    assert got == hf_greedy(adapters["all8"][1], llm.tokenizer, PROMPTS[0])[0]
+
+    bad = call("load_lora_adapter", lora_name="sql", lora_path=str(adapters["qv16"][0]))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_name", bad.text
+    assert "already loaded" in bad.json()["error"]["message"]
+    bad = call("load_lora_adapter", lora_name="missing", lora_path=str(tmp_path / "nowhere"))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path", bad.text
+    bad = call("load_lora_adapter", lora_name="sql2")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path", bad.text
+    bad = call("unload_lora_adapter", lora_name="nope")
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "lora_name", bad.text
+
+    assert call("unload_lora_adapter", lora_name="sql").status_code == 200
+    with pytest.raises(NotFoundError, match="model_not_found|does not exist"):
+        client.completions.create(model="sql", prompt="Hi", max_tokens=2)
+
+    # The modules file, written after the start: read within a poll or two.
+    modules.write_text(json.dumps({"adapters": [{"name": "filed", "path": str(adapters["qv16"][0])}]}))
+    deadline = time.monotonic() + 30
+    while "filed" not in {m.id for m in client.models.list().data}:
+        assert time.monotonic() < deadline, "the adapter in --lora-modules-file was not loaded"
+        time.sleep(0.2)
+    r = client.completions.create(model="filed", prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.model == "filed" and r.choices[0].text
+
+
+def test_runtime_lora_routes_are_off_unless_allowed(start_server):
+    import httpx
+
+    server = start_server("--enable-lora", "--max-model-len", "256")
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"})
+    assert r.status_code == 404 and "--allow-runtime-lora-updates" in r.json()["error"]["message"]

@@ -72,7 +72,7 @@ def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
 def _root(request: Request) -> int | None:
     """The parent of a request's first block: the KV of a prefix computed under a LoRA adapter is that adapter's
     (it changes k and v), never a hit for another adapter or for the base model."""
-    return None if request.lora_name is None else hash(("lora", request.lora_name))
+    return None if request.lora is None else hash(("lora", request.lora.id))
 
 
 class BlockPool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ..sampling_params import SamplingParams
+from .lora_slots import LoRARef
 
 # A logits processor sees the tokens generated so far and the row of logits for the next token,
 # and returns the row (in place is fine).
@@ -93,7 +94,7 @@ class Request:
     virtual_engine: int = 0
     # The LoRA adapter the request runs on (None: the base model), and its device slot while it holds one
     # (core/lora_slots.py: from admission until it finishes or is preempted).
-    lora_name: str | None = None
+    lora: LoRARef | None = None
     lora_slot: int | None = None
 
     def __post_init__(self) -> None:
@@ -101,6 +102,10 @@ class Request:
         procs = self.logits_processors
         self.constraints = [p for p in procs if isinstance(p, TokenConstraint)]
         self.logits_processors = [p for p in procs if not isinstance(p, TokenConstraint)]
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .lora_slots import LoRARef
+
 # A token id not known yet when the step was scheduled (async scheduling): the token the previous step samples
 # for this request. The model runner reads it from that step's sampled tokens on the device.
 PLACEHOLDER = -1
@@ -52,8 +54,8 @@ class SchedulerOutput:
     # Requests whose blocks were freed (finished, aborted, preempted) since the last step that ran: a
     # runner drops what it keeps for them (their block-table rows, worker/input_buffers.py) before this step.
     freed_req_ids: list[str] = field(default_factory=list)
-    # LoRA adapters to load into their device slots before this step's forward: (slot, adapter name).
-    lora_loads: list[tuple[int, str]] = field(default_factory=list)
+    # LoRA adapters to load into their device slots before this step's forward: (slot, adapter).
+    lora_loads: list[tuple[int, LoRARef]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ import time
 from collections import deque
 
 from .kv_cache import KVCacheManager
-from .lora_slots import LoRASlotTable
+from .lora_slots import LoRARef, LoRASlotTable
 from .request import FinishReason, Request, RequestStatus
 from .sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
@@ -45,7 +45,7 @@ class Scheduler:
         # Requests whose blocks were freed since the last step that ran (SchedulerOutput.freed_req_ids).
         self._freed: list[str] = []
         # LoRA adapters to load into slots with the next step that runs (SchedulerOutput.lora_loads), in order.
-        self._lora_loads: list[tuple[int, str]] = []
+        self._lora_loads: list[tuple[int, LoRARef]] = []
 
     def note_freed(self, request_ids: list[str]) -> None:
         """Sequences that ran outside the scheduler (warm-up's dummy steps): the next step tells the model
@@ -203,16 +203,16 @@ class Scheduler:
         return out
 
     def _acquire_lora(self, req: Request, out: SchedulerOutput) -> bool:
-        if self.lora_slots is None or req.lora_name is None:
+        if self.lora_slots is None or req.lora is None:
             req.lora_slot = 0
             return True
-        slot = self.lora_slots.acquire(req.lora_name, self._lora_loads)
+        slot = self.lora_slots.acquire(req.lora, self._lora_loads)
         req.lora_slot = slot
         return slot is not None
 
     def _release_lora(self, req: Request) -> None:
         if req.lora_slot and self.lora_slots is not None:
-            self.lora_slots.release(req.lora_name)
+            self.lora_slots.release(req.lora)
         req.lora_slot = None
 
     def _may_be_done(self, req: Request) -> bool:

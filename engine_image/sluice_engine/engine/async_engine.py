@@ -15,6 +15,8 @@ per request, after the step's stats snapshot (what /metrics renders).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -32,7 +34,7 @@ import msgspec
 from ..config import EngineConfig
 from ..core.request import LogitsProcessor
 from ..metrics import StatsSnapshot
-from ..sampling_params import SamplingParams
+from ..sampling_params import InvalidParam, SamplingParams
 from ..tokenizer import Tokenizer
 from .messages import (
     AbortRequest,
@@ -42,8 +44,11 @@ from .messages import (
     CoreReady,
     CoreWarmedUp,
     FinishRequest,
+    LoadLoRA,
+    LoRAUpdated,
     RequestFailedError,
     Shutdown,
+    UnloadLoRA,
     command_codec,
     core_message_codec,
     refusal_error,
@@ -92,6 +97,9 @@ class AsyncEngine:
         # Written by one thread (one reference store), read by the HTTP thread.
         self._stats: StatsSnapshot | None = None
         self._core: _ThreadCore | _ProcessCore | None = None
+        # LoRA load/unload calls waiting for the core's answer, by call id.
+        self._lora_calls: dict[str, asyncio.Future] = {}
+        self._lora_call_ids = itertools.count(1)
         if engine is not None:
             self._model_info = engine.model_info
             self._tokenizer = engine.tokenizer
@@ -234,6 +242,45 @@ class AsyncEngine:
         if self.dead is None:
             self._core.abort(AbortRequest(request_id, client_left_at))
 
+    # -- LoRA adapters at run time --------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> str:
+        """Serve the adapter in `path` as model `name` (the core reads and checks it). ValueError: why not."""
+        return await self._lora_call(lambda cid: LoadLoRA(cid, name, path))
+
+    async def unload_lora(self, name: str) -> str:
+        """Stop serving adapter `name` (requests on it run to their end). LookupError: no such adapter."""
+        return await self._lora_call(lambda cid: UnloadLoRA(cid, name))
+
+    async def _lora_call(self, make) -> str:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead!r}")
+        call_id = str(next(self._lora_call_ids))
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = fut
+        try:
+            self._core.send(make(call_id))
+            msg: LoRAUpdated = await fut
+        finally:
+            self._lora_calls.pop(call_id, None)
+        if msg.error_kind == "not_found":
+            raise LookupError(msg.error)
+        if msg.error_kind == "invalid":
+            raise InvalidParam(msg.error_param or "", msg.error)
+        if msg.error is not None:
+            raise RequestFailedError(msg.error)
+        return msg.message
+
+    def _on_lora_updated(self, msg: LoRAUpdated) -> None:
+        # The served adapters first (model checks read them), then the caller's answer.
+        self._model_info = dataclasses.replace(self._model_info, lora_names=tuple(msg.lora_names))
+        if msg.call_id is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._answer_lora_call, msg)
+
+    def _answer_lora_call(self, msg: LoRAUpdated) -> None:
+        fut = self._lora_calls.get(msg.call_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
     # -- from the engine -----------------------------------------------------------------------
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         for request_id, item in items:
@@ -251,6 +298,11 @@ class AsyncEngine:
         if stats is not None:
             self._stats = stats
         self._deliver_threadsafe(items)
+
+    def _fail_lora_calls(self, err: BaseException) -> None:
+        for fut in self._lora_calls.values():
+            if not fut.done():
+                fut.set_exception(err)
 
     def _on_warmed_up(self, report) -> None:
         self.warmup_report = report
@@ -279,6 +331,7 @@ class AsyncEngine:
         err = EngineDeadError(f"engine loop died: {e!r}")
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(lambda: self._deliver([(rid, err) for rid in list(self._streams)]))
+            self._loop.call_soon_threadsafe(self._fail_lora_calls, err)
         if self.on_dead is not None:
             self.on_dead(e)
 
@@ -307,6 +360,9 @@ class _ClientOutbox:
     def warmed_up(self, report) -> None:
         self.client._on_warmed_up(report)
 
+    def lora_updated(self, msg: LoRAUpdated) -> None:
+        self.client._on_lora_updated(msg)
+
     def dead(self, e: BaseException) -> None:
         self.client.fail(e)
 
@@ -318,7 +374,9 @@ class _ThreadCore:
         self.engine = engine
         self.inbox = _QueueInbox()
         self.clock = StepClock()
-        self.loop = EngineLoop(engine, self.inbox, _ClientOutbox(client), self.clock)
+        cfg = engine.cfg
+        self.loop = EngineLoop(engine, self.inbox, _ClientOutbox(client), self.clock,
+                               lora_modules_file=cfg.lora_modules_file)
         self.thread: threading.Thread | None = None
         self.started: threading.Event | None = None  # set: the owner thread (AsyncEngine.build) may run the loop
 
@@ -340,6 +398,9 @@ class _ThreadCore:
         self.inbox.q.put(LocalAdd(add, procs or None))
 
     def abort(self, cmd: AbortRequest) -> None:
+        self.inbox.q.put(cmd)
+
+    def send(self, cmd) -> None:
         self.inbox.q.put(cmd)
 
     def shutdown(self, graceful: bool) -> None:
@@ -437,6 +498,8 @@ class _ProcessCore:
                     client._on_outputs(items, msg.stats)
                 elif isinstance(msg, CoreWarmedUp):
                     client._on_warmed_up(msg)
+                elif isinstance(msg, LoRAUpdated):
+                    client._on_lora_updated(msg)
                 elif isinstance(msg, CoreDead):
                     client.fail(EngineDeadError(msg.error))
                     return

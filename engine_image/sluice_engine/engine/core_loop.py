@@ -22,7 +22,16 @@ from ..core.request import LogitsProcessor
 from ..metrics import StatsSnapshot
 from ..objectives import ObjectivesFile
 from .llm_engine import LLMEngine
-from .messages import AbortRequest, AddRequest, FinishRequest, RequestFailedError, Shutdown
+from .messages import (
+    AbortRequest,
+    AddRequest,
+    FinishRequest,
+    LoadLoRA,
+    LoRAUpdated,
+    RequestFailedError,
+    Shutdown,
+    UnloadLoRA,
+)
 from .output import RequestOutput
 from .step_clock import IDLE_TICK_S, StepClock
 
@@ -50,13 +59,16 @@ class Outbox(Protocol):
 
     def warmed_up(self, report) -> None: ...
 
+    def lora_updated(self, msg: LoRAUpdated) -> None:
+        """The adapters served changed (or a load/unload call is answered)."""
+
     def dead(self, e: BaseException) -> None:
         """The loop cannot serve any more: every open request fails, the server says so and exits."""
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, inbox: Inbox, outbox: Outbox, clock: StepClock,
-                 objectives_file: str | None = None):
+                 objectives_file: str | None = None, lora_modules_file: str | None = None):
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -68,6 +80,11 @@ class EngineLoop:
         # The core process applies the objectives file itself (in one process the /metrics scrape does).
         self._objectives = ObjectivesFile(objectives_file) if objectives_file else None
         self._objectives_checked = 0.0
+        self._lora_sync = None
+        if lora_modules_file:
+            from ..lora.modules_file import LoRAModulesSync
+
+            self._lora_sync = LoRAModulesSync(lora_modules_file)
         # Compiles an AddRequest's grammar (a spec from another process): built on first use.
         self._structured = None
         engine.before_schedule = self._take_commands
@@ -136,17 +153,30 @@ class EngineLoop:
         self.clock.started = started  # a dummy step is a step: the watchdog covers it
 
     def _poll_objectives(self) -> bool:
-        """Apply the objectives file if it changed (checked once a second at most); whether it did."""
-        if self._objectives is None:
+        """Apply the objectives file and the adapters file if they changed (checked once a second at most);
+        whether anything changed."""
+        if self._objectives is None and self._lora_sync is None:
             return False
         now = time.monotonic()
         if now - self._objectives_checked < OBJECTIVES_POLL_S:
             return False
         self._objectives_checked = now
-        o = self._objectives.changed()
-        if o is not None:
-            self.engine.metrics.set_objectives(o)
-        return o is not None
+        changed = False
+        if self._objectives is not None:
+            o = self._objectives.changed()
+            if o is not None:
+                self.engine.metrics.set_objectives(o)
+                changed = True
+        if self._lora_sync is not None:
+            try:
+                loras_changed = self._lora_sync.sync(self.engine)
+            except Exception:  # noqa: BLE001 - a bad adapter file never stops the engine
+                log.exception("applying %s failed", self._lora_sync.file.path)
+                loras_changed = False
+            if loras_changed:
+                self.outbox.lora_updated(LoRAUpdated(None, sorted(self.engine.loras)))
+            changed |= loras_changed
+        return changed
 
     # -- commands ------------------------------------------------------------------------------
     def _take_commands(self) -> None:
@@ -181,6 +211,9 @@ class EngineLoop:
             if isinstance(cmd, FinishRequest):
                 self.engine.finish_request(cmd.request_id, cmd.stop_string)
                 continue
+            if isinstance(cmd, LoadLoRA | UnloadLoRA):
+                self.outbox.lora_updated(self._lora_call(cmd))
+                continue
             add, procs = (cmd.add, cmd.logits_processors) if isinstance(cmd, LocalAdd) else (cmd, None)
             self.adds_taken += 1
             try:
@@ -193,6 +226,28 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
                 log.warning("request %s could not be added: %r", add.request_id, e)
                 errors.append((add.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
+
+    def _lora_call(self, cmd: LoadLoRA | UnloadLoRA) -> LoRAUpdated:
+        from ..core.lora_slots import LoRANotFound
+
+        engine = self.engine
+        try:
+            if isinstance(cmd, LoadLoRA):
+                engine.load_lora(cmd.name, cmd.path)
+                message = f"LoRA adapter {cmd.name!r} loaded"
+            else:
+                left = engine.unload_lora(cmd.name)
+                message = f"LoRA adapter {cmd.name!r} unloaded" + (
+                    f"; the {left} request(s) on it run to their end first" if left else "")
+        except LoRANotFound as e:
+            return LoRAUpdated(cmd.call_id, sorted(engine.loras), str(e.args[0]), "not_found")
+        except ValueError as e:  # LoRAError names its field; an adapter that does not fit is its path's fault
+            return LoRAUpdated(cmd.call_id, sorted(engine.loras), str(e), "invalid", getattr(e, "param", "lora_path"))
+        except Exception as e:  # noqa: BLE001 - the call fails, the engine serves on
+            log.exception("LoRA %s failed", type(cmd).__name__)
+            return LoRAUpdated(cmd.call_id, sorted(engine.loras), f"{type(e).__name__}: {e}", "failed")
+        log.info("%s", message)
+        return LoRAUpdated(cmd.call_id, sorted(engine.loras), message=message)
 
     def _constraint(self, spec):
         if self._structured is None:

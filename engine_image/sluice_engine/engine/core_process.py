@@ -30,6 +30,7 @@ from .messages import (
     CoreOutputs,
     CoreReady,
     CoreWarmedUp,
+    LoRAUpdated,
     Shutdown,
     command_codec,
     core_message_codec,
@@ -79,6 +80,9 @@ class ZmqOutbox:
     def warmed_up(self, report) -> None:
         self._send(CoreWarmedUp(report.mode, report.steps, report.seconds))
 
+    def lora_updated(self, msg: LoRAUpdated) -> None:
+        self._send(msg)
+
     def dead(self, e: BaseException) -> None:
         self._send(CoreDead(f"{e!r}"))
 
@@ -110,7 +114,7 @@ def serve_core(commands: str, outputs: str, clock_path: str, parent_pid: int) ->
         _close(ctx, pull, push)
         return 2 if isinstance(e, ValueError) else 1
     loop = EngineLoop(engine, ZmqInbox(pull, parent_pid), outbox, MappedStepClock(clock_path),
-                      objectives_file=cfg.objectives_file)
+                      objectives_file=cfg.objectives_file, lora_modules_file=cfg.lora_modules_file)
     outbox._send(ready_message(engine, loop.snapshot()))
     loop.run()
     code = 0 if loop.dead is None else 1

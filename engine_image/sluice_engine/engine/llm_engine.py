@@ -18,6 +18,8 @@ drafts need the last token).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -31,7 +33,7 @@ import torch
 
 from ..config import EngineConfig
 from ..core.kv_cache import KVCacheManager
-from ..core.lora_slots import LoRASlotTable
+from ..core.lora_slots import LoRABusy, LoRAError, LoRANotFound, LoRARef, LoRASlotTable
 from ..core.request import FinishReason, LogitsProcessor, Request
 from ..core.sched_output import SchedulerOutput
 from ..core.scheduler import Scheduler
@@ -96,7 +98,7 @@ class LLMEngine:
             raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 yet; use --speculative-method ngram")
         self.spec_config = cfg.speculative_config()
-        self.lora_names = _check_lora_config(cfg, self.served_model_name)
+        lora_modules = _check_lora_config(cfg, self.served_model_name)
         # Async scheduling needs the sampled tokens on the device of the rank that starts the next step: rank 0
         # alone samples, so with more ranks steps run one at a time (pipeline stages still overlap).
         self.async_scheduling = _wants_async_scheduling(cfg) and cfg.world_size == 1
@@ -144,9 +146,15 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.finish_request)
         self._prompt_leaders: dict[tuple[int, ...], Request] = {}
         self.timeline: StepTimeline | None = None  # set_timeline(): where each step's time goes (benchmarks)
+        # LoRA adapters served now, by name; those unloaded while requests still run on them (dropped once the
+        # last of those ends); and the next registration's id.
+        self.loras: dict[str, LoRARef] = {}
+        self._unloading: dict[LoRARef, None] = {}
+        self._lora_ids = itertools.count(1)
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
-                                    self.runner.model_config.vocab_size, self.eos_token_ids,
-                                    tuple(sorted(self.lora_names)))
+                                    self.runner.model_config.vocab_size, self.eos_token_ids)
+        for name, path in lora_modules:
+            self.load_lora(name, path)
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s, async scheduling %s",
                  self.model_dir, self.served_model_name, self.max_model_len,
                  "on" if cfg.enable_prefix_caching else "off", "on" if self.async_scheduling else "off")
@@ -187,11 +195,14 @@ class LLMEngine:
         self.check_prompt(prompt_token_ids, params)
         if request_id in self._open:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
-        if lora_name is not None and lora_name not in self.lora_names:
-            known = ", ".join(sorted(self.lora_names)) or "none (start with --enable-lora --lora-modules)"
-            raise InvalidParam("model", f"no LoRA adapter {lora_name!r}; adapters: {known}")
+        lora = None
+        if lora_name is not None:
+            lora = self.loras.get(lora_name)
+            if lora is None:
+                known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules)"
+                raise InvalidParam("model", f"no LoRA adapter {lora_name!r}; adapters: {known}")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                      logits_processors=list(logits_processors or []), lora_name=lora_name)
+                      logits_processors=list(logits_processors or []), lora=lora)
         if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
             req.arrival_time = arrival_time
         # Everything that can fail comes before the request is registered anywhere: a request that
@@ -205,7 +216,7 @@ class LLMEngine:
                 raise InvalidParam("seed", f"seed {params.seed} is not usable ({e})") from None
         # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
         # first of them has computed it) instead of each prefilling it.
-        key = (lora_name, *req.prompt_token_ids)  # the prompt's KV is the adapter's
+        key = (lora and lora.id, *req.prompt_token_ids)  # the prompt's KV is the adapter's
         leader = self._prompt_leaders.get(key)
         if leader is not None and not leader.is_finished and params.prompt_logprobs is None:
             req.fork_source = leader
@@ -261,9 +272,58 @@ class LLMEngine:
         """The request is finished: drop what the engine keeps for it besides its output."""
         if self.proposer is not None:
             self.proposer.release(req.request_id)
-        key = (req.lora_name, *req.prompt_token_ids)
+        key = (req.lora and req.lora.id, *req.prompt_token_ids)
         if self._prompt_leaders.get(key) is req:
             del self._prompt_leaders[key]
+        if req.lora is not None and req.lora in self._unloading:
+            self._drop_unloaded()
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoRARef:
+        """Serve the PEFT adapter in `path` as model `name` from now on. LoRAError (a ValueError) names what is
+        wrong: LoRA off, the name taken, an adapter that does not fit the model."""
+        if self.lora_slots is None:
+            raise LoRAError("LoRA adapters need --enable-lora", param=None)
+        if not name or name == self.served_model_name:
+            raise LoRAError(f"adapter name {name!r} is the base model's served name" if name
+                            else "lora_name is empty")
+        if name in self.loras:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded (from {self.loras[name].path}); unload it "
+                            "first")
+        finishing = [ref for ref in self._unloading if ref.name == name]
+        if finishing:
+            raise LoRABusy(f"LoRA adapter {name!r} was unloaded and requests still run on it: load it again once "
+                            "they finish")
+        ref = LoRARef(name, next(self._lora_ids), str(path))
+        self.runner.lora.register(ref)  # reads and checks it (AdapterError is a ValueError)
+        self.loras[name] = ref
+        self._publish_loras()
+        return ref
+
+    def unload_lora(self, name: str) -> int:
+        """Stop serving adapter `name`: new requests on it are refused from now on; those already on it run to
+        their end, and it leaves its slot and the host once the last has (the count returned)."""
+        ref = self.loras.pop(name, None)
+        if ref is None:
+            raise LoRANotFound(f"no LoRA adapter {name!r} is loaded"
+                               + (f"; adapters: {', '.join(sorted(self.loras))}" if self.loras else ""))
+        self._unloading[ref] = None
+        self._publish_loras()
+        return self._drop_unloaded().get(ref, 0)
+
+    def _drop_unloaded(self) -> dict[LoRARef, int]:
+        """Drop the unloaded adapters no unfinished request uses; how many still use each of the others."""
+        users = Counter(r.lora for r in self.scheduler.requests.values() if r.lora in self._unloading
+                        and not r.is_finished)
+        for ref in [ref for ref in self._unloading if not users[ref]]:
+            del self._unloading[ref]
+            self.lora_slots.forget(ref)
+            self.runner.lora.forget(ref)
+            log.info("LoRA adapter %r unloaded", ref.name)
+        return users
+
+    def _publish_loras(self) -> None:
+        self.model_info = dataclasses.replace(self.model_info, lora_names=tuple(sorted(self.loras)))
 
     def stats_snapshot(self) -> StatsSnapshot:
         """The engine's counters and gauges now, as plain copied values (metrics.py): the engine thread's
@@ -566,28 +626,32 @@ class LLMEngine:
             st.spec_accepted_per_pos[i] += i < num_accepted
 
 
-def _check_lora_config(cfg: EngineConfig, served_model_name: str) -> frozenset[str]:
-    """The adapter names of --lora-modules (name=path), refused with a reason where they cannot work."""
+def _check_lora_config(cfg: EngineConfig, served_model_name: str) -> list[tuple[str, str]]:
+    """The adapters of --lora-modules (name, path), refused with a reason where they cannot work."""
     if not cfg.enable_lora:
         if cfg.lora_modules:
             raise ValueError("--lora-modules needs --enable-lora")
-        return frozenset()
+        if cfg.lora_modules_file:
+            raise ValueError("--lora-modules-file needs --enable-lora")
+        return []
     if cfg.world_size > 1:
         raise ValueError("--enable-lora does not run with --tensor-parallel-size or --pipeline-parallel-size above "
                          "1 yet")
     if cfg.max_loras < 1 or cfg.max_lora_rank < 1:
         raise ValueError("--max-loras and --max-lora-rank must be at least 1")
-    names: list[str] = []
+    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
+        raise ValueError(f"--max-cpu-loras ({cfg.max_cpu_loras}) must be at least --max-loras ({cfg.max_loras})")
+    modules: list[tuple[str, str]] = []
     for spec in cfg.lora_modules:
         name, eq, path = spec.partition("=")
         if not eq or not name or not path:
             raise ValueError(f"--lora-modules takes name=path, not {spec!r}")
         if name == served_model_name:
             raise ValueError(f"--lora-modules: adapter name {name!r} is the base model's served name")
-        if name in names:
+        if any(name == n for n, _ in modules):
             raise ValueError(f"--lora-modules: adapter name {name!r} given twice")
-        names.append(name)
-    return frozenset(names)
+        modules.append((name, path))
+    return modules
 
 
 def _wants_async_scheduling(cfg: EngineConfig) -> bool:

@@ -52,7 +52,20 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-Command = AddRequest | AbortRequest | FinishRequest | Shutdown
+class LoadLoRA(msgspec.Struct, tag="load_lora", array_like=True):
+    """Serve the PEFT adapter in `path` as model `name` (POST /v1/load_lora_adapter): answered by LoRAUpdated."""
+
+    call_id: str
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora", array_like=True):
+    call_id: str
+    name: str
+
+
+Command = AddRequest | AbortRequest | FinishRequest | Shutdown | LoadLoRA | UnloadLoRA
 
 
 # -- core -> API process -----------------------------------------------------------------------------
@@ -70,6 +83,19 @@ class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[RequestOutput]
     refused: list[AddRefused]
     stats: StatsSnapshot | None  # published before the outputs are handed out: a client sees its answer counted
+
+
+class LoRAUpdated(msgspec.Struct, tag="lora", array_like=True):
+    """The adapters served now, after a load or unload: the answer to LoadLoRA / UnloadLoRA (call_id), or the
+    core's own change from --lora-modules-file (call_id None). error: why the call did nothing (kind
+    "invalid": a 400, "not_found": a 404)."""
+
+    call_id: str | None
+    lora_names: list[str]
+    error: str | None = None
+    error_kind: str | None = None
+    error_param: str | None = None  # the request field the error is about (lora_name, lora_path)
+    message: str = ""
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
@@ -101,7 +127,7 @@ class CoreDead(msgspec.Struct, tag="dead", array_like=True):
     config_error: bool = False  # the flags do not work (a ValueError at start): `sluice serve` says so, exit 2
 
 
-CoreMessage = CoreOutputs | CoreReady | CoreWarmedUp | CoreDead
+CoreMessage = CoreOutputs | CoreReady | CoreWarmedUp | CoreDead | LoRAUpdated
 
 
 # -- encoding ----------------------------------------------------------------------------------------

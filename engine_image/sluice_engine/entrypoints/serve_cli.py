@@ -64,6 +64,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident in device slots at once (more are "
                       "swapped in and out, least recently used first)")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters whose weights stay in host memory "
+                      "(least recently used dropped and read from disk again when needed; default: all)")
+    lora.add_argument("--lora-modules-file", default=None, metavar="PATH",
+                      help='a JSON file {"adapters": [{"name": ..., "path": ...}]} re-read while the server runs: '
+                           "adapters it lists are loaded, those it stops listing unloaded (the operator writes it "
+                           "from spec.adapters)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and queue the next step while this one runs on the device, hiding the host's "
                         "work behind the forward (one rank; the same tokens either way); default: on for CUDA, "
@@ -113,6 +119,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, let in-flight requests finish for up to this long (new ones get 503)")
+    p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
+                   help="every /v1 route needs 'Authorization: Bearer KEY' (default: $SLUICE_API_KEY; none: open)")
+    p.add_argument("--allow-runtime-lora-updates", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload LoRA adapters "
+                        "while the server runs (with --enable-lora; behind --api-key when set)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core (scheduler, model runner) in its own process, fed by messages "
                         "(docs/architecture.md); --no-engine-process runs it in a thread of the API server")
@@ -146,13 +157,15 @@ def run(args: argparse.Namespace) -> int:
         from ..model_fetch import resolve_model
 
         return run_worker_node(cfg, resolve_model(cfg.model), args.host, args.port)
+    if args.allow_runtime_lora_updates and not cfg.enable_lora:
+        raise ValueError("--allow-runtime-lora-updates needs --enable-lora")
     if args.engine_process:
         async_engine = AsyncEngine.spawn(cfg, args.log_level)
     else:
         from ..engine.llm_engine import LLMEngine  # torch: only where the engine runs in this process
 
         async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
-    app = build_app(async_engine)
+    app = build_app(async_engine, api_key=args.api_key, allow_runtime_lora_updates=args.allow_runtime_lora_updates)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),
                             async_engine, args.shutdown_timeout)

@@ -8,10 +8,11 @@ LoRA with more than one rank until they are).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from collections import OrderedDict
 
 import torch
 
+from ..core.lora_slots import LoRARef
 from ..model_config import ModelConfig
 from .adapter import LoRAAdapter
 from .layer import LoRALinear
@@ -31,13 +32,16 @@ def _layer_slices(mc: ModelConfig) -> dict[str, tuple[int, list[tuple[str, int, 
 
 
 class LoRAModel:
-    """The model's LoRA layers and the adapters known to the engine (by name, read and checked at registration)."""
+    """The model's LoRA layers, and the adapters' weights on the host: every registered adapter, or with
+    --max-cpu-loras the most recently used ones (a slot load of one that is not there reads its files again)."""
 
     def __init__(self, model: torch.nn.Module, mc: ModelConfig, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, max_cpu_loras: int | None = None):
         self.mc = mc
         self.max_rank = max_rank
-        self.adapters: dict[str, LoRAAdapter] = {}
+        self.max_cpu_loras = max_cpu_loras
+        self.host: OrderedDict[LoRARef, LoRAAdapter] = OrderedDict()  # least recently used first
+        self.host_loads = 0  # adapters read from disk (registrations and re-reads)
         # (layer index, HF projection) -> the LoRALinear that holds it
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         for i, layer in enumerate(model.layers):
@@ -49,16 +53,33 @@ class LoRAModel:
                 for proj, _, _ in slices:
                     self.layers[(i, proj)] = wrapped
 
-    def register(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Read and check an adapter (AdapterError names what is wrong); it is loaded into a slot when a step
-        first needs it."""
-        adapter = LoRAAdapter.load(name, path, self.mc, self.max_rank)
-        self.adapters[name] = adapter
-        log.info("LoRA adapter %r: rank %d on %s (%s)", name, adapter.rank, ", ".join(adapter.target_modules), path)
+    def register(self, ref: LoRARef) -> LoRAAdapter:
+        """Read and check an adapter (AdapterError names what is wrong); it goes into a slot when a step first
+        needs it."""
+        adapter = self._read(ref)
+        log.info("LoRA adapter %r: rank %d on %s (%s)", ref.name, adapter.rank, ", ".join(adapter.target_modules),
+                 ref.path)
         return adapter
 
-    def load_slot(self, slot: int, name: str) -> None:
-        adapter = self.adapters[name]
+    def forget(self, ref: LoRARef) -> None:
+        self.host.pop(ref, None)
+
+    def _read(self, ref: LoRARef) -> LoRAAdapter:
+        adapter = LoRAAdapter.load(ref.name, ref.path, self.mc, self.max_rank)
+        self.host_loads += 1
+        self.host[ref] = adapter
+        while self.max_cpu_loras is not None and len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        return adapter
+
+    def load_slot(self, slot: int, ref: LoRARef) -> None:
+        adapter = self.host.get(ref)
+        if adapter is None:
+            # Evicted from the host (--max-cpu-loras): its files again. They were checked at registration;
+            # NOTE: files changed under a registered adapter fail this step (unload the adapter first).
+            adapter = self._read(ref)
+        else:
+            self.host.move_to_end(ref)
         for (layer, proj), wrapped in self.layers.items():
             pair = adapter.weights.get((layer, proj))
             if pair is None:

@@ -104,10 +104,9 @@ class ModelRunner:
         if cfg.enable_lora:
             from ..lora.model import LoRAModel
 
-            self.lora = LoRAModel(self.model, mc, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device)
-            for spec in cfg.lora_modules:
-                name, _, path = spec.partition("=")
-                self.lora.register(name, path)
+            # Adapters are registered by the engine (LLMEngine.load_lora), at start and while it runs.
+            self.lora = LoRAModel(self.model, mc, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device,
+                                  cfg.max_cpu_loras)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
@@ -335,8 +334,8 @@ class ModelRunner:
             return None
         from ..lora.ops import LoRASegments
 
-        for slot, name in sched.lora_loads:
-            self.lora.load_slot(slot, name)
+        for slot, ref in sched.lora_loads:
+            self.lora.load_slot(slot, ref)
         sizes, slots = [s.num_tokens for s in sched.scheduled], [s.lora_slot for s in sched.scheduled]
         segs = LoRASegments.from_requests(sizes, slots)
         num_tokens = sum(sizes)

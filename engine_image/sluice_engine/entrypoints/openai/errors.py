@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 
@@ -140,4 +141,25 @@ class BodySizeLimit:
     async def _refuse(self, scope, receive, send) -> None:
         err = APIError(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large",
                        headers={"Connection": "close"})
+        await err.response()(scope, receive, send)
+
+
+class BearerKey:
+    """ASGI middleware: with --api-key, every /v1 route needs `Authorization: Bearer <key>` (401 in OpenAI's
+    shape otherwise), as vLLM's server does; /health, /ready and /metrics stay open for probes and scrapes."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        err = APIError(401, "an API key is required: send it as 'Authorization: Bearer <key>'" if not given
+                       else "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await err.response()(scope, receive, send)

@@ -196,3 +196,13 @@ def json_nesting(text: str) -> int:
         depth += 1 if m.group() in "[{" else -1
         deepest = max(deepest, depth)
     return deepest
+
+
+# -- LoRA adapters at run time (vLLM's routes) ---------------------------------------------------------------
+class LoadLoRAAdapterRequest(_Base):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Base):
+    lora_name: str = Field(min_length=1, max_length=128)

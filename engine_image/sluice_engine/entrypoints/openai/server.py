@@ -16,8 +16,20 @@ from starlette.exceptions import HTTPException
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
 from ...metrics import PrometheusExporter
 from .client_watch import ClientWatch
-from .errors import APIError, BodySizeLimit, api_error_handler, validation_error_handler
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .errors import (
+    APIError,
+    BearerKey,
+    BodySizeLimit,
+    api_error_handler,
+    bad_request,
+    validation_error_handler,
+)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from .serving import OpenAIServing
 
 if TYPE_CHECKING:
@@ -26,10 +38,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.api")
 
 
-def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
+def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
+              allow_runtime_lora_updates: bool = False) -> FastAPI:
     """The OpenAI server over an engine: an AsyncEngine.spawn(...) one runs it in its own process (what
     `sluice serve` does), an AsyncEngine.build(...) one in the thread that loaded it, a plain LLMEngine in a
-    thread of its own."""
+    thread of its own. api_key: every /v1 route needs it as a bearer token (as vLLM's --api-key); the probes
+    and /metrics stay open. allow_runtime_lora_updates: the /v1/load_lora_adapter and /v1/unload_lora_adapter
+    routes load and unload adapters (404 otherwise)."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     engine = async_engine.engine  # None when the engine runs in its own process
     info = async_engine.model_info
@@ -50,6 +65,8 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     app.state.engine = engine
     app.state.async_engine = async_engine
     app.add_middleware(BodySizeLimit)  # 413 before a huge body is read
+    if api_key:
+        app.add_middleware(BearerKey, key=api_key)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 
@@ -111,9 +128,34 @@ def build_app(engine: LLMEngine | AsyncEngine) -> FastAPI:
     async def models():
         base = {"id": info.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
                 "root": str(info.model_dir), "parent": None, "max_model_len": info.max_model_len}
-        # Each LoRA adapter is a model of its own, its parent the base (as vLLM lists them).
-        adapters = [{**base, "id": name, "parent": info.served_model_name} for name in info.lora_names]
+        # Each LoRA adapter is a model of its own, its parent the base (as vLLM lists them); the set changes as
+        # adapters are loaded and unloaded.
+        adapters = [{**base, "id": name, "parent": info.served_model_name}
+                    for name in async_engine.model_info.lora_names]
         return {"object": "list", "data": [base, *adapters]}
+
+    def check_lora_updates(field: str) -> None:
+        if not allow_runtime_lora_updates:
+            raise APIError(404, "loading and unloading LoRA adapters at run time is off: start the server with "
+                           "--allow-runtime-lora-updates (and --enable-lora)", param=field, code="not_found")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        check_lora_updates("lora_name")
+        try:
+            message = await async_engine.load_lora(body.lora_name, body.lora_path)
+        except ValueError as e:  # the core's reason: LoRA off, the name taken, a bad adapter
+            raise bad_request(str(e), param=getattr(e, "param", None) or None, code="invalid_lora_adapter") from None
+        return Response(f"Success: {message}.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        check_lora_updates("lora_name")
+        try:
+            message = await async_engine.unload_lora(body.lora_name)
+        except LookupError as e:
+            raise APIError(404, str(e.args[0]), param="lora_name", code="lora_adapter_not_found") from None
+        return Response(f"Success: {message}.", media_type="text/plain")
 
     @app.get("/health")
     async def health():
