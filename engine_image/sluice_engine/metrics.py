@@ -104,6 +104,12 @@ class EngineMetrics:
     requests_goodput: int = 0
     requests_met_ttft: int = 0
     requests_met_tpot: int = 0
+    # Per LoRA adapter (by name; the base model's requests are not in them): tokens as they are made, and
+    # completed requests and those that met the objectives, so cost and goodput split by adapter.
+    lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    lora_requests: dict[str, int] = field(default_factory=dict)
+    lora_goodput: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, num_gpus: int) -> EngineMetrics:
@@ -142,6 +148,11 @@ class EngineMetrics:
             else:
                 decode_tokens += num_tokens
             if req.num_output_tokens > rt.num_output_tokens:  # one or more new tokens this step
+                adapter = req.lora_name
+                if adapter is not None:
+                    _add(self.lora_generation_tokens, adapter, req.num_output_tokens - rt.num_output_tokens)
+                    if rt.first_token_time is None:
+                        _add(self.lora_prompt_tokens, adapter, req.num_prompt_tokens)
                 rt.num_output_tokens = req.num_output_tokens
                 rt.prefilling = False
                 if rt.first_token_time is None:
@@ -187,6 +198,13 @@ class EngineMetrics:
         self.requests_met_ttft += met_ttft
         self.requests_met_tpot += met_tpot
         self.requests_goodput += met_ttft and met_tpot
+        if req.lora_name is not None:
+            _add(self.lora_requests, req.lora_name, 1)
+            _add(self.lora_goodput, req.lora_name, met_ttft and met_tpot)
+
+
+def _add(counts: dict[str, int], key: str, n: int) -> None:
+    counts[key] = counts.get(key, 0) + n
 
 HISTOGRAMS = ("ttft", "inter_token_latency", "time_per_output_token", "e2e_latency", "queue_time", "prefill_time",
               "decode_time", "iteration_tokens")
@@ -229,6 +247,15 @@ class StatsSnapshot:
     slo_tpot: float | None = None
     gpu_hour_usd: float = 0.0
     num_gpus: int = 0
+    # LoRA (with --enable-lora; max_lora 0 without): the adapters of the running and of the waiting requests,
+    # the device slots, and the per-adapter counters of EngineMetrics (copies).
+    max_lora: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    lora_requests: dict[str, int] = field(default_factory=dict)
+    lora_goodput: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def zero(cls) -> StatsSnapshot:
@@ -365,6 +392,31 @@ class _EngineCollector:
         yield histogram("sluice_request_decode_time_seconds", "Per completed request: first token to last "
                         "token.", hist["decode_time"])
         yield histogram("sluice_iteration_tokens", "Tokens computed per engine step.", hist["iteration_tokens"])
+        if snap.max_lora:
+            yield from self._lora(snap, names, values)
+
+    @staticmethod
+    def _lora(snap: StatsSnapshot, names: list[str], values: list[str]):
+        # vLLM's gauge, by the same name and labels (dashboards built for vLLM read it): the adapters running
+        # and waiting, comma-separated, and the slots.
+        info = GaugeMetricFamily("sluice_lora_requests_info", "1, labelled with the LoRA adapters of the running "
+                                 "and the waiting requests (comma-separated) and the adapters resident at once "
+                                 "(max_lora).", labels=[*names, "running_lora_adapters", "waiting_lora_adapters",
+                                                        "max_lora"])
+        info.add_metric([*values, ",".join(snap.lora_running), ",".join(snap.lora_waiting), str(snap.max_lora)], 1)
+        yield info
+        for name, doc, counts in (
+                ("sluice_lora_prompt_tokens", "Prompt tokens of requests on each LoRA adapter (counted at their "
+                 "first token).", snap.lora_prompt_tokens),
+                ("sluice_lora_generation_tokens", "Tokens generated on each LoRA adapter.", snap.lora_generation_tokens),
+                ("sluice_lora_requests", "Completed requests (stop or length) on each LoRA adapter.",
+                 snap.lora_requests),
+                ("sluice_lora_request_goodput", "Completed requests on each LoRA adapter that met every SLO "
+                 "objective set.", snap.lora_goodput)):
+            c = CounterMetricFamily(name, doc, labels=[*names, "adapter"])
+            for adapter, v in sorted(counts.items()):
+                c.add_metric([*values, adapter], v)
+            yield c
 
 
 def _label_text(text: str, limit: int = 200) -> str:

@@ -332,3 +332,36 @@ def test_runtime_lora_routes_are_off_unless_allowed(start_server):
     server = start_server("--enable-lora", "--max-model-len", "256")
     r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"})
     assert r.status_code == 404 and "--allow-runtime-lora-updates" in r.json()["error"]["message"]
+
+
+def test_lora_metrics_split_tokens_and_requests_by_adapter(llm):
+    """The vLLM-shaped info gauge and the per-adapter counters (docs/metrics.md), from a real step loop."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sluice_engine.metrics import PrometheusExporter
+
+    engine = llm.engine
+    before = engine.stats_snapshot()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    engine.add_request("m-a", ids, params, lora_name="all8")
+    engine.add_request("m-b", ids, params, lora_name="qv16")
+    engine.add_request("m-c", ids, params)
+    engine.step()
+    mid = engine.stats_snapshot()
+    assert mid.max_lora == 2 and mid.lora_running == ("all8", "qv16")
+    while engine.has_unfinished():
+        engine.step()
+    snap = engine.stats_snapshot()
+    for name in ("all8", "qv16"):
+        assert snap.lora_generation_tokens[name] - before.lora_generation_tokens.get(name, 0) == 5
+        assert snap.lora_prompt_tokens[name] - before.lora_prompt_tokens.get(name, 0) == len(ids)
+        assert snap.lora_requests[name] - before.lora_requests.get(name, 0) == 1
+    assert snap.lora_running == () and snap.lora_waiting == ()
+    body, _ = PrometheusExporter(engine).render()
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    (info,) = fams["sluice_lora_requests_info"].samples
+    assert info.labels["max_lora"] == "2" and info.labels["running_lora_adapters"] == ""
+    gen = {s.labels["adapter"]: s.value for s in fams["sluice_lora_generation_tokens"].samples
+           if s.name.endswith("_total")}
+    assert gen == {k: float(v) for k, v in snap.lora_generation_tokens.items()}

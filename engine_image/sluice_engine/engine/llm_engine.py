@@ -344,7 +344,18 @@ class LLMEngine:
             spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
-            slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus)
+            slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus,
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora_slots is None:
+            return {}
+        m, sched = self.metrics, self.scheduler
+        return dict(max_lora=self.lora_slots.max_loras,
+                    lora_running=tuple(sorted({r.lora.name for r in sched.running if r.lora is not None})),
+                    lora_waiting=tuple(sorted({r.lora.name for r in sched.waiting if r.lora is not None})),
+                    lora_prompt_tokens=dict(m.lora_prompt_tokens), lora_generation_tokens=dict(m.lora_generation_tokens),
+                    lora_requests=dict(m.lora_requests), lora_goodput=dict(m.lora_goodput))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
