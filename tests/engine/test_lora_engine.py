@@ -365,3 +365,77 @@ def test_lora_metrics_split_tokens_and_requests_by_adapter(llm):
     gen = {s.labels["adapter"]: s.value for s in fams["sluice_lora_generation_tokens"].samples
            if s.name.endswith("_total")}
     assert gen == {k: float(v) for k, v in snap.lora_generation_tokens.items()}
+
+
+# -- a Q4_1 base (the bundled GGUF's blocks, served as they are on CPU) with a float adapter ---------------------
+TEXTS = ["The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes along "
+         "the river Seine, where people sit for hours.",
+         "Once upon a time there was a little fox who lived at the edge of a great forest. Every morning she "
+         "walked to the river to drink."]
+
+
+# PEFT's random B (init_lora_weights=False) moves logprobs by nats; at 0.4 of it the adapter moves them by ~0.6
+# nats (a fine-tune's size). The error of the base's block-quantized activations grows with how far an adapter
+# pushes the activations: at PEFT's full scale it is 2.5x the base's own, at 0.4 it is the base's.
+LORA_B_SCALE = 0.4
+
+
+def hf_prompt_logprobs(model, tokenizer, text: str) -> list[float]:
+    ids = tokenizer.encode(text)
+    with torch.no_grad():
+        lps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    return [lps[i - 1, t].item() for i, t in enumerate(ids) if i]
+
+
+def test_a_q4_1_base_with_an_adapter_is_as_close_to_hf_peft_as_the_base_is_to_hf(hf_model, tmp_path):
+    """Acceptance 1, the quantized half. The Q4_1 base differs from the fp32 weights it was converted to (its GEMM
+    quantizes activations per block, as llama.cpp's does): the adapter's requests on it must be as close to HF +
+    PEFT (fp32) as the base's requests are to HF, teacher-forced over the same texts, with the adapter changing the
+    logprobs far more than that. (An adapter at PEFT's own random scale: one scaled far beyond it drives the
+    activations where the block quantization's error grows for the base alone too.)"""
+    import statistics
+
+    from sluice_engine.entrypoints.llm import LLM
+
+    torch.manual_seed(3)
+    peft_model = peft.get_peft_model(copy.deepcopy(hf_model), peft.LoraConfig(
+        init_lora_weights=False, r=8, lora_alpha=16, target_modules=list(PROJECTIONS))).eval()
+    with torch.no_grad():  # PEFT's random B moves logprobs by nats: to a fine-tune's size (tenths of a nat)
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(LORA_B_SCALE)
+    peft_model.save_pretrained(tmp_path / "nat")
+    q41 = LLM(None, max_model_len=256, enable_lora=True, lora_modules=[f"nat={tmp_path / 'nat'}"], max_loras=1,
+              kv_cache_memory=64 << 20)
+    try:
+        layer = q41.engine.runner.model.layers[0].mlp.down_proj
+        assert type(layer.base).__name__ == "GgufBlockLinear"
+        tok = q41.tokenizer
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        ours = {lora: [[lp for lp, _ in o.prompt_logprobs] for o in q41.generate(TEXTS, params, lora=lora)]
+                for lora in (None, "nat")}
+    finally:
+        q41.engine.shutdown()
+        # On the quantized layer itself the adapter adds exactly B A x (scaled) to the base's own output.
+        from sluice_engine.forward_context import ForwardContext, forward_context
+        from sluice_engine.lora.ops import LoRASegments
+
+        x = torch.randn(5, layer.in_features)
+        with forward_context(ForwardContext(None, [], LoRASegments([0], [5], [1]))):
+            y = layer(x.clone())
+        a, b = layer.a[1, : layer.max_rank], layer.b_down_proj[1]
+        assert torch.allclose(y - layer.base(x.clone()), (x @ a.T) @ b.T, atol=1e-4)
+    ref = {None: [hf_prompt_logprobs(hf_model, tok, t) for t in TEXTS],
+           "nat": [hf_prompt_logprobs(peft_model, tok, t) for t in TEXTS]}
+
+    def gaps(a, b):
+        return [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+
+    base, lora, effect = gaps(ours[None], ref[None]), gaps(ours["nat"], ref["nat"]), gaps(ref["nat"], ref[None])
+    print(f"mean |dlogprob|: Q4_1 base vs HF {statistics.mean(base):.4f}, Q4_1 + adapter vs HF + PEFT "
+          f"{statistics.mean(lora):.4f}, the adapter's own effect {statistics.mean(effect):.4f}")
+    assert statistics.mean(effect) > 4 * statistics.mean(base)  # the adapter matters beyond the base's noise
+    assert statistics.mean(lora) <= 1.5 * statistics.mean(base) + 0.01
+    p90 = int(0.9 * len(base))
+    print(f"90th percentile: base {sorted(base)[p90]:.4f}, adapter {sorted(lora)[p90]:.4f}")
+    assert sorted(lora)[p90] <= 1.5 * sorted(base)[p90] + 0.02

@@ -1,5 +1,6 @@
 """The low-rank half of a LoRA layer over a batch that mixes adapters (SGMV-style: segmented gather
-matrix-vector), the torch path (CPU, and the reference the Triton kernels are tested against).
+matrix-vector): the torch path (CPU, and the reference the Triton kernels are tested against), and the dispatch
+to the Triton kernels (triton_ops.py) for CUDA tensors when Triton is installed.
 
 The batch is ragged and request-contiguous, so a step's tokens fall into segments of consecutive tokens on one
 adapter slot (`LoRASegments`; slot 0 = no adapter, skipped). The base layer's GEMM runs once for the whole
@@ -13,11 +14,18 @@ Two ways over the batch, the same sums: per segment (a GEMM per run of tokens: f
 chunks), or gathered per token (each token's slot weights gathered, one batched product for the whole step:
 many short runs, e.g. decode steps mixing many adapters, where a loop over segments is dominated by launches).
 `LoRASegments.token_slots` (set for small steps with several runs) selects the second.
+
+On CUDA with Triton, the runner sets `token_slots` on every step with adapter tokens, and both functions run
+the kernels, which read it alone (one launch each, whatever the runs; no host sync, so a CUDA graph can hold
+them). Without it, or on other devices, the torch path runs as above.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -29,7 +37,8 @@ class LoRASegments:
     starts: list[int]
     ends: list[int]
     slots: list[int]
-    # Every token's slot (0 for the base) on the device: set when the step is gathered per token.
+    # Every token's slot (0 for the base) on the device: set when the step is gathered per token (torch), and on
+    # every step where the Triton kernels run (kernels_run_on).
     token_slots: torch.Tensor | None = None
 
     @classmethod
@@ -53,9 +62,27 @@ class LoRASegments:
         return bool(self.slots)
 
 
+@functools.cache
+def _kernels(device_type: str) -> ModuleType | None:
+    """The Triton kernels for tensors of this device type, or None (the torch path). Imported on first use, so
+    CPU-only engines never import triton."""
+    if device_type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from . import triton_ops
+
+    return triton_ops
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether shrink and expand run the Triton kernels on `device`: they need `token_slots` on every step."""
+    return _kernels(device.type) is not None
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, segs: LoRASegments) -> torch.Tensor:
     """h[t] = A[slot(t)] @ x[t] for the tokens of every segment (rows outside them are zero).
     x [T, in], a [slots, rank, in] -> [T, rank] in x's dtype, accumulated in float32."""
+    if segs.token_slots is not None and (kernels := _kernels(x.device.type)) is not None:
+        return kernels.lora_shrink(x, a, segs.token_slots)
     if segs.token_slots is not None:
         return torch.einsum("tri,ti->tr", a.index_select(0, segs.token_slots), x)
     h = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
@@ -67,6 +94,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, segs: LoRASegments) -> torch.T
 def lora_expand(h: torch.Tensor, b: torch.Tensor, segs: LoRASegments, y: torch.Tensor, offset: int = 0) -> None:
     """y[t, offset:offset + out] += B[slot(t)] @ h[t] for the tokens of every segment, in place.
     h [T, rank], b [slots, out, rank], y [T, >= offset + out]."""
+    if segs.token_slots is not None and (kernels := _kernels(h.device.type)) is not None:
+        kernels.lora_expand_(h, b, segs.token_slots, y, offset)
+        return
     out = b.shape[1]
     if segs.token_slots is not None:  # the base's tokens gather slot 0, all zeros
         y[:, offset : offset + out] += torch.einsum("tor,tr->to", b.index_select(0, segs.token_slots), h)

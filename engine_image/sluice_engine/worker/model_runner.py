@@ -332,14 +332,16 @@ class ModelRunner:
         """Load the adapters this step needs into their slots, and the step's tokens by slot."""
         if self.lora is None:
             return None
-        from ..lora.ops import LoRASegments
+        from ..lora.ops import LoRASegments, kernels_run_on
 
         for slot, ref in sched.lora_loads:
             self.lora.load_slot(slot, ref)
         sizes, slots = [s.num_tokens for s in sched.scheduled], [s.lora_slot for s in sched.scheduled]
         segs = LoRASegments.from_requests(sizes, slots)
         num_tokens = sum(sizes)
-        if len(segs.slots) > 1 and num_tokens <= GATHER_LORA_MAX_TOKENS:
+        # The Triton kernels read every token's slot on every step; the torch path gathers small mixed steps only.
+        gather = len(segs.slots) > 1 and num_tokens <= GATHER_LORA_MAX_TOKENS
+        if segs and (gather or kernels_run_on(self.device)):
             per_token = [slot for n, slot in zip(sizes, slots, strict=True) for _ in range(n)]
             segs.token_slots = upload(self.device, {"slots": per_token})["slots"]
         return segs
