@@ -130,3 +130,62 @@ def test_one_node_group_rendezvous_on_a_free_port(tiny_llama, reference):
     finally:
         squatter.close()
     assert (got - reference[0]).abs().max().item() < 1e-4
+
+
+# -- a LoRA adapter, sharded as its base layers are (issue 26) ------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_adapter(tmp_path_factory):
+    """A PEFT-format adapter on every projection of the tiny model (rank 8), written as PEFT writes one."""
+    d = tmp_path_factory.mktemp("tiny-adapter")
+    g = torch.Generator().manual_seed(1)
+    shapes = {"self_attn.q_proj": (HIDDEN, HEADS * HEAD_DIM), "self_attn.k_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
+              "self_attn.v_proj": (HIDDEN, KV_HEADS * HEAD_DIM), "self_attn.o_proj": (HEADS * HEAD_DIM, HIDDEN),
+              "mlp.gate_proj": (HIDDEN, INTER), "mlp.up_proj": (HIDDEN, INTER), "mlp.down_proj": (INTER, HIDDEN)}
+    t = {}
+    for i in range(LAYERS):
+        for mod, (fan_in, fan_out) in shapes.items():
+            p = f"base_model.model.model.layers.{i}.{mod}"
+            t[f"{p}.lora_A.weight"] = torch.randn(8, fan_in, generator=g) * 0.1
+            t[f"{p}.lora_B.weight"] = torch.randn(fan_out, 8, generator=g) * 0.1
+    save_file(t, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}))
+    return d
+
+
+def lora_steps(adapter) -> list[SchedulerOutput]:
+    """steps() with a and its fork c on the adapter (slot 1), b on the base: loaded with the first step."""
+    from sluice_engine.core.lora_slots import LoRARef
+
+    out = steps()
+    for sched in out:
+        for s in sched.scheduled:
+            s.lora_slot = 0 if s.request_id == "b" else 1
+    out[0].lora_loads = [(1, LoRARef("tiny", 1, str(adapter)))]
+    return out
+
+
+def run_lora(model_dir, adapter, tp: int, pp: int) -> list[torch.Tensor]:
+    cfg = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                       kv_cache_memory=4 << 20, block_size=4, master_port=free_port(), distributed_timeout=120,
+                       enable_lora=True, max_loras=2, max_lora_rank=8)
+    ex = Executor(cfg, model_dir)
+    try:
+        return [ex.execute_model(s).clone() for s in lora_steps(adapter)]
+    finally:
+        ex.shutdown()
+        from sluice_engine.distributed.parallel_state import destroy_distributed
+
+        destroy_distributed()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (8, 1), (2, 2)], ids=["tp2", "tp8-kv-replicated", "pp2xtp2"])
+def test_sharded_lora_logits_match_one_rank(tiny_llama, tiny_adapter, reference, tp, pp):
+    one = run_lora(tiny_llama, tiny_adapter, 1, 1)
+    got = run_lora(tiny_llama, tiny_adapter, tp, pp)
+    # The adapter changed a's and c's rows (and only theirs: b's are the base model's).
+    assert (one[0][:9] - reference[0][:9]).abs().max() > 1e-2
+    assert (one[0][9:] - reference[0][9:]).abs().max() < 1e-4
+    for g, r in zip(got, one, strict=True):
+        assert (g - r).abs().max().item() < 1e-4

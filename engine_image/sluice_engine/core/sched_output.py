@@ -56,6 +56,8 @@ class SchedulerOutput:
     freed_req_ids: list[str] = field(default_factory=list)
     # LoRA adapters to load into their device slots before this step's forward: (slot, adapter).
     lora_loads: list[tuple[int, LoRARef]] = field(default_factory=list)
+    # LoRA adapters unloaded since the last step that ran: every rank drops its host copy.
+    lora_drops: list[LoRARef] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,7 @@ class Scheduler:
         self._freed: list[str] = []
         # LoRA adapters to load into slots with the next step that runs (SchedulerOutput.lora_loads), in order.
         self._lora_loads: list[tuple[int, LoRARef]] = []
+        self._lora_drops: list[LoRARef] = []
 
     def note_freed(self, request_ids: list[str]) -> None:
         """Sequences that ran outside the scheduler (warm-up's dummy steps): the next step tells the model
@@ -200,7 +201,13 @@ class Scheduler:
             # for one; the runner releases these before taking rows for this step's requests.
             out.freed_req_ids = self.take_freed()
             out.lora_loads, self._lora_loads = self._lora_loads, []
+            out.lora_drops, self._lora_drops = self._lora_drops, []
         return out
+
+    def forget_lora(self, ref: LoRARef) -> None:
+        """An adapter unloaded, no request left on it: its slot is free, and every rank drops it with the next step."""
+        self.lora_slots.forget(ref)
+        self._lora_drops.append(ref)
 
     def _acquire_lora(self, req: Request, out: SchedulerOutput) -> bool:
         if self.lora_slots is None or req.lora is None:

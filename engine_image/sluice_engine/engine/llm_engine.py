@@ -317,8 +317,8 @@ class LLMEngine:
                         and not r.is_finished)
         for ref in [ref for ref in self._unloading if not users[ref]]:
             del self._unloading[ref]
-            self.lora_slots.forget(ref)
-            self.runner.lora.forget(ref)
+            self.scheduler.forget_lora(ref)
+            self.runner.lora.forget(ref)  # rank 0's copy now; the other ranks' with the next step
             log.info("LoRA adapter %r unloaded", ref.name)
         return users
 
@@ -645,9 +645,6 @@ def _check_lora_config(cfg: EngineConfig, served_model_name: str) -> list[tuple[
         if cfg.lora_modules_file:
             raise ValueError("--lora-modules-file needs --enable-lora")
         return []
-    if cfg.world_size > 1:
-        raise ValueError("--enable-lora does not run with --tensor-parallel-size or --pipeline-parallel-size above "
-                         "1 yet")
     if cfg.max_loras < 1 or cfg.max_lora_rank < 1:
         raise ValueError("--max-loras and --max-lora-rank must be at least 1")
     if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:

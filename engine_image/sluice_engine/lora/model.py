@@ -1,8 +1,12 @@
 """LoRA on a loaded model (issue 26): its decoder projections wrapped in LoRALinear layers, and adapters loaded
 into device slots as the scheduler asks (SchedulerOutput.lora_loads).
 
-One rank, for now: with tensor parallelism A and B would be sharded as their base layer is (the engine refuses
-LoRA with more than one rank until they are).
+Sharded as the base layers are (distributed/layout.py): a column-parallel layer (the fused QKV, gate/up) holds
+the rows of B for its output columns and all of A; a row-parallel one (o, down) holds the columns of A for its
+input slice and all of B, so its delta B (A_r x_r) is a partial sum like its base output, and the all-reduce
+after the layer adds both up: sum_r B A_r x_r = B A x. A pipeline stage holds its own layers' pairs. Every rank
+reads an adapter's files itself (SchedulerOutput.lora_loads carries the path), so on several nodes the adapter
+must be at the same path on each.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from ..core.lora_slots import LoRARef
+from ..distributed.layout import RankShard
 from ..model_config import ModelConfig
 from .adapter import LoRAAdapter
 from .layer import LoRALinear
@@ -20,9 +25,10 @@ from .layer import LoRALinear
 log = logging.getLogger("sluice.engine")
 
 
-def _layer_slices(mc: ModelConfig) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
-    """Our fused projections: attribute path -> (in_features, [(HF projection, column offset, width)])."""
-    q, kv, inter, hidden = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size, mc.hidden_size
+def _layer_slices(sh: RankShard, mc: ModelConfig) -> dict[str, tuple[int, list[tuple[str, int, int]]]]:
+    """Our fused projections on this rank: attribute path -> (in_features, [(HF projection, column offset,
+    width)])."""
+    q, kv, inter, hidden = sh.num_heads * mc.head_dim, sh.num_kv_heads * mc.head_dim, sh.intermediate, mc.hidden_size
     return {
         "self_attn.qkv_proj": (hidden, [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]),
         "self_attn.o_proj": (q, [("o_proj", 0, hidden)]),
@@ -31,21 +37,40 @@ def _layer_slices(mc: ModelConfig) -> dict[str, tuple[int, list[tuple[str, int, 
     }
 
 
+def shard_pair(sh: RankShard, mc: ModelConfig, proj: str, a: torch.Tensor,
+               b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a projection's (A [rank, in], B [out, rank]): B's rows of a column-parallel layer's
+    output slice, A's columns of a row-parallel layer's input slice (the base layer's own slices)."""
+    d = mc.head_dim
+    heads = slice(sh.first_head * d, (sh.first_head + sh.num_heads) * d)
+    inter = slice(sh.tp_rank * sh.intermediate, (sh.tp_rank + 1) * sh.intermediate)
+    if proj == "q_proj":
+        return a, b[heads]
+    if proj in ("k_proj", "v_proj"):
+        return a, b[sh.first_kv_head * d : (sh.first_kv_head + sh.num_kv_heads) * d]
+    if proj in ("gate_proj", "up_proj"):
+        return a, b[inter]
+    if proj == "o_proj":
+        return a[:, heads], b
+    return a[:, inter], b  # down_proj
+
+
 class LoRAModel:
     """The model's LoRA layers, and the adapters' weights on the host: every registered adapter, or with
     --max-cpu-loras the most recently used ones (a slot load of one that is not there reads its files again)."""
 
-    def __init__(self, model: torch.nn.Module, mc: ModelConfig, max_loras: int, max_rank: int,
+    def __init__(self, model: torch.nn.Module, mc: ModelConfig, shard: RankShard, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, max_cpu_loras: int | None = None):
         self.mc = mc
+        self.shard = shard
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.host: OrderedDict[LoRARef, LoRAAdapter] = OrderedDict()  # least recently used first
         self.host_loads = 0  # adapters read from disk (registrations and re-reads)
-        # (layer index, HF projection) -> the LoRALinear that holds it
+        # (layer index in the whole model, HF projection) -> the LoRALinear that holds it on this rank
         self.layers: dict[tuple[int, str], LoRALinear] = {}
-        for i, layer in enumerate(model.layers):
-            for path, (fan_in, slices) in _layer_slices(mc).items():
+        for i, layer in enumerate(model.layers, start=shard.first_layer):
+            for path, (fan_in, slices) in _layer_slices(shard, mc).items():
                 owner_name, attr = path.split(".")
                 owner = getattr(layer, owner_name)
                 wrapped = LoRALinear(getattr(owner, attr), fan_in, slices, max_loras + 1, max_rank, dtype, device)
@@ -85,5 +110,5 @@ class LoRAModel:
             if pair is None:
                 wrapped.set_slot(slot, proj, None, None)
             else:
-                a, b = pair
+                a, b = shard_pair(self.shard, self.mc, proj, *pair)
                 wrapped.set_slot(slot, proj, a, b * adapter.scaling)

@@ -105,8 +105,8 @@ class ModelRunner:
             from ..lora.model import LoRAModel
 
             # Adapters are registered by the engine (LLMEngine.load_lora), at start and while it runs.
-            self.lora = LoRAModel(self.model, mc, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device,
-                                  cfg.max_cpu_loras)
+            self.lora = LoRAModel(self.model, mc, self.shard, cfg.max_loras, cfg.max_lora_rank, self.dtype,
+                                  self.device, cfg.max_cpu_loras)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
@@ -334,6 +334,8 @@ class ModelRunner:
             return None
         from ..lora.ops import LoRASegments, kernels_run_on
 
+        for ref in sched.lora_drops:
+            self.lora.forget(ref)
         for slot, ref in sched.lora_loads:
             self.lora.load_slot(slot, ref)
         sizes, slots = [s.num_tokens for s in sched.scheduled], [s.lora_slot for s in sched.scheduled]
