@@ -90,8 +90,9 @@ def test_prefix_cache_never_crosses_adapters(llm):
 
 def test_more_adapters_than_slots_swap_and_stay_exact(model_dir, adapters):
     mods = [f"{n}={d}" for n, (d, _) in adapters.items()]
+    # One device slot and one adapter kept on the host (--max-cpu-loras 1): each swap reads the other's files.
     one_slot = LLM(str(model_dir), max_model_len=256, enable_lora=True, lora_modules=mods, max_loras=1,
-                   max_lora_rank=16, kv_cache_memory=64 << 20)
+                   max_lora_rank=16, kv_cache_memory=64 << 20, max_cpu_loras=1)
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         names = ["all8", "qv16", None, "qv16", "all8"]
@@ -99,6 +100,8 @@ def test_more_adapters_than_slots_swap_and_stay_exact(model_dir, adapters):
         alone = [one_slot.generate(PROMPTS[:1], params, lora=n)[0].token_ids for n in names]
         assert [o.token_ids for o in got] == alone
         assert one_slot.engine.lora_slots.loads >= 3  # one slot for two adapters: swapped in and out
+        lora = one_slot.engine.runner.lora
+        assert len(lora.host) == 1 and lora.host_loads >= 3  # two registrations, then a re-read per swap back
     finally:
         one_slot.engine.shutdown()
 
