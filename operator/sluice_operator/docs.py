@@ -62,6 +62,8 @@ def _rows(node: dict[str, Any], path: str, required: bool, rows: list[str], rule
     if node.get("type") == "array" and "properties" in node.get("items", {}):
         children, path = node["items"]["properties"], path + "[]"
         node = node["items"]
+        for rule in node.get("x-kubernetes-validations", []):  # each item's own rules (spec.adapters[])
+            rules.append(f"| `{path}` | {_cell(rule['message'])} | `{_cell(rule['rule'])}` |")
     for name, child in children.items():
         _rows(child, f"{path}.{name}", name in node.get("required", []), rows, rules)
 

@@ -31,9 +31,16 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     # Not rendered: the ServiceMonitor labels every series with sluice_dev_endpoint (and the Prometheus
     # operator's own `endpoint` target label would shadow this one).
     "endpoint-label": "(the ServiceMonitor's sluice_dev_endpoint label)",
-    # LoRA adapters come from the spec (fetched into the model cache like the model), not from paths typed here.
-    "enable-lora": "spec.adapters (issue 26: not rendered yet)",
-    "lora-modules": "spec.adapters (issue 26: not rendered yet)",
+    # LoRA adapters come from the spec (fetched into the model cache like the model), not from paths typed here:
+    # the ConfigMap's adapters.json, which the engine re-reads while it runs (adapters.py).
+    "lora-modules": "spec.adapters",
+    "lora-modules-file": "spec.adapters (the ConfigMap's adapters.json, re-read while the engine runs)",
+    # Loading adapters through the API would load them on the one pod a request reached: replicas behind a
+    # Service would differ. The endpoint's adapters are spec.adapters, on every replica.
+    "allow-runtime-lora-updates": "spec.adapters (every replica loads and unloads the same adapters)",
+    # A key on the command line is in the pod spec for anyone who may read pods: the engine reads it from its
+    # environment instead.
+    "api-key": "(pod.env SLUICE_API_KEY, valueFrom a Secret)",
 }
 
 # flag (without the leading dashes) -> the value type it takes, or the tuple of its choices.
@@ -67,8 +74,12 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     # (engine-process is on by default; async-scheduling by device: on for CUDA, off on CPU).
     "engine-process": bool,
     "async-scheduling": bool,
+    # On whenever spec.adapters lists one; "true" keeps it on without adapters, so that adding the first (or
+    # removing the last) changes no flag and rolls no pod. The operator renders it once (workload.serve_args).
+    "enable-lora": bool,
     "max-loras": int,
     "max-lora-rank": int,
+    "max-cpu-loras": int,
 }
 
 # Switches that are on by default in the engine (argparse's BooleanOptionalAction): "false" renders --no-<flag>.

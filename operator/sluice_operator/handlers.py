@@ -29,7 +29,7 @@ from typing import Any
 
 import kopf
 
-from . import cache_sync, drift
+from . import cache_sync, drift, engine_probe
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
@@ -40,7 +40,7 @@ from .policy import check as check_policy
 from .reconcile import reconcile
 from .scale_in_hold import hold_scale_in, replicas_to_hold
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
-from .status import changed, endpoint_status, invalid_status, transitions
+from .status import adapters_pending, changed, endpoint_status, invalid_status, status_patch, transitions
 from .workload import LWS_API_VERSION
 
 Object = dict[str, Any]
@@ -226,12 +226,16 @@ class Loop:
 
         workloads = ("Deployment", "LeaderWorkerSet")
         serving = await live(ep.name, workloads)
+        pods = pods if serving is not None else []
+        # Which adapters each ready replica has loaded: only the engines know (engine_probe.py).
+        adapters = await engine_probe.probe(pods, logger) \
+            if ep.spec.adapters and pods is not None else None
         return endpoint_status(
             ep, serving=serving, standby=await live(standby_name(ep), workloads),
             scaled_object=await live(ep.name, ("ScaledObject",)),
-            pods=pods if serving is not None else [], missing_kinds=missing,
+            pods=pods, missing_kinds=missing,
             problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg,
-            model_cache=cache.state if cache is not None else None)
+            model_cache=cache.state if cache is not None else None, adapters=adapters)
 
     async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
                             logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:
@@ -250,7 +254,7 @@ class Loop:
                             previous: Object, logger: logging.Logger | logging.LoggerAdapter) -> None:
         if not changed(status, previous):
             return
-        await api.patch_status(*key, status)
+        await api.patch_status(*key, status_patch(status, previous))
         # Posted by our own client, not kopf.event(): that needs kopf's per-task context, which the resync
         # task does not have.
         involved = {"apiVersion": API_VERSION, "kind": KIND, "name": key[1], "namespace": key[0],
@@ -322,6 +326,10 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
             need = drift.needed(loop._seen.get(key), seen[key])
             if loop._problems.get(key):
                 need = "apply"  # a child could not be applied last time: try again
+            elif need is None and adapters_pending(body.get("status")):
+                # Adapters load (or fail to) inside the engines, which no watch sees: ask again each round
+                # until every ready replica has them.
+                need = "fold"
             loop._seen[key] = seen[key]
             if need is None:
                 continue

@@ -9,6 +9,7 @@ import hashlib
 import json
 from typing import Any
 
+from . import adapters
 from .autoscaling import check_scaling, scaled_object, trigger_authentication
 from .config import OperatorConfig
 from .layout import Layout, plan_layout
@@ -70,6 +71,7 @@ def config_map(ep: InferenceEndpoint, name: str) -> dict[str, Any]:
             OBJECTIVES_KEY: objectives(ep)}
     if ep.spec.model.scheme == "hf":
         data["fetch-hf.py"] = FETCH_HF_SCRIPT
+    data.update(adapters.config_data(ep))
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(ep, name, "config"), "data": data}
 
 
@@ -148,9 +150,10 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
     check_scaling(ep, cfg)
     layout = layout_of(ep)
     cm = config_map(ep, f"{ep.name}-engine")
-    # Pods roll when what they read from the ConfigMap at start or their flags change; not for the objectives,
-    # which the engines re-read while they run.
-    config_hash = _hash([{k: v for k, v in cm["data"].items() if k != OBJECTIVES_KEY}, serve_args(ep, "")])
+    # Pods roll when what they read from the ConfigMap at start or their flags change; not for the objectives
+    # and the adapters' lists, which the engines and the fetch sidecars re-read while they run.
+    live = {OBJECTIVES_KEY, *adapters.LIVE_KEYS}
+    config_hash = _hash([{k: v for k, v in cm["data"].items() if k not in live}, serve_args(ep, "")])
     scaling = ep.spec.scaling
     serving = workload(ep, layout, cfg, name=ep.name, role=SERVING,
                        replicas=0 if awaiting_model else ep.spec.fixed_replicas,

@@ -189,6 +189,50 @@ class ModelSource(_Object):
         return self.name_scope == NAME_SCOPE_CLUSTER
 
 
+# -- LoRA adapters ---------------------------------------------------------------------------------------
+# An adapter's name is a model id clients send (OpenAI's `model`) and a file name: exactly what the engine's
+# --lora-modules-file accepts (sluice_engine/lora/modules_file.py, NAME; a test compares the two).
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MAX_ADAPTERS = 64
+
+
+class Adapter(_Object):
+    """A PEFT LoRA adapter (adapter_config.json and adapter_model.safetensors) served beside the model as a model
+    of its own name. Adding or removing one changes the endpoint's ConfigMap only: running engines load or
+    unload it (docs/operator.md, LoRA adapters)."""
+
+    RULES = (
+        Rule(f"self.name.matches('{ADAPTER_NAME_PATTERN}')",
+             "adapters[].name must be 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit: "
+             "it is a model name clients send and a file name",
+             lambda a: re.fullmatch(ADAPTER_NAME_PATTERN, a.name) is not None, field_path=".name"),
+        Rule(f"self.source.matches('{MODEL_URI_PATTERN}')",
+             "adapters[].source must be hf://<org>/<name>, pvc://<claim>/<path> or s3://<bucket>/<prefix>",
+             lambda a: re.fullmatch(MODEL_URI_PATTERN, a.source) is not None, field_path=".source"),
+        Rule("!has(self.revision) || self.source.startsWith('hf://')",
+             "adapters[].revision applies to hf:// sources only; pin pvc:// and s3:// adapters by their path",
+             lambda a: a.revision is None or a.source.startswith("hf://"), field_path=".revision"),
+    )
+    name: str = Field(min_length=1, max_length=128, description=(
+        "The model name the adapter answers to (a request's `model`), unique in the endpoint and other than the "
+        "model's served name."))
+    source: str = Field(max_length=1024, description=(
+        "hf://<org>/<name> or s3://<bucket>/<prefix> (fetched into the model cache by the pods' fetch-adapters "
+        "sidecars, with model.credentialsSecretRef), or pvc://<claim>/<path> (read where it is: the model's "
+        "claim and a pvc cache's claim are mounted already; another claim is mounted read-only at "
+        "/adapter-claims/<claim>)."))
+    revision: str | None = Field(None, max_length=256, description=(
+        "Hub revision (branch, tag or commit); hf:// only. Default: main."))
+
+    @property
+    def scheme(self) -> str:
+        return self.source.split("://", 1)[0]
+
+    @property
+    def location(self) -> str:
+        return self.source.split("://", 1)[1]
+
+
 # -- engine ---------------------------------------------------------------------------------------------
 _ARGS_SCHEMA = {
     "type": "object",
@@ -405,7 +449,8 @@ OPERATOR_LABEL_PREFIX = "sluice.dev/"  # the endpoint, role and serves labels; t
 OPERATOR_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
                    "app.kubernetes.io/managed-by")
 OPERATOR_VOLUMES = ("model-cache", "tmp", "dshm", "model", "config")
-OPERATOR_MOUNT_PATHS = ("/models-cache", "/tmp", "/dev/shm", "/models", "/etc/sluice")
+OPERATOR_VOLUME_PREFIX = "adapter-"  # a pvc:// adapter's claim, when the pods mount it for nothing else
+OPERATOR_MOUNT_PATHS = ("/models-cache", "/tmp", "/dev/shm", "/models", "/etc/sluice", "/adapter-claims")
 MAX_POD_VOLUMES = 16
 def _cel_list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{i}'" for i in items) + "]"
@@ -448,9 +493,13 @@ class PodOverrides(_Object):
              f"pod.annotations must not set the operator's own annotations ({OPERATOR_LABEL_PREFIX}*)",
              lambda p: all(not k.startswith(OPERATOR_LABEL_PREFIX) for k in p.annotations),
              field_path=".annotations"),
-        Rule(f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(OPERATOR_VOLUMES)}))",
-             "pod.volumes must not use the names of the operator's volumes (" + ", ".join(OPERATOR_VOLUMES) + ")",
-             lambda p: all(v.get("name") not in OPERATOR_VOLUMES for v in p.volumes), field_path=".volumes"),
+        Rule(f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(OPERATOR_VOLUMES)}) && "
+             f"!v.name.startsWith('{OPERATOR_VOLUME_PREFIX}'))",
+             "pod.volumes must not use the names of the operator's volumes (" + ", ".join(OPERATOR_VOLUMES)
+             + f", {OPERATOR_VOLUME_PREFIX}*)",
+             lambda p: all(v.get("name") not in OPERATOR_VOLUMES
+                           and not str(v.get("name", "")).startswith(OPERATOR_VOLUME_PREFIX) for v in p.volumes),
+             field_path=".volumes"),
         Rule("!has(self.volumes) || self.volumes.all(v, !has(v.hostPath) || ("
              + HOST_PATH_CEL.format(p="v.hostPath.path") + "))",
              "pod.volumes[].hostPath.path must be an absolute directory other than / without '..'",
@@ -533,6 +582,25 @@ _CPU = "(has(self.accelerator) && self.accelerator.type == 'cpu')"
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 _N = "self.parallelism.nodes"
+_HAS_ADAPTERS = "(has(self.adapters) && size(self.adapters) > 0)"
+_LORA_ARG = "(has(self.engine) && has(self.engine.args) && 'enable-lora' in self.engine.args && " \
+            "string(self.engine.args['enable-lora']) == '{}')"
+_LORA = f"({_HAS_ADAPTERS} || {_LORA_ARG.format('true')})"
+# An adapter's name against the served name. servedName when set (and not empty), else the last path component
+# of model.uri (sluice_contract.served_name): the uri ends with '/<name>', possibly followed by slashes. CEL
+# has no split: a name with a '.' makes the regex's '.' a wildcard, so `contains` also asks for '/<name>/'
+# verbatim (what the regex alone would confuse, e.g. 'x.y' and '.../xzy/', then needs both in one uri). The
+# name-pattern guard keeps an invalid name (its own rule's failure) out of the regex.
+_ADAPTER_IS_SERVED = (
+    f"a.name.matches('{ADAPTER_NAME_PATTERN}') && ("
+    "(has(self.model.servedName) && size(self.model.servedName) > 0) ? a.name == self.model.servedName : "
+    "(self.model.uri.endsWith('/' + a.name) || (self.model.uri.matches('/' + a.name + '/+$') && "
+    "self.model.uri.contains('/' + a.name + '/'))))")
+
+
+def lora_enabled(s: EndpointSpec) -> bool:
+    """Whether the engines run with --enable-lora: for spec.adapters, or kept on by engine.args."""
+    return bool(s.adapters) or s.engine.args.get("enable-lora") == "true"
 
 
 class EndpointSpec(_Object):
@@ -574,6 +642,24 @@ class EndpointSpec(_Object):
              "cpu; on a CPU use auto",
              lambda s: s.accelerator.type != "cpu" or s.engine.kv_cache_dtype != "fp8",
              field_path=".engine"),
+        # spec.adapters: a list-map by name (the API server's "Duplicate value" too), and this rule for the
+        # message and for `sluice render`.
+        Rule("!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+             "adapters[].name must be unique: each adapter is served as the model of that name",
+             lambda s: len({a.name for a in s.adapters}) == len(s.adapters), field_path=".adapters"),
+        Rule(f"!has(self.adapters) || self.adapters.all(a, !({_ADAPTER_IS_SERVED}))",
+             "adapters[].name must not be the model's served name (model.servedName, else the last path "
+             "component of model.uri): clients tell the model and its adapters apart by name",
+             lambda s: all(a.name != s.model.name for a in s.adapters), field_path=".adapters"),
+        Rule(f"!{_LORA} || ({_T} == 1 && {_P} == 1)",
+             "LoRA adapters (spec.adapters, engine.args enable-lora) run on one rank only for now: "
+             "parallelism.tensor and parallelism.pipeline must be 1",
+             lambda s: not lora_enabled(s) or s.parallelism.tensor * s.parallelism.pipeline == 1,
+             field_path=".parallelism"),
+        Rule(f"!({_HAS_ADAPTERS} && {_LORA_ARG.format('false')})",
+             "engine.args enable-lora \"false\" contradicts spec.adapters: the engines serve adapters with LoRA "
+             "on; remove the key",
+             lambda s: not (s.adapters and s.engine.args.get("enable-lora") == "false"), field_path=".engine"),
     )
     model: ModelSource = Field(description="The model to serve.")
     engine: Engine = Field(default_factory=Engine, description="The engine container.")
@@ -594,6 +680,16 @@ class EndpointSpec(_Object):
         "Latency objectives. Changing them reaches the engines through the ConfigMap and restarts no pod."))
     cost: Cost | None = Field(None, description="Cost inputs. Changing them restarts no pod.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Pod-level escape hatches.")
+    adapters: list[Adapter] = Field(
+        default_factory=list, max_length=MAX_ADAPTERS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description=(
+            "PEFT LoRA adapters served beside the model, each as a model of its own name. Adding or removing one "
+            "changes the ConfigMap only: running engines fetch and load it, or unload it, without a restart. The "
+            "engines run with --enable-lora while the list is not empty (or engine.args enable-lora is \"true\"), "
+            "so the first adapter added, and the last removed, roll the pods once; so does the first adapter on "
+            "a pvc claim the pods do not mount yet, and the last one removed from it. One rank only "
+            "(parallelism.tensor and pipeline 1)."))
 
     @property
     def fixed_replicas(self) -> int | None:
@@ -607,8 +703,9 @@ class EndpointSpec(_Object):
 class Condition(_Object):
     type: str = Field(max_length=316, description=(
         "Ready, ModelReady, Scheduled, Progressing, Degraded, Reconciled (False with NameConflict or ApplyFailed "
-        "when an object could not be applied), and with scaling AutoscalerReady, AutoscalerActive and "
-        "AutoscalerFallback (KEDA's Ready, Active and Fallback)."))
+        "when an object could not be applied), with scaling AutoscalerReady, AutoscalerActive and "
+        "AutoscalerFallback (KEDA's Ready, Active and Fallback), and with adapters AdaptersReady (every adapter "
+        "loaded on every ready serving replica)."))
     status: Literal["True", "False", "Unknown"]
     reason: str | None = Field(None, max_length=1024, description=(
         "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, InvalidSpec, PolicyViolation, "
@@ -623,6 +720,15 @@ class ReplicaStatus(_Object):
     desired: int | None = Field(None, ge=0, description="Replicas the workload aims for.")
     ready: int | None = Field(None, ge=0, description="Replicas ready to serve.")
     standby: int | None = Field(None, ge=0, description="Ready warm-pool pods (set when scaling.warmPool is).")
+
+
+class AdapterStatus(_Object):
+    name: str = Field(max_length=128, description="The adapter (spec.adapters[].name).")
+    loaded: bool = Field(description="Loaded on every ready serving replica (and there is one).")
+    loaded_replicas: int = Field(ge=0, description="Ready serving replicas that have it loaded.")
+    message: str | None = Field(None, max_length=4096, description=(
+        "On which replicas it is loaded, and which it is not on yet: still downloading (the fetch-adapters "
+        "sidecars' logs say why), or refused by the engine (rank, shapes; the engine's log says why)."))
 
 
 class EndpointStatus(_Object):
@@ -641,6 +747,10 @@ class EndpointStatus(_Object):
     selector: str | None = Field(None, description="Label selector of the serving pods (scale subresource).")
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    adapters: list[AdapterStatus] | None = Field(None, max_length=MAX_ADAPTERS, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}, description=(
+        "The LoRA adapters of spec.adapters and whether each is loaded on every ready serving replica, as each "
+        "replica's /v1/models lists them (asked at every status pass while one is not loaded everywhere)."))
 
 
 # -- the resource ---------------------------------------------------------------------------------------

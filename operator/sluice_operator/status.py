@@ -10,12 +10,14 @@ Conditions, each with observedGeneration: Ready, ModelReady (the download, from 
 or the shared cache's Job, then the engines' model load), Scheduled (InsufficientCapacity when serving pods
 cannot be placed), Progressing, Degraded, Reconciled (NameConflict or ApplyFailed when a child could not be
 applied, with the API server's message), and with
-`scaling`: AutoscalerReady, AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback).
+`scaling`: AutoscalerReady, AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback); with
+`adapters`: AdaptersReady (every adapter loaded on every ready serving replica, from what each replica's
+/v1/models lists: engine_probe.py), beside status.adapters, one entry per adapter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +143,8 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
                     scaled_object: Object | None = None, pods: list[Object] | None = None,
                     missing_kinds: frozenset[str] | set[str] = frozenset(),
                     problems: Sequence[ApplyProblem] = (), previous: Object | None = None,
-                    now: str, cfg: OperatorConfig | None = None, model_cache: CacheState | None = None) -> Object:
+                    now: str, cfg: OperatorConfig | None = None, model_cache: CacheState | None = None,
+                    adapters: Mapping[str, frozenset[str] | str] | None = None) -> Object:
     """The endpoint's status from its live serving workload, warm pool, KEDA ScaledObject and serving pods.
 
     `pods` None: the pods were not read (the workload's counts stand in for them; Scheduled is Unknown).
@@ -149,6 +152,8 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     `problems`: children the last pass could not apply. A NameConflict fails the endpoint (its objects'
     names are someone else's until a person acts); an ApplyFailed degrades it while replicas still serve.
     `model_cache`: the shared model cache's state, when the endpoint uses one (cache_sync.observe).
+    `adapters`: what each ready serving pod's /v1/models lists, or why it could not be asked (engine_probe.py);
+    None: not asked.
     """
     cfg = cfg or OperatorConfig()
     gen, prev = ep.metadata.generation, list((previous or {}).get("conditions") or [])
@@ -225,6 +230,10 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
             state = _keda(scaled_object, keda_type, "ScaledObject" in missing_kinds)
             conditions.append(condition(type_, *state, gen, prev, now))
 
+    listed = adapter_status(ep, adapters)
+    if listed is not None:
+        conditions.append(condition("AdaptersReady", *adapters_ready(listed, adapters), gen, prev, now))
+
     replicas: Object = {"desired": desired, "ready": ready}
     if ep.spec.scaling is not None and ep.spec.scaling.warm_pool is not None:
         replicas["standby"] = standby_ready
@@ -235,7 +244,70 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         "replicas": replicas,
         "selector": serving_selector(ep),
         "conditions": conditions,
+        **({"adapters": listed} if listed is not None else {}),
     }
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------------------
+SHOWN_PODS = 3  # pods named in an adapter's message
+
+
+def _names(pods: list[str]) -> str:
+    more = f" and {len(pods) - SHOWN_PODS} more" if len(pods) > SHOWN_PODS else ""
+    return ", ".join(pods[:SHOWN_PODS]) + more
+
+
+def adapter_status(ep: InferenceEndpoint, probes: Mapping[str, frozenset[str] | str] | None) -> list[Object] | None:
+    """status.adapters: per adapter of the spec, whether every ready serving replica has it loaded. None
+    without adapters. `probes`: ready pod -> the model ids it lists, or why it could not be asked."""
+    if not ep.spec.adapters:
+        return None
+    answered = {pod: ids for pod, ids in sorted((probes or {}).items()) if not isinstance(ids, str)}
+    unasked = {pod: why for pod, why in sorted((probes or {}).items()) if isinstance(why, str)}
+    total = len(answered) + len(unasked)
+    out = []
+    for adapter in ep.spec.adapters:
+        on = [pod for pod, ids in answered.items() if adapter.name in ids]
+        missing = [pod for pod in answered if pod not in on]
+        if probes is None:
+            message = "not observed: the operator may not read the serving pods"
+        elif total == 0:
+            message = "no ready serving replica"
+        else:
+            message = f"loaded on {len(on)}/{total} ready replicas"
+            if missing:
+                # Still downloading (the fetch-adapters sidecars' logs), the kubelet not yet showing the pod the
+                # new ConfigMap, or refused by the engine (rank, shapes: its log says why).
+                message += f"; not on {_names(missing)} yet"
+            if unasked:
+                pod, why = next(iter(unasked.items()))
+                message += f"; could not ask {_names(list(unasked))} ({pod}: {why})"
+        out.append({"name": adapter.name, "loaded": total > 0 and len(on) == total, "loadedReplicas": len(on),
+                    "message": message})
+    return out
+
+
+def adapters_pending(status: Object | None) -> bool:
+    """Whether the status says some ready replica has not (or may not have) loaded an adapter yet: the resync
+    asks the engines again (handlers.py). Not while no replica is ready: pod events bring the next pass."""
+    cond = next((c for c in (status or {}).get("conditions") or [] if c.get("type") == "AdaptersReady"), None)
+    return cond is not None and cond.get("reason") in ("AdaptersLoading", "ReplicasNotAsked")
+
+
+def adapters_ready(listed: list[Object], probes: Mapping[str, frozenset[str] | str] | None) -> tuple[str, str, str]:
+    """The AdaptersReady condition: (status, reason, message)."""
+    if probes is None:
+        return "Unknown", "PodsNotObserved", "the serving pods were not read"
+    if not probes:
+        return "False", "NoReadyReplicas", "no ready serving replica to load the adapters"
+    waiting = [a for a in listed if not a["loaded"]]
+    if not waiting:
+        return "True", "AdaptersLoaded", f"{len(listed)} adapter(s) loaded on every ready replica ({len(probes)})"
+    message = "; ".join(f"{a['name']}: {a['message']}" for a in waiting)
+    answered = sum(not isinstance(ids, str) for ids in probes.values())
+    if all(a["loadedReplicas"] == answered for a in waiting):  # on every replica that answered
+        return "Unknown", "ReplicasNotAsked", message
+    return "False", "AdaptersLoading", message
 
 
 def _reconciled(problems: Sequence[ApplyProblem]) -> tuple[str, str, str]:
@@ -303,10 +375,20 @@ def invalid_status(generation: int | None, message: str, previous: Object | None
     }
 
 
+# Status fields written only while they apply: a status without one drops it from the stored status.
+OPTIONAL_FIELDS = ("adapters",)
+
+
+def status_patch(new: Object, old: Object | None) -> Object:
+    """The merge patch that makes the stored status `new`: `new`, with null for each optional field it no longer
+    has (a merge patch keeps a key it does not name)."""
+    return {**new, **{k: None for k in OPTIONAL_FIELDS if k not in new and (old or {}).get(k) is not None}}
+
+
 def changed(new: Object, old: Object | None) -> bool:
     """Whether writing `new` changes anything (kopf's own bookkeeping under status.kopf is ignored)."""
     old = {k: v for k, v in (old or {}).items() if k != "kopf"}
-    return any(old.get(k) != v for k, v in new.items())
+    return any(old.get(k) != v for k, v in status_patch(new, old).items())
 
 
 # -- events -------------------------------------------------------------------------------------------------

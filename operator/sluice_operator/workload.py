@@ -10,13 +10,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from . import adapters
 from .config import OperatorConfig
 from .engine_flags import render_args
 from .layout import Layout, ceil_div
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
+from .model_cache import OWN_CACHE_CONTAINER
 from .model_source import CONFIG_DIR, OBJECTIVES_KEY, OBJECTIVES_PATH, model_mount
 from .pod_customization import customize_pod
-from .spec import InferenceEndpoint
+from .spec import InferenceEndpoint, lora_enabled
 
 PORT = 8000
 MASTER_PORT = 29500  # node 0's torch.distributed rendezvous (--master-port), the leader's port named "dist"
@@ -73,7 +75,13 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     # engine re-reads while it runs, not from flags: editing them must not change the pod template (a
     # rollout that reloads every model).
     args += ["--objectives-file", OBJECTIVES_PATH]
-    return args + render_args(spec.engine.args)
+    args += render_args({k: v for k, v in spec.engine.args.items() if k != "enable-lora"})
+    # LoRA adapters: which ones is the ConfigMap's adapters.json, re-read while the engine runs (adapters.py);
+    # the flags depend only on LoRA being on, so adding or removing an adapter keeps them. Last: the switch
+    # takes no value.
+    if lora_enabled(spec):
+        args += ["--lora-modules-file", adapters.ADAPTERS_PATH, "--enable-lora"]
+    return args
 
 
 def rendezvous_args(layout: Layout, *, leader: bool) -> list[str]:
@@ -141,10 +149,13 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     # The ConfigMap as a directory (never subPath): the kubelet then updates its files in place, and the
     # engine sees new objectives without a restart.
     mounts = [mount.cache_mount, {"name": "tmp", "mountPath": "/tmp"},
-              {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *mount.engine_mounts]
-    config_items = [{"key": OBJECTIVES_KEY, "path": OBJECTIVES_KEY}, *mount.config_items]
+              {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *mount.engine_mounts,
+              *adapters.claim_mounts(ep)]
+    config_items = [{"key": OBJECTIVES_KEY, "path": OBJECTIVES_KEY}, *mount.config_items,
+                    *adapters.config_items(ep)]
     volumes = [{"name": "tmp", "emptyDir": {}}, mount.cache_volume,
-               {"name": "config", "configMap": {"name": config_map, "items": config_items}}, *mount.volumes]
+               {"name": "config", "configMap": {"name": config_map, "items": config_items}}, *mount.volumes,
+               *adapters.claim_volumes(ep)]
     if gpu or layout.distributed:
         # NCCL, torch's CUDA IPC and the rank processes need more shared memory than the container's 64 MiB.
         # A tmpfs: what is written counts against the pod's memory; sizeLimit caps it.
@@ -178,8 +189,13 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         "volumes": volumes,
         "terminationGracePeriodSeconds": termination_grace_seconds(ep),
     }
-    if mount.init_containers:
-        pod_spec["initContainers"] = mount.init_containers
+    # The adapters' fetch sidecars start before the model's fetch (adapters download beside the model), after
+    # the hostPath cache is made the engine user's.
+    init = list(mount.init_containers)
+    first = 1 if init and init[0]["name"] == OWN_CACHE_CONTAINER else 0
+    init[first:first] = adapters.sidecars(ep, cfg, CONTAINER_SECURITY)
+    if init:
+        pod_spec["initContainers"] = init
     node_selector = dict(pod.node_selector)
     if spec.accelerator.product:
         node_selector[spec.accelerator.product_label] = spec.accelerator.product

@@ -643,10 +643,19 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], mode: str) 
         assert gateway_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
         assert prometheus_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
         assert "monitoring" in json_of(prometheus_rule["from"])
-        # ... and the pods of a distributed replica among themselves (any port), and nobody else.
+        # ... and the pods of a distributed replica among themselves (any port),
         assert "ports" not in group_rule and all(selects(group_rule["from"][0]["podSelector"], lb)
                                                  for lb, _ in pods if lb["sluice.dev/endpoint"] != "public")
-        assert len(spec["ingress"]) == 3
+        # ... and the operator on the API port (/v1/models: the LoRA adapters each replica has loaded), and
+        # nobody else.
+        operator_rule = spec["ingress"][3]
+        (peer,) = operator_rule["from"]
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NS}}
+        (op_dep,) = component(docs, "Deployment", "operator")
+        assert selects(peer["podSelector"], op_dep["spec"]["template"]["metadata"]["labels"])
+        assert not selects(peer["podSelector"], gateway_labels)
+        assert operator_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+        assert len(spec["ingress"]) == 4
     # Engine containers name their API port "http", which the policies open.
     assert all("http" in ports for labels, ports in pods if labels.get("sluice.dev/serves") == "true")
 

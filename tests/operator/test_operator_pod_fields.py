@@ -13,11 +13,13 @@ import pytest
 from operator_schemas import CRD_FILE, EXAMPLES, api_server_errors, crd_schema, load_yaml
 
 from sluice_operator import core_schemas
+from sluice_operator.adapters import CLAIMS_DIR
 from sluice_operator.reconcile import reconcile
 from sluice_operator.spec import (
     OPERATOR_LABEL_PREFIX,
     OPERATOR_LABELS,
     OPERATOR_MOUNT_PATHS,
+    OPERATOR_VOLUME_PREFIX,
     OPERATOR_VOLUMES,
     SpecError,
     parse_endpoint,
@@ -92,6 +94,11 @@ RULES = [
     pytest.param({"annotations": {"sluice.dev/config-hash": "x"}}, "pod.annotations must not set", id="annotation"),
     pytest.param({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "pod.volumes must not use the names",
                  id="volume-name-tmp"),
+    pytest.param({"volumes": [{"name": "adapter-x", "emptyDir": {}}]}, "pod.volumes must not use the names",
+                 id="volume-name-adapter-prefix"),
+    pytest.param({"volumes": [{"name": "s", "emptyDir": {}}],
+                  "volumeMounts": [{"name": "s", "mountPath": "/adapter-claims/mine"}]},
+                 "must not be or be under a directory the operator mounts", id="mount-under-adapter-claims"),
     pytest.param({"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}, "must be an absolute directory",
                  id="volume-hostpath-root"),
     pytest.param({"volumes": [{"name": "up", "hostPath": {"path": "/var/lib/../../etc"}}]},
@@ -195,12 +202,19 @@ def test_reserved_names_are_what_reconcile_renders() -> None:
     """The CRD's rules keep OPERATOR_* for the operator: they must name what the operator really sets."""
     seen_volumes, seen_paths, seen_labels, seen_annotations = set(), set(), set(), set()
     docs = [load_yaml(p) for p in EXAMPLES]
-    for path in EXAMPLES:  # every model source: hf (config), pvc (model), s3; GPUs (dshm)
+    # A pvc:// adapter on a claim the pods mount for nothing else: its volume and mount (adapters.py).
+    adapters = [{"name": "a", "source": "hf://org/a"}, {"name": "b", "source": "pvc://other-claim/b"}]
+    for path in EXAMPLES:  # every model source: hf (config), pvc (model), s3; GPUs (dshm); with adapters
         for uri in ("hf://org/m", "pvc://claim/m", "s3://bucket/m"):
-            doc = load_yaml(path)
-            doc["spec"]["model"] = {**doc["spec"]["model"], "uri": uri}
-            doc["spec"]["model"].pop("revision", None)
-            docs.append(doc)
+            for with_adapters in (False, True):
+                doc = load_yaml(path)
+                doc["spec"]["model"] = {**doc["spec"]["model"], "uri": uri}
+                doc["spec"]["model"].pop("revision", None)
+                if with_adapters:
+                    doc["spec"]["adapters"] = adapters
+                    if doc["spec"].get("parallelism"):  # LoRA runs on one rank only
+                        continue
+                docs.append(doc)
     for doc in docs:
         for m in reconcile(parse_endpoint(doc)):
             if m["kind"] == "Deployment":
@@ -215,8 +229,9 @@ def test_reserved_names_are_what_reconcile_renders() -> None:
                     seen_paths |= {vm["mountPath"] for vm in c.get("volumeMounts", [])}
                 seen_labels |= set(t["metadata"]["labels"])
                 seen_annotations |= set(t["metadata"].get("annotations", {}))
-    assert seen_volumes == set(OPERATOR_VOLUMES)
-    assert seen_paths == set(OPERATOR_MOUNT_PATHS)
+    assert {v for v in seen_volumes if not v.startswith(OPERATOR_VOLUME_PREFIX)} == set(OPERATOR_VOLUMES)
+    assert any(v.startswith(OPERATOR_VOLUME_PREFIX) for v in seen_volumes)
+    assert {CLAIMS_DIR if p.startswith(CLAIMS_DIR + "/") else p for p in seen_paths} == set(OPERATOR_MOUNT_PATHS)
     assert {k for k in seen_labels if not k.startswith(OPERATOR_LABEL_PREFIX)} == set(OPERATOR_LABELS)
     assert all(k.startswith(OPERATOR_LABEL_PREFIX) for k in seen_annotations)
 

@@ -164,7 +164,8 @@ def test_credentials_reach_only_the_fetch_container(path: Any, uri: str) -> None
     manifests = reconcile(parse_endpoint(doc))
     fetchers = 0
     for kind, container in (c for m in manifests for c in _containers(m)):
-        if kind == "initContainers" and container["name"] == "fetch-model":
+        # The model's fetch, and the LoRA adapters' fetch sidecars (the same credentials path).
+        if kind == "initContainers" and container["name"] in ("fetch-model", "fetch-adapters", "fetch-adapters-s3"):
             assert container["envFrom"] == [{"secretRef": {"name": "model-creds"}}]
             fetchers += 1
         else:  # the serving container (and LWS workers): not a trace of the Secret
