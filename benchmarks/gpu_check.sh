@@ -314,7 +314,7 @@ if ((DRY)); then
 else
     read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests/engine/test_triton_attention.py tests/engine/test_layer_ops_triton.py \
 tests/engine/test_quant_triton.py tests/engine/test_cuda_graphs.py tests/engine/test_fp8_kv_cache.py tests/engine/test_sampler_syncs.py \
-tests/engine/test_layer_ops_model.py tests/engine/test_quant_model.py tests/engine/test_input_buffers.py}"
+tests/engine/test_layer_ops_model.py tests/engine/test_quant_model.py tests/engine/test_input_buffers.py tests/engine/test_lora_kernels.py}"
 fi
 if needs_env triton-tests; then
     PYTEST_ARGS=(-v -p no:cacheprovider --continue-on-collection-errors -rfEs -o addopts="" --durations=10

@@ -446,3 +446,72 @@ def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monke
         assert eager.backend.issued == {AttentionLaunch(want[1], 16)}  # the eager step's choice: the same count
         _close(got, expect, f"step {i}")
     assert len(replayed) == len(cases)
+
+
+# -- LoRA in the graphs (issue 26): each row's adapter slot is a graph input -----------------------------------
+def _tiny_adapter(d, seed: int):
+    from sluice_engine.core.lora_slots import LoRARef
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (HIDDEN, HEADS * HEAD_DIM), "self_attn.v_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
+              "self_attn.o_proj": (HEADS * HEAD_DIM, HIDDEN), "mlp.up_proj": (HIDDEN, INTER),
+              "mlp.down_proj": (INTER, HIDDEN)}
+    t = {}
+    for i in range(LAYERS):
+        for mod, (fan_in, fan_out) in shapes.items():
+            p = f"base_model.model.model.layers.{i}.{mod}"
+            t[f"{p}.lora_A.weight"] = torch.randn(4, fan_in, generator=g) * 0.2
+            t[f"{p}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g) * 0.2
+    d.mkdir()
+    save_file(t, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    return LoRARef(d.name, seed, str(d))
+
+
+def lora_steps(refs) -> list[SchedulerOutput]:
+    """steps() with a and d on one adapter, c on another, b on the base; both loaded with the first step."""
+    on = {"a": 1, "b": 0, "c": 2, "d": 1}
+    out = steps()
+    for sched in out:
+        for s in sched.scheduled:
+            s.lora_slot = on[s.request_id]
+    out[0].lora_loads = [(1, refs[0]), (2, refs[1])]
+    return out
+
+
+@needs_interpreter
+def test_decode_graphs_replay_lora_rows_by_their_slot_input(tiny_llama, tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    refs = [_tiny_adapter(tmp_path / "one", 1), _tiny_adapter(tmp_path / "two", 2)]
+    graphed = _runner(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=8)
+    eager = _runner(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=8)
+    base = _runner(tiny_llama)
+    eager.inputs = ReferenceInputs(BLOCK, CPU)
+    api = ReplayByRerun()
+    sizes = cg.capture_sizes(4)
+    plan = {n: [1] for n in sizes}
+    graphed.graphs = cg.DecodeGraphs(plan, graphed.inputs, graphed.graph_forward,
+                                     cg.decode_workspaces(plan, HEADS, HEAD_DIM, torch.float32, CPU), api, lambda _: 1)
+    graphed.graphs.capture()
+    for i, sched in enumerate(lora_steps(refs)):
+        before = api.replays
+        got, want = graphed.execute_model(sched), eager.execute_model(sched)
+        assert (api.replays > before) == (cg.graph_batch_size(sched, sizes) is not None), i
+        _close(got, want, f"step {i}")
+        if i == 1:  # a decode of a (adapter one), b (base), c (adapter two): the adapters' rows are theirs
+            plain = base.execute_model(steps()[0]) is not None and base.execute_model(steps()[1])
+            assert (got[1] - plain[1]).abs().max() < 1e-4  # b, on the base, with a padding row on slot 0 beside
+            assert (got[0] - plain[0]).abs().max() > 1e-2 and (got[2] - plain[2]).abs().max() > 1e-2
+    assert api.replays == 13
+
+
+@needs_gpu
+def test_real_graphs_with_lora(tiny_llama, tmp_path):
+    """On a GPU: real graphs with the Triton shrink/expand kernels captured in them, against --enforce-eager."""
+    refs = [_tiny_adapter(tmp_path / "one", 1), _tiny_adapter(tmp_path / "two", 2)]
+    graphed = _runner(tiny_llama, "cuda", enable_lora=True, max_loras=2, max_lora_rank=8)
+    eager = _runner(tiny_llama, "cuda", enforce_eager=True, enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert graphed.graph_state == cg.GraphState("on", captured=3)
+    eager.inputs = ReferenceInputs(BLOCK, torch.device("cuda"))
+    for i, sched in enumerate(lora_steps(refs)):
+        _close(graphed.execute_model(sched), eager.execute_model(sched), f"step {i}")

@@ -118,6 +118,10 @@ class ModelRunner:
         self.placeholder_source: SampledTokens | None = None
         self.timeline: StepTimeline | None = None  # where a step's time goes (a benchmark sets it)
         self._lora_segments = None  # the current step's tokens by LoRA slot (set by execute_model)
+        # With LoRA, a decode graph's input: each row's adapter slot (0 = none, padding rows too), read by the
+        # captured shrink/expand kernels; a replay fills its first rows (_prepare_lora).
+        self._lora_graph_slots = (torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=self.device)
+                                  if cfg.enable_lora else None)
 
     # -- the KV cache --------------------------------------------------------------------------
     @property
@@ -198,8 +202,6 @@ class ModelRunner:
         self.inputs = self._new_inputs(scratch_block=self.num_blocks)
         self.graphs = None
         reason = graphs_off_reason(cfg.enforce_eager, self.device, self.backend.name, cfg.world_size)
-        if reason is None and cfg.enable_lora:
-            reason = "--enable-lora: the adapter slot of each token is not a graph input yet"
         if reason is not None:
             self.graph_state = GraphState("off", reason)
             if self.device.type == "cuda":
@@ -209,7 +211,7 @@ class ModelRunner:
             plan = self.graph_plan()
             workspaces = decode_workspaces(plan, self.shard.num_heads, self.model_config.head_dim, self.dtype,
                                            self.device)
-            graphs = DecodeGraphs(plan, self.inputs, self.forward, workspaces, self._graph_api(),
+            graphs = DecodeGraphs(plan, self.inputs, self.graph_forward, workspaces, self._graph_api(),
                                   self.decode_splits)
             graphs.capture()
         except Exception as e:
@@ -279,7 +281,7 @@ class ModelRunner:
         with span(self.timeline, "prepare"):
             inp = self.prepare(sched, graph[0] if graph is not None else None)
             self._fill_placeholders(sched, inp.input_ids)
-            self._lora_segments = self._prepare_lora(sched)
+            self._lora_segments = self._prepare_lora(sched, graph[0] if graph is not None else None)
         with span(self.timeline, "forward"):
             return self._forward_step(sched, inp, graph)
 
@@ -328,8 +330,9 @@ class ModelRunner:
         idx = upload(self.device, {"at": at, "rows": rows})
         input_ids.index_copy_(0, idx["at"], src.tokens.index_select(0, idx["rows"]).to(input_ids.dtype))
 
-    def _prepare_lora(self, sched: SchedulerOutput):
-        """Load the adapters this step needs into their slots, and the step's tokens by slot."""
+    def _prepare_lora(self, sched: SchedulerOutput, graph_size: int | None = None):
+        """Load the adapters this step needs into their slots, and the step's tokens by slot (for a graph replay:
+        written into the graph's slot input instead)."""
         if self.lora is None:
             return None
         from ..lora.ops import LoRASegments, kernels_run_on
@@ -339,6 +342,11 @@ class ModelRunner:
         for slot, ref in sched.lora_loads:
             self.lora.load_slot(slot, ref)
         sizes, slots = [s.num_tokens for s in sched.scheduled], [s.lora_slot for s in sched.scheduled]
+        if graph_size is not None:  # a decode step: one token per request, padding rows on slot 0
+            rows = [slot for n, slot in zip(sizes, slots, strict=True) for _ in range(n)]
+            rows += [0] * (graph_size - len(rows))
+            self._lora_graph_slots[:graph_size].copy_(upload(self.device, {"slots": rows})["slots"])
+            return None
         segs = LoRASegments.from_requests(sizes, slots)
         num_tokens = sum(sizes)
         # The Triton kernels read every token's slot on every step; the torch path gathers small mixed steps only.
@@ -347,6 +355,16 @@ class ModelRunner:
             per_token = [slot for n, slot in zip(sizes, slots, strict=True) for _ in range(n)]
             segs.token_slots = upload(self.device, {"slots": per_token})["slots"]
         return segs
+
+    def graph_forward(self, inp: ModelInput) -> torch.Tensor:
+        """The forward a decode graph captures: with LoRA, every row goes through the adapters' shrink/expand by
+        the slots in the graph's slot input (rows on slot 0 get nothing added), whatever the step holds."""
+        if self._lora_graph_slots is not None:
+            from ..lora.ops import LoRASegments
+
+            n = inp.num_tokens
+            self._lora_segments = LoRASegments([0], [n], [1], token_slots=self._lora_graph_slots[:n])
+        return self.forward(inp)
 
     def forward(self, inp: ModelInput, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         with forward_context(ForwardContext(inp.attn, self.kv_caches, self._lora_segments)):
