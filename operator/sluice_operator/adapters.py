@@ -26,7 +26,7 @@ unload it, without a rollout. So nothing about one adapter is in the pod templat
   (/models-cache/<path>), which the pods mount already. Another claim needs a volume (adapter-<hash>, read-only
   at /adapter-claims/<claim>), i.e. a template change: the first adapter on a new claim, and the last one removed
   from it, roll the pods once (docs/operator.md).
-- --enable-lora (LoRA slots; CUDA graphs off) is a flag: it is on while spec.adapters is not empty, or kept on by
+- --enable-lora (LoRA slots: device memory, and a low-rank pass over every row of a decode graph) is a flag: it is on while spec.adapters is not empty, or kept on by
   engine.args enable-lora "true". Only with it kept on do the first adapter added and the last removed change
   nothing but the ConfigMap.
 """

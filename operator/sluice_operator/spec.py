@@ -651,10 +651,14 @@ class EndpointSpec(_Object):
              "adapters[].name must not be the model's served name (model.servedName, else the last path "
              "component of model.uri): clients tell the model and its adapters apart by name",
              lambda s: all(a.name != s.model.name for a in s.adapters), field_path=".adapters"),
-        Rule(f"!{_LORA} || ({_T} == 1 && {_P} == 1)",
-             "LoRA adapters (spec.adapters, engine.args enable-lora) run on one rank only for now: "
-             "parallelism.tensor and parallelism.pipeline must be 1",
-             lambda s: not lora_enabled(s) or s.parallelism.tensor * s.parallelism.pipeline == 1,
+        # Tensor and pipeline parallel ranks in one pod each hold their shard of every adapter. Across pods (a
+        # LeaderWorkerSet group) each pod's sidecars fetch on their own, and a rank that found no files at the
+        # adapter's path when the leader loads it would fail the step: not until the group agrees on readiness.
+        Rule(f"!{_LORA} || ((!({_HAS_N}) || {_N} <= 1) && (!({_HAS_G}) || {_T} * {_P} <= {_G}))",
+             "LoRA adapters (spec.adapters, engine.args enable-lora) run on replicas of one pod for now: "
+             "tensor x pipeline within accelerator.gpusPerNode, parallelism.nodes 1",
+             lambda s: not lora_enabled(s) or ((s.parallelism.nodes or 1) <= 1 and (
+                 lambda t, p, g: g is None or t * p <= g)(*_tp(s))),
              field_path=".parallelism"),
         Rule(f"!({_HAS_ADAPTERS} && {_LORA_ARG.format('false')})",
              "engine.args enable-lora \"false\" contradicts spec.adapters: the engines serve adapters with LoRA "

@@ -212,7 +212,9 @@ def test_reserved_names_are_what_reconcile_renders() -> None:
                 doc["spec"]["model"].pop("revision", None)
                 if with_adapters:
                     doc["spec"]["adapters"] = adapters
-                    if doc["spec"].get("parallelism"):  # LoRA runs on one rank only
+                    par, acc = doc["spec"].get("parallelism", {}), doc["spec"].get("accelerator", {})
+                    ranks = par.get("tensor", 1) * par.get("pipeline", 1)
+                    if par.get("nodes", 1) > 1 or ranks > acc.get("gpusPerNode", ranks):  # LoRA: one pod a replica
                         continue
                 docs.append(doc)
     for doc in docs:
