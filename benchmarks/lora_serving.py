@@ -72,16 +72,23 @@ def main() -> None:
         "LoRA on, 16 slots": LLM(model, enable_lora=True, lora_modules=mods, max_loras=16, max_lora_rank=a.rank, **kw),
         "LoRA on, 4 slots": LLM(model, enable_lora=True, lora_modules=mods, max_loras=4, max_lora_rank=a.rank, **kw),
     }
-    cases = [("base only", "no LoRA", 0), ("base only", "LoRA on, 16 slots", 0), ("1 adapter", "LoRA on, 16 slots", 1),
-             ("4 adapters", "LoRA on, 16 slots", 4), ("16 adapters", "LoRA on, 16 slots", 16),
-             ("16 adapters", "LoRA on, 4 slots", 16)]
+    # (requests on, engine, adapters, the CPU path's grouping): "per run" forces a product per run of adapter tokens
+    # (round-robin adapters: one per token) instead of the grouped products, to compare the two in one sitting.
+    cases = [("base only", "no LoRA", 0, ""), ("base only", "LoRA on, 16 slots", 0, ""),
+             ("1 adapter", "LoRA on, 16 slots", 1, ""), ("4 adapters", "LoRA on, 16 slots", 4, ""),
+             ("4 adapters", "LoRA on, 16 slots", 4, "per run"), ("16 adapters", "LoRA on, 16 slots", 16, ""),
+             ("16 adapters", "LoRA on, 16 slots", 16, "per run"), ("16 adapters", "LoRA on, 4 slots", 16, "")]
+    from sluice_engine.worker import model_runner
+
+    grouped_above = model_runner.MAX_LORA_RUNS_UNGROUPED
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(a.requests)]
     times: dict[int, list[float]] = {i: [] for i in range(len(cases))}
     loads0 = {}
     for rep in range(a.reps + 1):  # the first round warms every engine up and is not counted
-        for i, (_, engine, k) in enumerate(cases):
+        for i, (_, engine, k, path) in enumerate(cases):
             llm = engines[engine]
+            model_runner.MAX_LORA_RUNS_UNGROUPED = 10**9 if path == "per run" else grouped_above
             lora = [names[j % k] for j in range(a.requests)] if k else None
             if rep == 1 and llm.engine.lora_slots is not None:
                 loads0.setdefault(engine, llm.engine.lora_slots.loads)
@@ -93,13 +100,14 @@ def main() -> None:
 
     print(f"# {cpu_name()}, {os.cpu_count()} cores; {model}; {a.requests} requests at once x {a.max_tokens} tokens, "
           f"rank {a.rank}, median of {a.reps}")
-    print(f"{'requests on':<14} {'engine':<20} {'tok/s':>8} {'vs base':>8}")
+    print(f"{'requests on':<14} {'engine':<20} {'CPU path':<9} {'tok/s':>8} {'vs base':>8}")
     base = a.requests * a.max_tokens / statistics.median(times[1])
     rows = []
-    for i, (what, engine, _) in enumerate(cases):
+    for i, (what, engine, _, path) in enumerate(cases):
         tps = a.requests * a.max_tokens / statistics.median(times[i])
-        rows.append({"requests_on": what, "engine": engine, "tok_per_s": tps, "vs_base": tps / base})
-        print(f"{what:<14} {engine:<20} {tps:8.1f} {tps / base:7.2f}x")
+        rows.append({"requests_on": what, "engine": engine, "path": path or "default", "tok_per_s": tps,
+                     "vs_base": tps / base})
+        print(f"{what:<14} {engine:<20} {path or 'default':<9} {tps:8.1f} {tps / base:7.2f}x")
     swaps = engines["LoRA on, 4 slots"].engine.lora_slots.loads - loads0.get("LoRA on, 4 slots", 0)
     print(f"adapter loads into slots with 16 adapters on 4 slots: {swaps} in {a.reps} runs")
     if a.json:

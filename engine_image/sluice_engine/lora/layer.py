@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..forward_context import get_forward_context
-from .ops import lora_expand, lora_shrink
+from .ops import grouped_expand, grouped_shrink, lora_expand, lora_shrink
 
 
 class LoRALinear(nn.Module):
@@ -51,8 +51,14 @@ class LoRALinear(nn.Module):
         segs = get_forward_context().lora
         if not segs:
             return y
-        h = lora_shrink(x, self.a, segs)
         r = self.max_rank
+        if segs.groups is not None:
+            for g in segs.groups:
+                h = grouped_shrink(x, self.a, g)
+                for j, (proj, offset, _) in enumerate(self.slices):
+                    grouped_expand(h[..., j * r : (j + 1) * r], getattr(self, f"b_{proj}"), g, y, offset)
+            return y
+        h = lora_shrink(x, self.a, segs)
         for j, (proj, offset, _) in enumerate(self.slices):
             lora_expand(h[:, j * r : (j + 1) * r], getattr(self, f"b_{proj}"), segs, y, offset)
         return y

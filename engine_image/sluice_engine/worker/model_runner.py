@@ -47,10 +47,9 @@ from .model_input import ModelInput
 log = logging.getLogger("sluice.engine")
 
 
-# A step of at most this many tokens with several runs of adapters gathers each token's LoRA weights (one batched
-# product per projection) instead of a product per run (lora/ops.py); the gathered weights are tokens x rank x
-# width, so long prompt chunks keep the per-run path.
-GATHER_LORA_MAX_TOKENS = 256
+# A step with more runs of adapter tokens than this takes the grouped torch path (lora/ops.py: tokens gathered by
+# slot, a batched product per projection); with fewer, a product per run over slices of the batch gathers nothing.
+MAX_LORA_RUNS_UNGROUPED = 2
 
 
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -348,13 +347,31 @@ class ModelRunner:
             self._lora_graph_slots[:graph_size].copy_(upload(self.device, {"slots": rows})["slots"])
             return None
         segs = LoRASegments.from_requests(sizes, slots)
-        num_tokens = sum(sizes)
-        # The Triton kernels read every token's slot on every step; the torch path gathers small mixed steps only.
-        gather = len(segs.slots) > 1 and num_tokens <= GATHER_LORA_MAX_TOKENS
-        if segs and (gather or kernels_run_on(self.device)):
+        if not segs:
+            return segs
+        if kernels_run_on(self.device):  # the Triton kernels read every token's slot
             per_token = [slot for n, slot in zip(sizes, slots, strict=True) for _ in range(n)]
             segs.token_slots = upload(self.device, {"slots": per_token})["slots"]
+            return segs
+        if len(segs.slots) > MAX_LORA_RUNS_UNGROUPED:  # else a product per run, over slices (no gathers)
+            segs.groups = self._lora_groups(sizes, slots)
         return segs
+
+    def _lora_groups(self, sizes: list[int], slots: list[int]):
+        """The torch path's buckets of tokens by slot (lora/ops.py), on the device."""
+        from ..lora.ops import LoRAGroup, group_tokens
+
+        groups = []
+        for b_slots, b_rows in group_tokens(sizes, slots):
+            length = len(b_rows[0])
+            rows = [r for toks in b_rows for r in (*toks, *[0] * (length - len(toks)))]
+            short = [[i >= len(toks) for i in range(length)] for toks in b_rows]
+            dev = upload(self.device, {"rows": rows, "slots": b_slots})
+            pad = None
+            if any(len(toks) < length for toks in b_rows):
+                pad = torch.tensor(short, dtype=torch.bool).view(len(b_slots), length, 1).to(self.device)
+            groups.append(LoRAGroup(dev["rows"], dev["slots"], pad, len(b_slots), length))
+        return groups
 
     def graph_forward(self, inp: ModelInput) -> torch.Tensor:
         """The forward a decode graph captures: with LoRA, every row goes through the adapters' shrink/expand by
