@@ -24,6 +24,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                      help="a serving backend (repeatable)")
     src.add_argument("--standby", action="append", default=[], metavar="MODEL=URL",
                      help="a warm-pool backend: answers only while no serving backend is ready (repeatable)")
+    src.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="MODEL=NAME",
+                     help="a LoRA adapter the backends of MODEL (a --backend/--standby model) serve: requests "
+                          "naming it go to them (repeatable)")
     src.add_argument("--backends-file", default=None, help="YAML file of endpoints and backends, re-read on change")
     route = p.add_argument_group("routing")
     route.add_argument("--routing", default=d.routing, choices=ROUTING_MODES,

@@ -16,6 +16,7 @@ class GatewayConfig:
     # Backends: static (flags, a YAML file re-read on change) or Kubernetes EndpointSlices.
     backends: list[str] = field(default_factory=list)  # MODEL=URL, serving
     standby: list[str] = field(default_factory=list)  # MODEL=URL, warm pool
+    adapters: list[str] = field(default_factory=list)  # MODEL=NAME: a LoRA adapter MODEL's backends serve
     backends_file: str | None = None
     kubernetes: bool = False
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
@@ -114,5 +115,6 @@ class GatewayConfig:
             raise ValueError(f"--peer-interval must be > 0, got {self.peer_interval}")
         if self.peer_timeout < self.peer_interval:
             raise ValueError(f"--peer-timeout ({self.peer_timeout}) must be >= --peer-interval ({self.peer_interval})")
-        if self.kubernetes and (self.backends or self.standby or self.backends_file):
-            raise ValueError("--kubernetes discovers backends itself; drop --backend/--standby/--backends-file")
+        if self.kubernetes and (self.backends or self.standby or self.adapters or self.backends_file):
+            raise ValueError("--kubernetes discovers backends itself (and adapters from spec.adapters); drop "
+                             "--backend/--standby/--adapter/--backends-file")

@@ -60,7 +60,7 @@ class Gateway:
                     raise ValueError("--peer-service: pass --peer-namespace (no service account namespace here)")
                 self.peer_discovery = KubePeerDiscovery(api, namespace, cfg.peer_service, self._set_peers)
         else:
-            self.discovery = StaticDiscovery(cfg.backends, cfg.standby, cfg.backends_file, self._apply)
+            self.discovery = StaticDiscovery(cfg.backends, cfg.standby, cfg.backends_file, self._apply, cfg.adapters)
         # Ready (the /ready route, the scaler's calls): backends listed, and every peer known was asked once.
         self.ready = asyncio.Event()
         self._runner: web.AppRunner | None = None

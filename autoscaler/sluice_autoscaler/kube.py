@@ -5,7 +5,8 @@ Two list+watch loops over the API (plain HTTP on aiohttp, the pod's service acco
 - InferenceEndpoints (sluice.dev/v1alpha1): which endpoints exist, the model each serves
   (spec.model.servedName, else the last path component of spec.model.uri, as the engine names it), and the
   names clients may send for it (sluice_contract.model_names: `<namespace>/<servedName>`, and the plain
-  servedName with spec.model.nameScope Cluster or when the gateway watches one namespace only).
+  servedName with spec.model.nameScope Cluster or when the gateway watches one namespace only), and its
+  LoRA adapters (spec.adapters[].name), each published by the same rule as the served name.
 - EndpointSlices labelled `sluice.dev/endpoint` (the EndpointSlice controller copies a Service's labels onto
   its slices): `sluice.dev/role` = serving | standby says which pool, each endpoint's `conditions.ready`
   whether Kubernetes counts the pod ready.
@@ -61,6 +62,16 @@ def served_model_name(ie: dict[str, Any]) -> str:
     return served_name(model.get("servedName"), str(model.get("uri") or "")) or str(ie["metadata"]["name"])
 
 
+def adapter_names(ie: dict[str, Any], served: str) -> list[str]:
+    """The names of spec.adapters, read defensively: a CR without the field (or from an older CRD) has none,
+    and an entry without a usable name, or named like the served name, is skipped (the CRD refuses both)."""
+    adapters = (ie.get("spec") or {}).get("adapters") or []
+    if not isinstance(adapters, list):
+        return []
+    names = (a.get("name") if isinstance(a, dict) else None for a in adapters)
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and "/" not in n and n != served))
+
+
 def _port(ports: list[dict[str, Any]] | None) -> int | None:
     ports = [p for p in ports or [] if p.get("port")]
     for p in ports:
@@ -84,9 +95,13 @@ def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[st
             names = model_names(namespace, served, scope, only_namespace)
         except ValueError as e:  # the CRD's enum refuses it; an older CRD might not
             log.warning("InferenceEndpoint %s: %s; publishing its namespaced name only", key, e)
-            names = model_names(namespace, served, NAME_SCOPE_NAMESPACE, only_namespace)
+            scope = NAME_SCOPE_NAMESPACE
+            names = model_names(namespace, served, scope, only_namespace)
+        # Each LoRA adapter is published by the served name's rule: `<namespace>/<adapter>`, and the plain name
+        # where the served name is plain too.
+        adapters = {a: model_names(namespace, a, scope, only_namespace) for a in adapter_names(ie, served)}
         specs[key] = EndpointSpec(key, served, names=names, namespace=namespace,
-                                  created=str(meta.get("creationTimestamp") or ""))
+                                  created=str(meta.get("creationTimestamp") or ""), adapters=adapters)
     for s in slices:
         meta = s.get("metadata") or {}
         labels = meta.get("labels") or {}

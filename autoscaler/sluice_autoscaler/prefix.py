@@ -4,6 +4,10 @@ The gateway has no tokenizer; it only needs text whose shared beginnings match w
 cache shares. For chat, that is the messages rendered in order (role, then content), so every turn of a
 conversation, and every request behind one system prompt, starts with the same key as long as the key is
 shorter than what they share.
+
+A request for a LoRA adapter has the adapter's name in front of its key: the engine never shares KV blocks
+between adapters, or between an adapter and the base model (the same prompt is other KV under each), so the
+same prompt under another adapter is another key.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ def render_messages(messages: list[Any], limit: int) -> str:
     return "".join(out)
 
 
-def routing_key(body: dict[str, Any], chars: int) -> str | None:
-    """The first `chars` characters of the prompt, or None when the request has none."""
+def routing_key(body: dict[str, Any], chars: int, adapter: str | None = None) -> str | None:
+    """The first `chars` characters of the prompt, or None when the request has none; for a LoRA adapter's
+    request, behind the adapter's name."""
     text = ""
     messages = body.get("messages")
     prompt = body.get("prompt")
@@ -50,4 +55,9 @@ def routing_key(body: dict[str, Any], chars: int) -> str | None:
             text = " ".join(str(t) for t in prompt[:chars])
         elif isinstance(first, list):  # a batch of token-id prompts
             text = " ".join(str(t) for t in first[:chars])
-    return text[:chars] or None
+    text = text[:chars]
+    if not text:
+        return None
+    # NUL ends the name (adapter names hold none): `a` + `b...` is not `ab` + `...`. A key only picks a backend,
+    # so a prompt that happens to look like another adapter's key costs a cache miss at most.
+    return f"{adapter}\0{text}" if adapter else text

@@ -1,13 +1,16 @@
 """The OpenAI-compatible reverse proxy: one request's way through the gateway.
 
     API key precheck (before the body is read) -> body (bounded: --max-body-bytes, --max-buffered-bytes)
-      -> model -> endpoint -> API key check -> routing key (prompt prefix)
+      -> model -> endpoint (and the LoRA adapter, when the model names one) -> API key check
+      -> routing key (adapter + prompt prefix)
       -> candidates (ready serving; ready standby while serving is cold)
            none: hold (bounded by --max-held and --hold-timeout; demand signalled at once; a held stream gets
                  its headers and SSE keep-alive comments) until the endpoint changes, then look again
-      -> router picks one -> forward -> SSE chunks go to the client as they arrive
+      -> router picks one (an adapter's: those that answered it lately first) -> forward
+      -> SSE chunks go to the client as they arrive
       -> the backend fails before any of its bytes reached the client: try another backend, unless the
-         failure is the request's own (a 4xx, or a 500 the engine attributed to it: code request_failed)
+         failure is the request's own (a 4xx, or a 500 the engine attributed to it: code request_failed);
+         an adapter's 404 model_not_found is the backend's (it has not loaded the adapter yet): tried elsewhere
          after: the stream ends with an OpenAI-shaped error event
       -> a backend silent for --read-timeout counts as hung (a failure like a reset connection)
 """
@@ -140,7 +143,7 @@ class Failure:
     """A backend attempt that sent nothing to the client: retried elsewhere, or relayed at the end."""
 
     reason: str
-    status: int | None = None  # the backend's 5xx, or None when it could not be reached
+    status: int | None = None  # the backend's 5xx (or an adapter's 404), or None when it could not be reached
     body: bytes = b""
     headers: CIMultiDictProxy[str] | None = None
 
@@ -227,34 +230,36 @@ class Proxy:
         if not isinstance(model, str) or not model:
             return self._refuse("invalid_request", json_error(400, "missing required field 'model'",
                                                               "invalid_value", "model"), close=False)
-        ep = self.registry.by_model(model)
-        if ep is None:
+        route = self.registry.route(model)
+        if route is None:
             # Only the models this caller may use: the list must not reveal key-protected endpoints.
             visible = [n for n, e in self.registry.names() if self.keys.check(e.key, n, auth) is None]
             served = ", ".join(visible) or "none"
             return self._refuse("model_not_found", json_error(
                 404, f"model '{model[:200]}' does not exist; models available to you: {served}",
                 "model_not_found", "model"), close=False)
+        ep, adapter = route.endpoint, route.adapter
         # Keys by model name are keys for the name the client sent: a key for `<namespace>/<name>` opens
-        # that namespace's endpoint only.
+        # that namespace's endpoint only (and an adapter's name is a name of its own).
         denied = self.keys.check(ep.key, model, auth)
         if denied:
             self.metrics.finished(ep.key, "unauthorized")
             return json_error(401, denied, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        key = routing_key(body, self.cfg.prefix_chars) if self.cfg.routing == "prefix" else None
+        key = routing_key(body, self.cfg.prefix_chars, adapter) if self.cfg.routing == "prefix" else None
         stream = body.get("stream") is True
-        if model == ep.model:
+        if model == route.model:
             del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
-            return await Exchange(self, request, ep, raw, stream, key).run()
-        # The engine answers to its served name only: the name the client sent (`<namespace>/<name>`) is
-        # replaced before the request goes on. The answer's `model` is then the served name.
-        body["model"] = ep.model
+            return await Exchange(self, request, ep, raw, stream, key, adapter).run()
+        # The engine answers to its served name and its adapters' names only: the name the client sent
+        # (`<namespace>/<name>`) is replaced before the request goes on. The answer's `model` is then the
+        # engine's name.
+        body["model"] = route.model
         forwarded = encode_body(body)
         del body
         if not self.budget.take(len(forwarded)):
             return self._refuse("overloaded", self._overloaded(), close=False)
         try:
-            return await Exchange(self, request, ep, forwarded, stream, key).run()
+            return await Exchange(self, request, ep, forwarded, stream, key, adapter).run()
         finally:
             self.budget.give(len(forwarded))
 
@@ -262,13 +267,16 @@ class Proxy:
         auth = request.headers.get("Authorization")
         data = []
         want = request.match_info.get("model")
-        for name, ep in self.registry.names():
+        for name, route in self.registry.routes():
+            ep = route.endpoint
             if want is not None and want != name:
                 continue
             if self.keys.check(ep.key, name, auth) is not None:
                 continue  # a key-protected endpoint this caller cannot use
+            # `parent`: as the engine lists its LoRA adapters (the base model's name; None for a model).
             data.append({"id": name, "object": "model", "created": self.started, "owned_by": "sluice",
-                         "endpoint": ep.key, "served_name": ep.model, "ready": bool(ep.candidates()[0])})
+                         "endpoint": ep.key, "served_name": route.model, "parent": route.parent,
+                         "ready": bool(ep.candidates()[0])})
         if "model" in request.match_info:
             if not data:
                 return json_error(404, f"model '{request.match_info['model']}' does not exist", "model_not_found")
@@ -284,8 +292,9 @@ class Exchange:
     """One client request: hold while nothing is ready, pick a backend, forward, maybe retry."""
 
     def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytes | bytearray, stream: bool,
-                 key: str | None):
+                 key: str | None, adapter: str | None = None):
         self.p, self.request, self.ep, self.raw, self.stream, self.key = proxy, request, ep, raw, stream, key
+        self.adapter = adapter  # the LoRA adapter the request runs on (None: the base model)
         self.cfg = proxy.cfg
         self.demand = proxy.demand[ep.key]
         self.resp: web.StreamResponse | None = None  # headers sent (a held stream's keep-alive, or a backend's)
@@ -325,7 +334,9 @@ class Exchange:
             fresh = [b for b in candidates if b.url not in tried]
             if not fresh or attempts >= self.cfg.max_attempts:
                 return await self._give_up(last)
-            b = self.p.router.pick(fresh, self.key)
+            # An adapter's request prefers the backends that answered it lately (they hold it loaded).
+            prefer = self.ep.adapter_use.warm(self.adapter) if self.adapter else ()
+            b = self.p.router.pick(fresh, self.key, prefer)
             assert isinstance(b, Backend)
             attempts += 1
             tried.add(b.url)
@@ -340,7 +351,7 @@ class Exchange:
             return result
 
     async def _give_up(self, last: Failure | None) -> web.StreamResponse:
-        if last is not None and last.status is not None:  # the backend's own 5xx: pass it on
+        if last is not None and last.status is not None:  # the backend's own 5xx (an adapter's 404): pass it on
             return await self._reply(last.status, last.body, last.headers)
         reason = last.reason if last else "no backend left to try"
         raise Reject(502, f"no backend of model '{self.ep.model}' could take the request ({reason})",
@@ -437,8 +448,16 @@ class Exchange:
                     if up.status >= 500 and retryable(up.status, body):
                         b.poke.set()  # e.g. a dead engine answers 500 engine_dead: let the health check see it
                         return Failure(f"backend {b.url} answered {up.status}", up.status, body, up.headers)
+                    if self.adapter and up.status == 404 and error_code(body) == "model_not_found":
+                        # Adapters load while engines run (operator: adapters.json): this one has not loaded
+                        # it yet, or has unloaded it. Another backend may have it; if none does, the 404 goes on.
+                        self.ep.adapter_use.missing(self.adapter, b.url)
+                        return Failure(f"backend {b.url} does not serve adapter '{self.adapter}'", up.status, body,
+                                       up.headers)
                     # The request's own failure (a 4xx, a 500 the engine attributed to it): not retried.
                     return await self._reply(up.status, body, up.headers, b)
+                if self.adapter:
+                    self.ep.adapter_use.served(self.adapter, b.url)
                 sse = up.headers.get("Content-Type", "").startswith(SSE_TYPE)
                 async for chunk in up.content.iter_any():  # as the backend sends them: no buffering
                     if self.resp is None:

@@ -11,12 +11,21 @@ Clients name an endpoint by one of the names it claims (sluice_contract.model_na
 serves one namespace. Each name has one holder: namespaced names are claimed before plain ones (so
 `<namespace>/...` belongs to that namespace), and among claimants of one name the endpoint created first
 keeps it. The others are reported (log, `conflicts`), never merged.
+
+LoRA adapters (issue 26) are names too: an endpoint whose engines serve adapter `sql` claims `sql` by the same
+rule as its served name (`<namespace>/sql`, and plain `sql` where the served name is published plain), and a
+request naming it goes to the endpoint's backends, is held and counts in its demand like any other. An
+adapter name never takes a name from a model: the order of claims is namespaced names before plain ones, within
+each the served names before adapter names, then the endpoint created first. A name resolves to a `Route`:
+the endpoint, and the model its engines answer to for that name (the served name, or the adapter's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,6 +38,8 @@ log = logging.getLogger("sluice.gateway")
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 HEALTH_TIMEOUTS_TOLERATED = 3  # probes in a row without an answer before a ready backend counts as down
+# How long a backend that answered a request for a LoRA adapter counts as holding it (AdapterUse).
+ADAPTER_WARM_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,18 +54,38 @@ class EndpointSpec:
     names: tuple[str, ...] = ()
     namespace: str | None = None  # None: not from Kubernetes (static backends)
     created: str = ""  # creationTimestamp (RFC 3339 sorts by time): the older claimant keeps a name
+    # LoRA adapters the backends serve beside the model (the engine answers to each by its own name), with the
+    # names clients may send for each, the namespaced one first (empty: the adapter's name alone, as locally).
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def claimed(self) -> tuple[str, ...]:
         return self.names or (self.model,)
 
+    def claimed_adapters(self) -> dict[str, tuple[str, ...]]:
+        return {a: names or (a,) for a, names in self.adapters.items() if a != self.model}
+
 
 @dataclass(frozen=True, slots=True)
 class NameConflict:
-    """A name `endpoint` claims that `holder` already has."""
+    """A name `endpoint` claims (for its model or adapter `model`) that `holder` already has."""
 
     name: str
     endpoint: str
     holder: str
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a name a client sends leads: an endpoint, and the model its engines answer to for that name."""
+
+    endpoint: Endpoint
+    model: str  # the endpoint's served name, or one of its LoRA adapters
+    parent: str | None = None  # an adapter's: the name clients send for the base model (as /v1/models shows)
+
+    @property
+    def adapter(self) -> str | None:
+        return None if self.model == self.endpoint.model else self.model
 
 
 @dataclass(eq=False, slots=True)
@@ -72,11 +103,50 @@ class Backend:
         return self.listed_ready and self.healthy
 
 
+class AdapterUse:
+    """Which backends answered each LoRA adapter of an endpoint lately: the gateway's guess at which replicas
+    hold it loaded. Owner: the proxy (the only writer).
+
+    NOTE: a guess, and a cheap one. An engine keeps --max-loras adapters in device slots and swaps the least
+    recently used out; one that answered an adapter within ADAPTER_WARM_S most likely still has it (and its
+    prefixes in the KV cache), one that never did must load it from disk first. The router prefers these
+    backends only while one of them has room under the bounded-load rule, so a busy adapter spreads as far
+    as its load needs (and each backend it spills onto counts as holding it from then on)."""
+
+    def __init__(self, ttl: float = ADAPTER_WARM_S, clock: Callable[[], float] = time.monotonic):
+        self.ttl, self.clock = ttl, clock
+        self._last: dict[str, dict[str, float]] = {}  # adapter -> backend URL -> when it last answered it
+
+    def served(self, adapter: str, url: str) -> None:
+        now = self.clock()
+        seen = self._last.setdefault(adapter, {})
+        for u in [u for u, t in seen.items() if now - t > self.ttl]:  # bounded: no URL outlives its TTL
+            del seen[u]
+        seen[url] = now
+
+    def missing(self, adapter: str, url: str) -> None:
+        """The backend said it does not serve the adapter (404 model_not_found): not loaded there (yet)."""
+        self._last.get(adapter, {}).pop(url, None)
+
+    def warm(self, adapter: str) -> frozenset[str]:
+        """The backends that answered the adapter within the TTL."""
+        now = self.clock()
+        return frozenset(u for u, t in self._last.get(adapter, {}).items() if now - t <= self.ttl)
+
+    def keep(self, adapters: Iterable[str]) -> None:
+        """Forget adapters the endpoint no longer lists."""
+        wanted = set(adapters)
+        for a in [a for a in self._last if a not in wanted]:
+            del self._last[a]
+
+
 class Endpoint:
     def __init__(self, key: str, model: str):
         self.key = key
         self.model = model  # the served name (requests are forwarded with it)
         self.names: tuple[str, ...] = (model,)  # what clients may send (only those it holds route here)
+        self.adapters: dict[str, tuple[str, ...]] = {}  # LoRA adapter -> the names clients may send for it
+        self.adapter_use = AdapterUse()
         self.namespace: str | None = None
         self.created = ""
         self.backends: dict[str, Backend] = {}
@@ -117,7 +187,7 @@ class Registry:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.endpoints: dict[str, Endpoint] = {}
-        self._by_name: dict[str, Endpoint] = {}  # every name a client may send -> its one holder
+        self._by_name: dict[str, Route] = {}  # every name a client may send -> its one holder
         self.conflicts: list[NameConflict] = []
         self.closing = False  # shutting down: held requests are answered (503) instead of waiting on
         self._session: aiohttp.ClientSession | None = None
@@ -142,17 +212,26 @@ class Registry:
             await self._session.close()
 
     # -- lookups ---------------------------------------------------------------------------------------
-    def by_model(self, name: str) -> Endpoint | None:
-        """The endpoint a request's `model` names (one of the names it holds)."""
+    def route(self, name: str) -> Route | None:
+        """Where a request's `model` leads: the endpoint holding the name, and the model to forward."""
         return self._by_name.get(name)
+
+    def by_model(self, name: str) -> Endpoint | None:
+        """The endpoint a request's `model` names (one of the names it holds, its adapters' included)."""
+        route = self._by_name.get(name)
+        return route.endpoint if route is not None else None
 
     def models(self) -> list[Endpoint]:
         """The endpoints reachable by some name, by key."""
-        return sorted({id(e): e for e in self._by_name.values()}.values(), key=lambda e: e.key)
+        return sorted({id(r.endpoint): r.endpoint for r in self._by_name.values()}.values(), key=lambda e: e.key)
+
+    def routes(self) -> list[tuple[str, Route]]:
+        """(name, route) for every name a client may send, sorted."""
+        return sorted(self._by_name.items(), key=lambda item: item[0])
 
     def names(self) -> list[tuple[str, Endpoint]]:
         """(name, endpoint) for every name a client may send, sorted."""
-        return sorted(self._by_name.items(), key=lambda item: item[0])
+        return [(name, route.endpoint) for name, route in self.routes()]
 
     def resolve_key(self, endpoint: str | None, model: str | None, scaled_object: str) -> str:
         """The endpoint a KEDA ScaledObjectRef means: its `endpoint` metadata, else the endpoint in the
@@ -163,7 +242,7 @@ class Registry:
         namespace = scaled_object.partition("/")[0]
         if model:
             for name in (namespaced_model(namespace, model), model):
-                ep = self._by_name.get(name)
+                ep = self.by_model(name)
                 if ep is not None and ep.namespace in (None, namespace):
                     return ep.key
         return endpoint or scaled_object
@@ -186,25 +265,43 @@ class Registry:
                 ep = self.endpoints[spec.key] = Endpoint(spec.key, spec.model)
                 log.info("endpoint %s (model %r) added", spec.key, spec.model)
             ep.model, ep.names, ep.namespace, ep.created = spec.model, spec.claimed(), spec.namespace, spec.created
+            ep.adapters = spec.claimed_adapters()
+            ep.adapter_use.keep(ep.adapters)
             if self._sync_backends(ep, spec):
                 ep.notify()
         self._claim_names()
 
     def _claim_names(self) -> None:
-        """Give every name one holder: the endpoints' own (first) names before their cluster-wide ones, and
-        the endpoint created first before later ones. Conflicts are logged when they appear."""
-        by_name: dict[str, Endpoint] = {}
+        """Give every name one holder. Claims in this order: the endpoints' own (first, namespaced) names, then
+        their adapters' namespaced names, then the cluster-wide names of models, then of adapters; within each
+        pass the endpoint created first before later ones. Conflicts are logged when they appear."""
+        by_name: dict[str, Route] = {}
         conflicts: list[NameConflict] = []
         order = sorted(self.endpoints.values(), key=lambda e: (e.created, e.key))
-        for names_of in (lambda e: e.names[:1], lambda e: e.names[1:]):
+        passes: tuple[Callable[[Endpoint], Iterable[tuple[str, str, int]]], ...] = (
+            lambda e: ((n, e.model, 0) for n in e.names[:1]),
+            lambda e: ((n, a, 0) for a, names in e.adapters.items() for n in names[:1]),
+            lambda e: ((n, e.model, i) for i, n in enumerate(e.names[1:], 1)),
+            lambda e: ((n, a, i) for a, names in e.adapters.items() for i, n in enumerate(names[1:], 1)),
+        )
+        for claims_of in passes:
             for ep in order:
-                for name in names_of(ep):
-                    holder = by_name.setdefault(name, ep)
-                    if holder is not ep:
-                        conflicts.append(NameConflict(name, ep.key, holder.key))
+                for name, model, i in claims_of(ep):
+                    # An adapter's parent: the base model's name of the same form (namespaced or plain).
+                    parent = None
+                    if model != ep.model:
+                        parent = ep.names[i] if i < len(ep.names) else ep.names[0]
+                    holder = by_name.setdefault(name, Route(ep, model, parent))
+                    if holder.endpoint is not ep:
+                        conflicts.append(NameConflict(name, ep.key, holder.endpoint.key, model))
+        for name, route in list(by_name.items()):  # a parent name another endpoint holds: show the namespaced one
+            if route.parent is not None and by_name.get(route.parent, route).endpoint is not route.endpoint:
+                by_name[name] = Route(route.endpoint, route.model, route.endpoint.names[0])
         for c in set(conflicts) - set(self.conflicts):
-            log.warning("model name %r: endpoint %s claims it, but %s holds it (created first); %s is not "
-                        "reachable by that name", c.name, c.endpoint, c.holder, c.endpoint)
+            what = "its model" if c.model == self.endpoints[c.endpoint].model else f"its LoRA adapter {c.model!r}"
+            log.warning("model name %r: endpoint %s claims it for %s, but %s holds it (namespaced names before plain "
+                        "ones, models before adapters, then the endpoint created first); %s is not reachable by "
+                        "that name", c.name, c.endpoint, what, c.holder, c.endpoint)
         self._by_name, self.conflicts = by_name, conflicts
 
     def _sync_backends(self, ep: Endpoint, spec: EndpointSpec) -> bool:

@@ -6,6 +6,10 @@ owns many points on a hash ring; a key walks clockwise from its hash and takes t
 load stays within ceil(c * (total load + 1) / n). Requests that share a prefix therefore land on the
 backend that has the prefix in its KV cache, and a hot prefix spills onto the next backends on the ring
 instead of overloading one. Adding or removing a backend moves only the keys it gains or owned.
+
+A request may come with backends to prefer (those that hold its LoRA adapter: registry.AdapterUse). The
+preference is soft: it picks among them, by the same walk, while one has room under the bound of all the
+candidates; when none has, the request is routed as if it had none.
 Pure: no I/O; loads are the callers' in-flight counts.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
 VNODES = 128  # points per backend on the ring: keeps the split even within a few percent
@@ -63,13 +67,20 @@ def load_bound(total_load: int, n: int, load_factor: float) -> int:
     return math.ceil(load_factor * (total_load + 1) / n)
 
 
-def chwbl_pick(ring: HashRing, key: str, loads: dict[str, int], load_factor: float) -> str:
-    """The first backend on the key's walk with room under the bound. One always has room: the least
-    loaded one holds at most floor(total / n) < bound."""
-    bound = load_bound(sum(loads.values()), len(loads), load_factor)
+def first_with_room(ring: HashRing, key: str, loads: dict[str, int], bound: int) -> str | None:
+    """The first backend on the key's walk whose load stays within `bound` with one more request."""
     for i in ring.walk(key):
         if i in loads and loads[i] + 1 <= bound:
             return i
+    return None
+
+
+def chwbl_pick(ring: HashRing, key: str, loads: dict[str, int], load_factor: float) -> str:
+    """The first backend on the key's walk with room under the bound. One always has room: the least
+    loaded one holds at most floor(total / n) < bound."""
+    found = first_with_room(ring, key, loads, load_bound(sum(loads.values()), len(loads), load_factor))
+    if found is not None:
+        return found
     return min(loads, key=lambda i: (loads[i], i))  # unreachable while the ring holds every id
 
 
@@ -88,17 +99,27 @@ class Router:
             ring = self._rings[ids] = HashRing(ids)
         return ring
 
-    def pick(self, candidates: Sequence[Routable], key: str | None) -> Routable | None:
+    def pick(self, candidates: Sequence[Routable], key: str | None,
+             prefer: Collection[str] = ()) -> Routable | None:
+        """`prefer`: URLs to choose among first while one has room (round-robin, a baseline, ignores it)."""
         if not candidates:
             return None
         ordered = sorted(candidates, key=lambda b: b.url)
         self._turn += 1
         if self.mode == "round-robin":
             return ordered[self._turn % len(ordered)]
+        bound = load_bound(sum(b.inflight for b in ordered), len(ordered), self.load_factor)
+        if prefer:
+            # NOTE: the bound stays that of every candidate, so a preferred backend never takes more than any
+            # backend may; among the preferred, the same walk (or least load) decides as among all.
+            preferred = [b for b in ordered if b.url in prefer]
+            if any(b.inflight + 1 <= bound for b in preferred):
+                ordered = preferred
         if self.mode == "prefix" and key:
             by_id = {b.url: b for b in ordered}
-            chosen = chwbl_pick(self._ring(tuple(by_id)), key, {u: b.inflight for u, b in by_id.items()},
-                                self.load_factor)
+            loads = {u: b.inflight for u, b in by_id.items()}
+            chosen = first_with_room(self._ring(tuple(by_id)), key, loads, bound)
+            assert chosen is not None  # the least loaded of all has room; of the preferred, one was seen to
             return by_id[chosen]
         # Least-loaded; ties rotate so equal backends share the work.
         least = min(b.inflight for b in ordered)

@@ -1,13 +1,14 @@
-"""Backends without Kubernetes: `--backend MODEL=URL`, `--standby MODEL=URL`, and a YAML file re-read when
-it changes:
+"""Backends without Kubernetes: `--backend MODEL=URL`, `--standby MODEL=URL`, `--adapter MODEL=NAME`, and a
+YAML file re-read when it changes:
 
     endpoints:
       - model: smollm2                # the name clients send
         name: default/smollm2         # optional: the endpoint key KEDA's `endpoint` metadata names
         serving: [http://127.0.0.1:8001, http://127.0.0.1:8002]
         standby: [http://127.0.0.1:8003]
+        adapters: [sql, support]      # optional: LoRA adapters the backends serve (`sluice serve --lora-modules`)
 
-Locally an endpoint's key is its model name unless the file names it.
+Locally an endpoint's key is its model name unless the file names it, and an adapter answers to its own name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -44,49 +46,90 @@ def _urls(value: Any, where: str) -> list[str]:
     return [u.rstrip("/") for u in value]
 
 
-def parse_backends_file(text: str) -> list[tuple[str, str, list[str], list[str]]]:
-    """(key, model, serving urls, standby urls) per endpoint in a backends file."""
+def _adapters(value: Any, model: str, where: str) -> list[str]:
+    """Adapter names: a list of strings, or of {name: ...} as in an InferenceEndpoint's spec.adapters."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: expected a list of adapter names")
+    names = [a.get("name") if isinstance(a, dict) else a for a in value]
+    for a in names:
+        if not isinstance(a, str) or not a:
+            raise ValueError(f"{where}: expected a list of adapter names (strings, or {{name: ...}})")
+        if a == model:
+            raise ValueError(f"{where}: adapter {a!r} is the model's own name; clients tell them apart by name")
+    return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One endpoint of a backends file."""
+
+    key: str
+    model: str
+    serving: list[str]
+    standby: list[str]
+    adapters: list[str]
+
+
+def parse_backends_file(text: str) -> list[FileEntry]:
+    """One entry per endpoint in a backends file."""
     doc = yaml.safe_load(text) or {}
     if not isinstance(doc, dict) or not isinstance(doc.get("endpoints", []), list):
-        raise ValueError("a backends file holds `endpoints:`, a list of {model, name?, serving, standby}")
+        raise ValueError("a backends file holds `endpoints:`, a list of {model, name?, serving, standby, adapters?}")
     out = []
     for i, e in enumerate(doc.get("endpoints") or []):
         if not isinstance(e, dict) or not isinstance(e.get("model"), str) or not e["model"]:
             raise ValueError(f"endpoints[{i}]: `model` (a string) is required")
         key = e.get("name") or e["model"]
-        out.append((str(key), e["model"], _urls(e.get("serving"), f"endpoints[{i}].serving"),
-                    _urls(e.get("standby"), f"endpoints[{i}].standby")))
+        out.append(FileEntry(str(key), e["model"], _urls(e.get("serving"), f"endpoints[{i}].serving"),
+                             _urls(e.get("standby"), f"endpoints[{i}].standby"),
+                             _adapters(e.get("adapters"), e["model"], f"endpoints[{i}].adapters")))
     return out
 
 
-def build_specs(backends: list[str], standby: list[str], file_entries: list) -> list[EndpointSpec]:
-    """Flags and file merged, one spec per endpoint key."""
-    merged: dict[str, tuple[str, dict[str, bool], dict[str, bool]]] = {}
+def build_specs(backends: list[str], standby: list[str], file_entries: Sequence[FileEntry],
+                adapters: Sequence[str] = ()) -> list[EndpointSpec]:
+    """Flags and file merged, one spec per endpoint key. `adapters`: --adapter MODEL=NAME, for endpoints the
+    flags declare."""
+    merged: dict[str, tuple[str, dict[str, bool], dict[str, bool], dict[str, None]]] = {}
 
-    def add(key: str, model: str, serving: list[str], warm: list[str]) -> None:
-        _, s, w = merged.setdefault(key, (model, {}, {}))
+    def add(key: str, model: str, serving: list[str], warm: list[str], loras: list[str]) -> None:
+        _, s, w, a = merged.setdefault(key, (model, {}, {}, {}))
         s.update(dict.fromkeys(serving, True))
         w.update(dict.fromkeys(warm, True))
+        a.update(dict.fromkeys(loras))
 
     for text in backends:
         model, url = parse_pair(text, "--backend")
-        add(model, model, [url], [])
+        add(model, model, [url], [], [])
     for text in standby:
         model, url = parse_pair(text, "--standby")
-        add(model, model, [], [url])
-    for key, model, serving, warm in file_entries:
-        add(key, model, serving, warm)
-    return [EndpointSpec(k, m, s, w) for k, (m, s, w) in sorted(merged.items())]
+        add(model, model, [], [url], [])
+    for text in adapters:
+        model, sep, name = text.partition("=")
+        if not sep or not model or not name:
+            raise ValueError(f"--adapter takes MODEL=NAME (a LoRA adapter the backends of MODEL serve), got {text!r}")
+        if model not in merged:
+            raise ValueError(f"--adapter {text}: no --backend or --standby serves {model!r} (an endpoint of "
+                             "--backends-file lists its own `adapters`)")
+        if name == model:
+            raise ValueError(f"--adapter {text}: the adapter's name is the model's; clients tell them apart by name")
+        add(model, model, [], [], [name])
+    for e in file_entries:
+        add(e.key, e.model, e.serving, e.standby, e.adapters)
+    return [EndpointSpec(k, m, s, w, adapters=dict.fromkeys(a, ())) for k, (m, s, w, a) in sorted(merged.items())]
 
 
 class StaticDiscovery:
     def __init__(self, backends: list[str], standby: list[str], path: str | None,
-                 apply: Callable[[list[EndpointSpec]], None]):
+                 apply: Callable[[list[EndpointSpec]], None], adapters: Sequence[str] = ()):
         self.backends, self.standby, self.path, self._apply = backends, standby, path, apply
-        self._file_entries: list = []
+        self.adapters = adapters
+        self._file_entries: list[FileEntry] = []
         self._stamp: tuple[int, int, int] | None = None
         self._task: asyncio.Task | None = None
-        build_specs(backends, standby, [])  # flag errors surface before anything starts
+        build_specs(backends, standby, [], adapters)  # flag errors surface before anything starts
 
     def _read_file(self) -> bool:
         """Re-read the file if it changed; True when the entries changed. A broken file keeps the last."""
@@ -113,7 +156,7 @@ class StaticDiscovery:
         return changed
 
     def specs(self) -> list[EndpointSpec]:
-        return build_specs(self.backends, self.standby, self._file_entries)
+        return build_specs(self.backends, self.standby, self._file_entries, self.adapters)
 
     async def start(self) -> None:
         if self.path:

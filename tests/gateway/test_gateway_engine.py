@@ -5,6 +5,8 @@
   answered, none dropped.
 - A backend killed mid-run: requests it had not sent anything for go to the other backend, streams it was
   serving end with an error event, nothing hangs.
+- A LoRA adapter (PEFT, random weights) by its name through the openai client: held from zero beside a request
+  for the base model, answered by `sluice serve --enable-lora` on the adapter.
 """
 
 from __future__ import annotations
@@ -22,16 +24,17 @@ from servers import SERVED_NAME, ServerProcess
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 
-def write_backends(path: Path, urls: list[str]) -> None:
+def write_backends(path: Path, urls: list[str], adapters: list[str] | None = None) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"endpoints": [{"model": SERVED_NAME, "name": "default/smollm2", "serving": urls}]}))
+    endpoint = {"model": SERVED_NAME, "name": "default/smollm2", "serving": urls, "adapters": adapters or []}
+    tmp.write_text(json.dumps({"endpoints": [endpoint]}))
     tmp.replace(path)  # atomically, as a ConfigMap mount swaps it
 
 
-def start_engine(model_dir: Path, tmp_path: Path, name: str) -> ServerProcess:
+def start_engine(model_dir: Path, tmp_path: Path, name: str, *flags: str) -> ServerProcess:
     """Started, not waited for: the gateway is what waits. A small KV cache starts faster (and is plenty)."""
     return ServerProcess(["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--kv-cache-memory",
-                          "256MiB"], tmp_path / f"{name}.log")
+                          "256MiB", *flags], tmp_path / f"{name}.log")
 
 
 def chat(i: int, **kw) -> dict:
@@ -162,3 +165,66 @@ async def test_backend_killed_mid_run(model_dir, tmp_path):
         gw.stop()
         a.stop()
         b.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(hf_model, tmp_path_factory) -> Path:
+    """A PEFT LoRA adapter on the bundled model: random, rank 8 on every projection, large enough to matter."""
+    import copy
+
+    import torch
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(copy.deepcopy(hf_model), cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(10.0)
+    d = tmp_path_factory.mktemp("sql-adapter")
+    model.save_pretrained(d)
+    return d
+
+
+async def test_adapter_by_name_held_from_zero_through_the_openai_client(model_dir, adapter_dir, tmp_path):
+    from openai import NotFoundError, OpenAI
+
+    backends = tmp_path / "backends.json"
+    write_backends(backends, [], adapters=["sql"])  # scaled to zero
+    gw = await asyncio.to_thread(GatewayProcess, ["--backends-file", str(backends)], tmp_path / "gateway.log")
+    engine: ServerProcess | None = None
+    try:
+        client = OpenAI(base_url=f"{gw.url}/v1", api_key="none", timeout=300, max_retries=0)
+        listed = {m.id: getattr(m, "parent", None) for m in client.models.list().data}
+        assert listed == {SERVED_NAME: None, "sql": SERVED_NAME}
+
+        def ask(model: str):
+            return client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
+                {"role": "user", "content": "Write one SQL query that counts the rows of a table."}])
+
+        on_adapter = asyncio.create_task(asyncio.to_thread(ask, "sql"))
+        on_base = asyncio.create_task(asyncio.to_thread(ask, SERVED_NAME))
+        await wait_pending(gw, 2)  # both held, in the one endpoint's demand
+        with pytest.raises(NotFoundError):  # a name nobody lists is the gateway's 404, not held
+            await asyncio.to_thread(ask, "legal")
+        engine = start_engine(model_dir, tmp_path, "engine", "--enable-lora", "--lora-modules",
+                              f"sql={adapter_dir}", "--max-lora-rank", "8")
+        write_backends(backends, [engine.url], adapters=["sql"])
+        adapter_answer, base_answer = await asyncio.wait_for(asyncio.gather(on_adapter, on_base), 240)
+        assert adapter_answer.model == "sql" and base_answer.model == SERVED_NAME
+        assert adapter_answer.choices[0].message.content != base_answer.choices[0].message.content
+        # The engine's own answer for the adapter, asked directly: the gateway's was that one.
+        direct = OpenAI(base_url=f"{engine.url}/v1", api_key="none", timeout=300, max_retries=0)
+        again = direct.chat.completions.create(model="sql", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "Write one SQL query that counts the rows of a table."}])
+        assert again.choices[0].message.content == adapter_answer.choices[0].message.content
+        m = gw.metrics()
+        assert m['sluice_gateway_requests_total{endpoint="default/smollm2",outcome="ok"}'] == 2
+        assert m['sluice_gateway_hold_seconds_count{endpoint="default/smollm2"}'] == 2
+        assert m['sluice_gateway_pending_requests{endpoint="default/smollm2"}'] == 0
+    finally:
+        if engine:
+            engine.stop()
+        gw.stop()
