@@ -64,7 +64,7 @@ def test_the_scrape_applies_new_objectives_to_goodput(tmp_path: Path) -> None:
 
     def complete(ttft_s: float) -> None:
         """A one-token request completing `ttft_s` after it arrived."""
-        req = SimpleNamespace(num_output_tokens=1, arrival_time=0.0, first_scheduled_time=0.0)
+        req = SimpleNamespace(num_output_tokens=1, arrival_time=0.0, first_scheduled_time=0.0, lora_name=None)
         times = RequestTimes(num_output_tokens=1, first_token_time=ttft_s, last_token_time=ttft_s, prefilling=False)
         metrics._on_completed(req, times, now=ttft_s)
 
