@@ -352,7 +352,7 @@ class LLMEngine:
             return {}
         m, sched = self.metrics, self.scheduler
         return dict(max_lora=self.lora_slots.max_loras,
-                    lora_running=tuple(sorted({r.lora.name for r in sched.running if r.lora is not None})),
+                    lora_running=tuple(sorted(self.lora_slots.running_adapters)),  # each pins a slot
                     lora_waiting=tuple(sorted({r.lora.name for r in sched.waiting if r.lora is not None})),
                     lora_prompt_tokens=dict(m.lora_prompt_tokens), lora_generation_tokens=dict(m.lora_generation_tokens),
                     lora_requests=dict(m.lora_requests), lora_goodput=dict(m.lora_goodput))
