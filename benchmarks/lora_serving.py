@@ -72,12 +72,13 @@ def main() -> None:
         "LoRA on, 16 slots": LLM(model, enable_lora=True, lora_modules=mods, max_loras=16, max_lora_rank=a.rank, **kw),
         "LoRA on, 4 slots": LLM(model, enable_lora=True, lora_modules=mods, max_loras=4, max_lora_rank=a.rank, **kw),
     }
-    # (requests on, engine, adapters, the CPU path's grouping): "per run" forces a product per run of adapter tokens
-    # (round-robin adapters: one per token) instead of the grouped products, to compare the two in one sitting.
+    # (requests on, engine, adapters, the CPU path): "" is the default (on CPU in fp32, the C++ kernel,
+    # lora/cpu_ops.py); "torch" the torch path's grouped products (lora/ops.py), "per run" its product per run of
+    # adapter tokens (round-robin adapters: one per token), to compare the three in one sitting.
     cases = [("base only", "no LoRA", 0, ""), ("base only", "LoRA on, 16 slots", 0, ""),
              ("1 adapter", "LoRA on, 16 slots", 1, ""), ("4 adapters", "LoRA on, 16 slots", 4, ""),
-             ("4 adapters", "LoRA on, 16 slots", 4, "per run"), ("16 adapters", "LoRA on, 16 slots", 16, ""),
-             ("16 adapters", "LoRA on, 16 slots", 16, "per run"), ("16 adapters", "LoRA on, 4 slots", 16, "")]
+             ("4 adapters", "LoRA on, 16 slots", 4, "torch"), ("4 adapters", "LoRA on, 16 slots", 4, "per run"),
+             ("16 adapters", "LoRA on, 16 slots", 16, ""), ("16 adapters", "LoRA on, 4 slots", 16, "")]
     from sluice_engine.worker import model_runner
 
     grouped_above = model_runner.MAX_LORA_RUNS_UNGROUPED
@@ -89,6 +90,7 @@ def main() -> None:
         for i, (_, engine, k, path) in enumerate(cases):
             llm = engines[engine]
             model_runner.MAX_LORA_RUNS_UNGROUPED = 10**9 if path == "per run" else grouped_above
+            model_runner.LORA_CPU_KERNEL = not path
             lora = [names[j % k] for j in range(a.requests)] if k else None
             if rep == 1 and llm.engine.lora_slots is not None:
                 loads0.setdefault(engine, llm.engine.lora_slots.loads)

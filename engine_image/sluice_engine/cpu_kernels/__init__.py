@@ -1,6 +1,7 @@
 """The engine's C++ kernels for CPU (paged attention for short queries, fp32 GEMM for linear layers, GEMM over GGUF
-block-quantized weights, the decoder's norms/rotary/activation), built with the system's C++ compiler into one
-shared object per instruction-set level and loaded with ctypes (which releases the GIL during a call).
+block-quantized weights, the decoder's norms/rotary/activation, LoRA's low-rank delta), built with the system's
+C++ compiler into one shared object per instruction-set level and loaded with ctypes (which releases the GIL
+during a call).
 
 Levels (ISAS, best first): avx512-vnni, avx512, avx2 (with FMA and F16C), portable (the compiler's baseline for
 this architecture: SSE2 on x86-64, NEON on AArch64). Each is built with explicit -m flags, never -march=native,
@@ -34,7 +35,7 @@ from ..model_fetch import cache_root
 log = logging.getLogger("sluice.engine")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
-                                                              "layer_ops.cpp", "ggml_attention.cpp")]
+                                                              "layer_ops.cpp", "ggml_attention.cpp", "lora.cpp")]
 HEADERS = [Path(__file__).with_name("ggml_expf.h")]  # included by the sources: part of the build's cache key
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 2  # of paged_attention.cpp's entry points
@@ -246,6 +247,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     _bind_layer_ops(lib)
     _bind_ggml_attention(lib)
+    lib.sluice_lora_f32.argtypes = [p, i64, i32, p, i32, i32, p, p, p, p, p, i32, p, i64, i32]
+    lib.sluice_lora_f32.restype = None
     return lib
 
 

@@ -7,6 +7,9 @@ weights are buffers in the model's dtype on its device: the projections' A side 
 ([slots, projections x rank, in]: one shrink serves q, k and v), and a B per projection ([slots, out, rank]),
 zero where a slot's adapter leaves a projection alone or has a smaller rank; B holds the adapter's scaling.
 Which tokens are on which slot comes from the forward context (`ForwardContext.lora`, set by the model runner).
+
+An fp32 layer on CPU also keeps each B transposed (`bt_<projection>`, [slots, rank, out]) for the C++ kernel
+(lora/cpu_ops.py), which the runner picks when the kernels are built: one call per layer for the whole step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from ..forward_context import get_forward_context
+from .cpu_ops import LayerArgs, lora_cpu_
 from .ops import grouped_expand, grouped_shrink, lora_expand, lora_shrink
 
 
@@ -32,6 +36,12 @@ class LoRALinear(nn.Module):
         for proj, _, width in slices:
             self.register_buffer(f"b_{proj}", torch.zeros(num_slots, width, max_rank, dtype=dtype, device=device),
                                  persistent=False)
+        self.cpu_args: LayerArgs | None = None
+        if device.type == "cpu" and dtype == torch.float32:
+            for proj, _, width in slices:
+                self.register_buffer(f"bt_{proj}", torch.zeros(num_slots, max_rank, width, dtype=dtype),
+                                     persistent=False)
+            self.cpu_args = LayerArgs(self.a, [getattr(self, f"bt_{p}") for p, _, _ in slices], slices)
 
     def set_slot(self, slot: int, proj: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Load one projection of an adapter into a slot (a [rank, in], b [out, rank] with the scaling in it);
@@ -39,12 +49,17 @@ class LoRALinear(nn.Module):
         j = next(i for i, (p, _, _) in enumerate(self.slices) if p == proj)
         rows = self.a[slot, j * self.max_rank : (j + 1) * self.max_rank]
         b_buf = getattr(self, f"b_{proj}")
+        bt_buf = getattr(self, f"bt_{proj}", None)
         rows.zero_()
         b_buf[slot].zero_()
+        if bt_buf is not None:
+            bt_buf[slot].zero_()
         if a is not None and b is not None:
             r = a.shape[0]
             rows[:r].copy_(a)
             b_buf[slot, :, :r].copy_(b)
+            if bt_buf is not None:
+                bt_buf[slot, :r].copy_(b.T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -52,6 +67,9 @@ class LoRALinear(nn.Module):
         if not segs:
             return y
         r = self.max_rank
+        if segs.by_slot is not None and self.cpu_args is not None and x.dim() == 2 and x.stride(1) == 1:
+            lora_cpu_(self.cpu_args, x, y, *segs.by_slot, r)
+            return y
         if segs.groups is not None:
             for g in segs.groups:
                 h = grouped_shrink(x, self.a, g)

@@ -19,7 +19,8 @@ On CUDA with Triton, the runner sets `token_slots` on every step with adapter to
 the kernels, which read it alone (one launch each, whatever the runs; no host sync, so a CUDA graph can hold
 them). Without it, or on other devices, the torch path runs as above.
 
-On CPU the runner takes a third way (`LoRASegments.groups`, `grouped_shrink`/`grouped_expand`): the step's tokens
+On CPU with the C++ kernels built (fp32), the runner sets `LoRASegments.by_slot` and every LoRA layer makes one
+call into cpu_kernels/lora.cpp for the whole step (lora/cpu_ops.py). Without them, the runner takes a third way (`LoRASegments.groups`, `grouped_shrink`/`grouped_expand`): the step's tokens
 gathered by slot, whatever their order in the batch ([S slots, L tokens], short groups padded), so each
 projection is one batched product over S slot weights instead of a product per run (round-robin adapters make a
 run of every decode token) or a gather of the weights per token (tokens x rank x width of memory traffic: on
@@ -48,8 +49,11 @@ class LoRASegments:
     # Every token's slot (0 for the base) on the device: set when the step is gathered per token (torch), and on
     # every step where the Triton kernels run (kernels_run_on).
     token_slots: torch.Tensor | None = None
-    # The tokens gathered by slot, in buckets (the CPU's way: grouped_shrink/grouped_expand); None: the above.
+    # The tokens gathered by slot, in buckets (the CPU's torch way: grouped_shrink/grouped_expand); None: the above.
     groups: list[LoRAGroup] | None = None
+    # The adapter tokens' rows sorted by slot and their slots (int64 on CPU): set where the C++ kernel runs
+    # (lora/cpu_ops.py: an fp32 model on CPU with the kernels built), which takes precedence over the above.
+    by_slot: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_requests(cls, num_tokens: list[int], slots: list[int]) -> LoRASegments:

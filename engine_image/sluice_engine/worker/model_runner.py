@@ -50,6 +50,9 @@ log = logging.getLogger("sluice.engine")
 # A step with more runs of adapter tokens than this takes the grouped torch path (lora/ops.py: tokens gathered by
 # slot, a batched product per projection); with fewer, a product per run over slices of the batch gathers nothing.
 MAX_LORA_RUNS_UNGROUPED = 2
+# Whether an fp32 model on CPU runs LoRA through the C++ kernel when it is built (lora/cpu_ops.py); a benchmark
+# turns it off to time the torch paths beside it.
+LORA_CPU_KERNEL = True
 
 
 def max_model_len(cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -106,6 +109,11 @@ class ModelRunner:
             # Adapters are registered by the engine (LLMEngine.load_lora), at start and while it runs.
             self.lora = LoRAModel(self.model, mc, self.shard, cfg.max_loras, cfg.max_lora_rank, self.dtype,
                                   self.device, cfg.max_cpu_loras)
+        self._lora_cpu_kernel = False  # LoRA through cpu_kernels/lora.cpp (an fp32 model on CPU, kernels built)
+        if cfg.enable_lora and self.device.type == "cpu" and self.dtype == torch.float32:
+            from ..lora.cpu_ops import cpu_kernel
+
+            self._lora_cpu_kernel = cpu_kernel() is not None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
@@ -334,6 +342,7 @@ class ModelRunner:
         written into the graph's slot input instead)."""
         if self.lora is None:
             return None
+        from ..lora.cpu_ops import rows_by_slot
         from ..lora.ops import LoRASegments, kernels_run_on
 
         for ref in sched.lora_drops:
@@ -352,6 +361,10 @@ class ModelRunner:
         if kernels_run_on(self.device):  # the Triton kernels read every token's slot
             per_token = [slot for n, slot in zip(sizes, slots, strict=True) for _ in range(n)]
             segs.token_slots = upload(self.device, {"slots": per_token})["slots"]
+            return segs
+        if self._lora_cpu_kernel and LORA_CPU_KERNEL:  # one C++ call per LoRA layer, whatever the runs (lora/cpu_ops.py)
+            rows, row_slots = rows_by_slot(sizes, slots)
+            segs.by_slot = (torch.tensor(rows, dtype=torch.int64), torch.tensor(row_slots, dtype=torch.int64))
             return segs
         if len(segs.slots) > MAX_LORA_RUNS_UNGROUPED:  # else a product per run, over slices (no gathers)
             segs.groups = self._lora_groups(sizes, slots)
