@@ -71,6 +71,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # The KV offload tier (docs/architecture.md, "KV beyond one engine"): bytes of host memory per rank that keep
+    # the prefix cache's evicted blocks, loaded back on a hit instead of recomputed; 0: none.
+    kv_offload_bytes: int = 0
     max_queue_len: int = 1024
     # The watchdog: a step still running after this many seconds while work is pending turns /health
     # to 503 (a hung device or kernel), so the pod's liveness probe restarts it.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .kv_offload import OffloadIndex
 from .request import Request
 
 
@@ -81,6 +82,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[int, KVBlock] = {}
+        self.offload: OffloadIndex | None = None  # where evicted cached blocks go (--kv-offload-bytes)
 
     @property
     def num_blocks(self) -> int:
@@ -106,6 +108,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict its cached content (LRU: oldest freed first)
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.offload is not None:  # saved to the tier before this step overwrites it
+                        self.offload.store(block.block_hash, block.block_id)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -139,15 +143,23 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.offload is not None:
+            self.offload.clear()
 
 
 class KVCacheManager:
     """Block tables per request on top of the block pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 offload_blocks: int = 0):
+        """offload_blocks: the offload tier's size in blocks (--kv-offload-bytes; 0: no tier). It keeps the
+        prefix cache's evicted blocks, so it needs prefix caching."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = OffloadIndex(offload_blocks) if offload_blocks and enable_prefix_caching else None
+        self.pool.offload = self.offload
+        self.offload_hits = 0  # prompt tokens loaded from the tier (also counted in prefix_hits)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full blocks, in order
         # Prefix-cache statistics in tokens (queries = prompt tokens looked up).
@@ -190,13 +202,23 @@ class KVCacheManager:
             hit.append(block)
         return hit
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()) -> bool:
-        """Make room for `num_new_tokens` more computed tokens. Returns False (changing nothing) if
-        the pool cannot supply the blocks."""
+    def find_offloaded(self, request: Request, num_device_hits: int) -> list[int]:
+        """The names of the request's blocks after its device hits that the offload tier holds, in order (to
+        be loaded into fresh blocks by `allocate`)."""
+        if self.offload is None or not len(self.offload) or request.params.prompt_logprobs is not None:
+            return []
+        names = self._block_hashes(request, request.num_tokens - 1)[num_device_hits:]
+        return names[: self.offload.lookup(names)]
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = (),
+                 offloaded: Sequence[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more computed tokens, after a new request's `cached_prefix` (device
+        hits) and `offloaded` blocks (tier hits: loaded into fresh blocks with this step). Returns False
+        (changing nothing) if the pool cannot supply the blocks."""
         blocks = self.req_blocks.get(request.request_id)
         if blocks is None:
             blocks = []
-        num_computed = request.num_scheduled_tokens + len(cached_prefix) * self.block_size
+        num_computed = request.num_scheduled_tokens + (len(cached_prefix) + len(offloaded)) * self.block_size
         total = num_computed + num_new_tokens
         need = self.blocks_needed(total) - len(blocks) - len(cached_prefix)
         # Cached blocks sitting in the free queue are not available for new allocations once touched.
@@ -207,7 +229,11 @@ class KVCacheManager:
             self.pool.touch(cached_prefix)
             blocks.extend(cached_prefix)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
+            fresh = self.pool.allocate(need)
+            for name, block in zip(offloaded, fresh, strict=False):
+                self.offload.load(name, block.block_id)
+            blocks.extend(fresh)
+        self.offload_hits += len(offloaded) * self.block_size
         self.req_blocks[request.request_id] = blocks
         if self.enable_prefix_caching:
             # NOTE: the blocks filled by this step are registered now, before the forward writes

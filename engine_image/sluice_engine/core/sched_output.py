@@ -58,6 +58,10 @@ class SchedulerOutput:
     lora_loads: list[tuple[int, LoRARef]] = field(default_factory=list)
     # LoRA adapters unloaded since the last step that ran: every rank drops its host copy.
     lora_drops: list[LoRARef] = field(default_factory=list)
+    # The KV offload tier (core/kv_offload.py), before anything else in the step: evicted cached blocks copied
+    # out to tier slots (device block id, tier slot), then tier slots copied into fresh blocks (tier slot, block).
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -182,9 +182,10 @@ class Scheduler:
                 budget -= 1
                 continue
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(cached) * self.kv.block_size
+            offloaded = self.kv.find_offloaded(req, len(cached)) if req.num_computed_tokens == 0 else []
+            num_cached = (len(cached) + len(offloaded)) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_cached, budget)
-            if not self.kv.allocate(req, num_new, cached):
+            if not self.kv.allocate(req, num_new, cached, offloaded):
                 self._release_lora(req)
                 break
             del self.waiting[idx]
@@ -202,6 +203,8 @@ class Scheduler:
             out.freed_req_ids = self.take_freed()
             out.lora_loads, self._lora_loads = self._lora_loads, []
             out.lora_drops, self._lora_drops = self._lora_drops, []
+            if self.kv.offload is not None:
+                out.kv_stores, out.kv_loads = self.kv.offload.take()
         return out
 
     def forget_lora(self, ref: LoRARef) -> None:

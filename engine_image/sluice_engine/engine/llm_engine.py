@@ -116,7 +116,8 @@ class LLMEngine:
                 "raise --kv-cache-memory (or --gpu-memory-utilization) or lower --max-model-len"
             )
         self.max_model_len = min(self.runner.max_model_len, capacity)
-        self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 offload_blocks=self.executor.num_offload_blocks)
         # One virtual engine per pipeline stage: disjoint micro-batches keep every stage busy.
         self.lora_slots = LoRASlotTable(cfg.max_loras) if cfg.enable_lora else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,

@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step; longer prompts are prefilled in chunks")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-offload-bytes", type=parse_size, default=0, metavar="SIZE",
+                   help="host memory per rank, e.g. 4GiB, for the KV offload tier: prompt blocks the prefix cache "
+                        "evicts are kept there (LRU) and loaded back on a later hit instead of recomputed "
+                        "(default 0: off; needs prefix caching)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="waiting requests beyond this are refused with 503 and Retry-After")
     p.add_argument("--step-timeout", type=float, default=120.0, metavar="SECONDS",

@@ -74,9 +74,11 @@ class Executor:
 
             self.draft = load_draft_model(draft_dir, self.runner)
         blocks = plan_kv_cache(self.runner, self.draft).num_blocks
+        offload = self.runner.offload_blocks_wanted()
         if self.world_size > 1:
             blocks = ps.all_ranks_min(blocks)
-        self.runner.allocate_kv_cache(blocks)
+            offload = ps.all_ranks_min(offload)
+        self.runner.allocate_kv_cache(blocks, offload)
         if self.draft is not None:
             self.draft.allocate_kv_cache(blocks)  # as many tokens as the target's: the plan's split
 
@@ -84,6 +86,11 @@ class Executor:
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
+
+    @property
+    def num_offload_blocks(self) -> int:
+        """The offload tier's size in blocks (0: none)."""
+        return self.runner.kv_tier.num_slots if self.runner.kv_tier is not None else 0
 
     @property
     def model_config(self) -> ModelConfig:

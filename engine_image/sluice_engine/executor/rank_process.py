@@ -29,7 +29,8 @@ def run_worker(cfg: EngineConfig, model_dir: Path, rank: int) -> None:
                         cfg.master_port, _device_hint(cfg), cfg.distributed_timeout, local_rank)
     runner = ModelRunner(cfg, model_dir, rank=rank, local_rank=local_rank)
     # Sized like rank 0's (executor.py): the profile's collectives pair up with the other ranks'.
-    runner.allocate_kv_cache(ps.all_ranks_min(plan_kv_cache(runner).num_blocks))
+    blocks = ps.all_ranks_min(plan_kv_cache(runner).num_blocks)
+    runner.allocate_kv_cache(blocks, ps.all_ranks_min(runner.offload_blocks_wanted()))
     torch.set_grad_enabled(False)
     steps = 0
     while True:

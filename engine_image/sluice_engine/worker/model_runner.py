@@ -116,6 +116,7 @@ class ModelRunner:
             self._lora_cpu_kernel = cpu_kernel() is not None
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.kv_tier = None  # the offload tier's memory (worker/kv_tier.py), with --kv-offload-bytes
         self.inputs: InputBuffers | None = None  # the step's persistent inputs, once the KV cache is allocated
         self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA only)
         self.graph_state = GraphState("off", "the KV cache is not allocated yet")
@@ -142,17 +143,30 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         return self.kv_bytes_per_token * self.cfg.block_size
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def offload_blocks_wanted(self) -> int:
+        """Blocks of this rank's KV that --kv-offload-bytes holds (0: no tier; it keeps the prefix cache's
+        evictions, so none without prefix caching)."""
+        if not self.cfg.kv_offload_bytes or not self.cfg.enable_prefix_caching:
+            return 0
+        return self.cfg.kv_offload_bytes // self.kv_bytes_per_block
+
+    def allocate_kv_cache(self, num_blocks: int, offload_blocks: int = 0) -> None:
         """Every rank allocates the same number of blocks (the smallest rank's capacity): block ids
-        mean the same slots on every rank."""
+        mean the same slots on every rank; the same for the offload tier's slots."""
         sh = self.shard
         # One block more than the KV manager hands out: the scratch block (id num_blocks), where the padding
         # rows of a CUDA graph's batch write and read (worker/cuda_graphs.py).
         self.kv_caches = self._new_kv_cache(num_blocks + 1)
         self.num_blocks = num_blocks
+        on_rank = "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}"
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s)", num_blocks, self.cfg.block_size,
-                 num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20,
-                 "" if sh.tp * sh.pp == 1 else f" on rank {sh.rank}")
+                 num_blocks * self.cfg.block_size, self.kv_cache_bytes / 2**20, on_rank)
+        if offload_blocks:
+            from .kv_tier import KVTier
+
+            self.kv_tier = KVTier(offload_blocks, self.kv_caches)
+            log.info("KV offload tier: %d blocks = %d tokens (%.1f MiB of host memory%s)", offload_blocks,
+                     offload_blocks * self.cfg.block_size, self.kv_tier.nbytes / 2**20, on_rank)
         self._setup_step_inputs()
 
     @staticmethod
@@ -293,6 +307,8 @@ class ModelRunner:
             return self._forward_step(sched, inp, graph)
 
     def _forward_step(self, sched: SchedulerOutput, inp: ModelInput, graph) -> torch.Tensor | None:
+        if sched.kv_stores or sched.kv_loads:  # first: a store saves a block before anything here reuses it
+            self.kv_tier.move(self.kv_caches, sched.kv_stores, sched.kv_loads)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         sh = self.shard
