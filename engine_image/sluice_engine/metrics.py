@@ -110,6 +110,18 @@ class EngineMetrics:
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
     lora_requests: dict[str, int] = field(default_factory=dict)
     lora_goodput: dict[str, int] = field(default_factory=dict)
+    # The KV offload tier (with --kv-offload-bytes; all 0 without): its size and use in blocks, blocks stored and
+    # loaded, prompt tokens served from it, evicted blocks not stored, bytes per block (rank 0's shard), and the
+    # host time rank 0 spent on its copies.
+    kv_offload_blocks: int = 0
+    kv_offload_used: int = 0
+    kv_offload_stored: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_dropped: int = 0
+    kv_offload_block_bytes: int = 0
+    kv_offload_store_seconds: float = 0.0
+    kv_offload_load_seconds: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, num_gpus: int) -> EngineMetrics:
@@ -256,6 +268,18 @@ class StatsSnapshot:
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
     lora_requests: dict[str, int] = field(default_factory=dict)
     lora_goodput: dict[str, int] = field(default_factory=dict)
+    # The KV offload tier (with --kv-offload-bytes; all 0 without): its size and use in blocks, blocks stored and
+    # loaded, prompt tokens served from it, evicted blocks not stored, bytes per block (rank 0's shard), and the
+    # host time rank 0 spent on its copies.
+    kv_offload_blocks: int = 0
+    kv_offload_used: int = 0
+    kv_offload_stored: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_dropped: int = 0
+    kv_offload_block_bytes: int = 0
+    kv_offload_store_seconds: float = 0.0
+    kv_offload_load_seconds: float = 0.0
 
     @classmethod
     def zero(cls) -> StatsSnapshot:
@@ -353,6 +377,8 @@ class _EngineCollector:
                       snap.prefix_queries)
         yield counter("sluice_prefix_cache_hits", "Prompt tokens served from the prefix cache.", snap.prefix_hits)
         yield counter("sluice_num_preemptions", "Requests preempted by recompute.", snap.num_preemptions)
+        if snap.kv_offload_blocks:
+            yield from self._kv_offload_metrics(snap, gauge, counter, counters)
         yield counters("sluice_request_success", "Finished requests by reason.", "finished_reason",
                        {r: snap.finished.get(r, 0) for r in FINISHED_REASONS})
         yield counters("sluice_request_abandoned", "Requests aborted because their client left, by how far "
@@ -417,6 +443,27 @@ class _EngineCollector:
             for adapter, v in sorted(counts.items()):
                 c.add_metric([*values, adapter], v)
             yield c
+
+
+    @staticmethod
+    def _kv_offload_metrics(snap: StatsSnapshot, gauge, counter, counters):
+        b = snap.kv_offload_block_bytes
+        yield gauge("sluice_kv_offload_blocks", "KV blocks the offload tier holds at most (--kv-offload-bytes).",
+                    snap.kv_offload_blocks)
+        yield gauge("sluice_kv_offload_blocks_used", "KV blocks in the offload tier now.", snap.kv_offload_used)
+        yield counter("sluice_kv_offload_hits", "Prompt tokens loaded from the offload tier instead of computed "
+                      "(also counted in sluice_prefix_cache_hits).", snap.kv_offload_hits)
+        yield counters("sluice_kv_offload_blocks_moved", "KV blocks copied to the offload tier (store: evicted from "
+                       "the device's prefix cache) and back (load: a prefix hit in the tier).", "direction",
+                       {"store": snap.kv_offload_stored, "load": snap.kv_offload_loaded})
+        yield counters("sluice_kv_offload_bytes", "Bytes of KV copied to and from the offload tier (rank 0's "
+                       "shard; every rank moves its own).", "direction",
+                       {"store": snap.kv_offload_stored * b, "load": snap.kv_offload_loaded * b})
+        yield counters("sluice_kv_offload_seconds", "Host time rank 0 spent on offload-tier copies (on a GPU, issuing "
+                       "them); divided by sluice_kv_offload_blocks_moved, the time per block.", "direction",
+                       {"store": snap.kv_offload_store_seconds, "load": snap.kv_offload_load_seconds})
+        yield counter("sluice_kv_offload_dropped_blocks", "Evicted prefix blocks not stored because every tier "
+                      "slot was being loaded by the same step.", snap.kv_offload_dropped)
 
 
 def _label_text(text: str, limit: int = 200) -> str:

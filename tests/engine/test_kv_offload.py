@@ -107,6 +107,17 @@ def test_engine_serves_prefixes_from_the_tier_as_recomputing_them_would():
             assert kv.offload.loaded >= 8 * 20  # each second-round prefix came back from the tier
             assert kv.offload_hits >= 8 * 20 * 16
             assert all(c.num_cached_tokens >= 320 for c in results[name][8:])
+            from sluice_engine.metrics import PrometheusExporter
+
+            text = PrometheusExporter(llm.engine).render()[0].decode()
+            ix = kv.offload
+            model = f'model_name="{llm.engine.served_model_name}"'
+            for line in (f"sluice_kv_offload_hits_total{{{model}}} {float(kv.offload_hits)}",
+                         f'sluice_kv_offload_blocks_moved_total{{direction="load",{model}}} {float(ix.loaded)}',
+                         f'sluice_kv_offload_blocks_moved_total{{direction="store",{model}}} {float(ix.stored)}',
+                         f"sluice_kv_offload_blocks{{{model}}} {float(ix.num_slots)}"):
+                assert line in text, line
+            assert f'sluice_kv_offload_bytes_total{{direction="load",{model}}}' in text
         elif name == "recompute":
             assert kv.offload is None
             assert all(c.num_cached_tokens < 320 for c in results[name][8:])  # evicted: recomputed

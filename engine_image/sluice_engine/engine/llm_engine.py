@@ -346,7 +346,16 @@ class LLMEngine:
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
             slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus,
-            **self._lora_stats())
+            **self._lora_stats(), **self._kv_offload_stats())
+
+    def _kv_offload_stats(self) -> dict:
+        ix, tier = self.kv.offload, self.runner.kv_tier
+        if ix is None or tier is None:
+            return {}
+        return dict(kv_offload_blocks=ix.num_slots, kv_offload_used=len(ix), kv_offload_stored=ix.stored,
+                    kv_offload_loaded=ix.loaded, kv_offload_hits=self.kv.offload_hits,
+                    kv_offload_dropped=ix.dropped, kv_offload_block_bytes=tier.bytes_per_slot,
+                    kv_offload_store_seconds=tier.store_seconds, kv_offload_load_seconds=tier.load_seconds)
 
     def _lora_stats(self) -> dict:
         if self.lora_slots is None:
