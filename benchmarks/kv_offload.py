@@ -26,7 +26,7 @@ WORDS = ("river stone maple cloud lantern harbor meadow copper violet summit orc
 
 def prefix(i: int, tokens: int) -> str:
     """A distinct system prompt of about `tokens` tokens (two per word)."""
-    return "System prompt %d. " % i + " ".join(f"{WORDS[(i * 7 + j) % len(WORDS)]}{j % 13}" for j in range(tokens // 2))
+    return f"System prompt {i}. " + " ".join(f"{WORDS[(i * 7 + j) % len(WORDS)]}{j % 13}" for j in range(tokens // 2))
 
 
 def main() -> None:
