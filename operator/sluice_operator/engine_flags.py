@@ -52,6 +52,8 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "max-num-seqs": int,
     "max-num-batched-tokens": int,
     "no-prefix-caching": bool,
+    # The KV offload tier: host memory per rank, in the pod's memory (size the container's memory for it).
+    "kv-offload-bytes": str,
     "max-queue-len": int,
     "step-timeout": float,
     "shutdown-timeout": float,
