@@ -27,6 +27,7 @@ class OffloadIndex:
         self.stored = 0
         self.loaded = 0
         self.dropped = 0  # evicted blocks not stored: every slot pinned by this step
+        self.received = 0  # blocks inserted from another engine
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -51,20 +52,35 @@ class OffloadIndex:
     def store(self, name: int, block_id: int) -> None:
         """A device block the pool is evicting, cached under `name`: saved into the tier with the step (before
         anything in the step overwrites it), unless the tier already holds that name."""
+        slot = self._claim(name)
+        if slot is not None:
+            self._stores.append((block_id, slot))
+            self.stored += 1
+
+    def insert(self, name: int) -> int | None:
+        """A slot for a block that arrives from elsewhere (another engine: kv_transfer/), its data written there
+        by the caller before the next step; None when the tier holds the name already or every slot is pinned."""
+        slot = self._claim(name)
+        if slot is not None:
+            self.received += 1
+        return slot
+
+    def _claim(self, name: int) -> int | None:
+        """A slot for a new name: a free one, else the least recently used entry's (not one this step loads).
+        None when the name is held already (now most recently used) or every slot is pinned (counted dropped)."""
         if name in self.slots:
             self.slots.move_to_end(name)
-            return
+            return None
         if self._free:
             slot = self._free.pop()
         else:
             victim = next((k for k, s in self.slots.items() if s not in self._pinned), None)
             if victim is None:
                 self.dropped += 1
-                return
+                return None
             slot = self.slots.pop(victim)
         self.slots[name] = slot
-        self._stores.append((block_id, slot))
-        self.stored += 1
+        return slot
 
     def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The stores and loads for the step being emitted; their slots are no longer pinned after it."""

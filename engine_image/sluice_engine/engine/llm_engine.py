@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import Counter, deque
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from ..core.kv_cache import KVCacheManager
+from ..core.kv_cache import KVCacheManager, hash_block
 from ..core.lora_slots import LoRABusy, LoRAError, LoRANotFound, LoRARef, LoRASlotTable
 from ..core.request import FinishReason, LogitsProcessor, Request
 from ..core.sched_output import SchedulerOutput
@@ -105,6 +106,7 @@ class LLMEngine:
         # The step thread owns the device work, the model's loading and warm-up included: on CPU torch's OpenMP
         # workers serve the thread that first ran parallel work (engine/owner_thread.py).
         self._steps = StepThread() if self.async_scheduling else None
+        self._kv_inbox: queue.Queue = queue.Queue()  # blocks from other engines (take_blocks), for the tier
         # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
         # draft model beside rank 0's shard, its KV cache out of the same memory budget.
         self.executor = self._on_device(Executor, cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
@@ -367,6 +369,64 @@ class LLMEngine:
                     lora_prompt_tokens=dict(m.lora_prompt_tokens), lora_generation_tokens=dict(m.lora_generation_tokens),
                     lora_requests=dict(m.lora_requests), lora_goodput=dict(m.lora_goodput))
 
+    # -- KV blocks to and from other engines (kv_transfer/) --------------------------------------------
+    def kv_layout(self):
+        """The cache layout blocks must have to be taken here (kv_transfer/wire.py)."""
+        from ..kv_transfer.wire import KVLayout
+
+        r, sh = self.runner, self.runner.shard
+        return KVLayout(self.served_model_name, str(r.kv_cache_dtype).removeprefix("torch."), self.cfg.block_size,
+                        sh.num_layers, sh.num_kv_heads, self.runner.model_config.head_dim)
+
+    def export_prefix(self, prompt_token_ids: list[int]):
+        """The blocks of a prompt that this engine's device cache holds, from its first block on (a prefix
+        computed here, e.g. by a request that just ended), with their names: a BlockBatch for another engine.
+        One rank only for now; base-model prompts (a LoRA adapter's blocks are named per process)."""
+        from ..kv_transfer.wire import BlockBatch
+
+        if self.cfg.world_size > 1:
+            raise ValueError("KV export runs with one rank only (tensor/pipeline parallel: not yet)")
+        bs, names, blocks, parent = self.cfg.block_size, [], [], None
+        for i in range(len(prompt_token_ids) // bs):
+            parent = hash_block(parent, prompt_token_ids[i * bs : (i + 1) * bs])
+            block = self.kv.pool.lookup(parent)
+            if block is None:
+                break
+            names.append(parent)
+            blocks.append(block.block_id)
+        data = self._on_device(self.runner.read_blocks, blocks)
+        return BlockBatch(self.kv_layout(), names, data)
+
+    def take_blocks(self, batch) -> int:
+        """Blocks from another engine, for the offload tier: checked against this engine's layout (ValueError
+        naming what differs), then queued; the engine thread takes them in before its next schedule. Any thread
+        may call it (the KV receiver's). Returns how many blocks were queued."""
+        if self.kv.offload is None:
+            raise ValueError("this engine has no KV offload tier to take blocks into (--kv-offload-bytes)")
+        if (why := self.kv_layout().mismatch(batch.layout)) is not None:
+            raise ValueError(why)
+        self._kv_inbox.put(batch)
+        return len(batch.names)
+
+    def _take_inbox(self) -> None:
+        """Blocks other engines sent (take_blocks): named in the tier's index, their data written into the slots
+        (on the device thread, after any step in flight, before the next)."""
+        while True:
+            try:
+                batch = self._kv_inbox.get_nowait()
+            except queue.Empty:
+                return
+            slots, rows = [], []
+            for i, name in enumerate(batch.names):
+                if self.kv.pool.lookup(name) is not None:
+                    continue  # on the device already
+                slot = self.kv.offload.insert(name)
+                if slot is not None:
+                    slots.append(slot)
+                    rows.append(i)
+            if slots:
+                self._on_device(self.runner.kv_tier.write, slots, batch.data[rows])
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._in_flight)
 
@@ -438,6 +498,8 @@ class LLMEngine:
         scheduling: of the one virtual engine, whose step in flight may be one)."""
         if self._in_flight and self.async_scheduling and not self._may_run_ahead():
             return False
+        if self._kv_inbox.qsize():
+            self._take_inbox()
         if self.before_schedule is not None:
             self.before_schedule()
         busy = set() if self.async_scheduling else {st.virtual_engine for st in self._in_flight}

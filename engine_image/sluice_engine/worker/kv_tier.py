@@ -48,6 +48,15 @@ class KVTier:
             self._copy(caches, loads, to_tier=False)
             self.load_seconds += time.perf_counter() - t
 
+    def write(self, slots: list[int], data: torch.Tensor) -> None:
+        """Blocks from elsewhere into tier slots: data [len(slots), layers, 2, block_size, kv_heads, head_dim]."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        for layer, tier in enumerate(self.layers):
+            part = data[:, layer].transpose(0, 1)  # [2, n, block_size, kv_heads, head_dim]
+            if tier.dtype == torch.float8_e4m3fn:
+                tier, part = tier.view(torch.uint8), part.contiguous().view(torch.uint8)
+            tier.index_copy_(1, idx, part.to(tier.device))
+
     def _copy(self, caches: list[torch.Tensor], pairs: list[tuple[int, int]], to_tier: bool) -> None:
         for cache, tier in zip(caches, self.layers, strict=True):
             if cache.dtype == torch.float8_e4m3fn:  # index and copy ops take no float8: move the bytes

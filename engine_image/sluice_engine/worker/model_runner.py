@@ -416,6 +416,15 @@ class ModelRunner:
         with forward_context(ForwardContext(inp.attn, self.kv_caches, self._lora_segments)):
             return self.model(inp.input_ids, inp.positions, hidden_in)
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Cache blocks as one host tensor, [blocks, layers, 2, block_size, kv_heads, head_dim] (a KV export)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        fp8 = self.kv_cache_dtype == torch.float8_e4m3fn  # index ops take no float8: move the bytes
+        per_layer = [(cache.view(torch.uint8) if fp8 else cache).index_select(1, ids).transpose(0, 1)
+                     for cache in self.kv_caches]
+        out = torch.stack(per_layer, dim=1).cpu().contiguous()
+        return out.view(self.kv_cache_dtype) if fp8 else out
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
