@@ -74,6 +74,12 @@ class EngineConfig:
     # The KV offload tier (docs/architecture.md, "KV beyond one engine"): bytes of host memory per rank that keep
     # the prefix cache's evicted blocks, loaded back on a hit instead of recomputed; 0: none.
     kv_offload_bytes: int = 0
+    # Prefill/decode disaggregation (kv_transfer/): decode and both take prompt blocks pushed by prefill engines
+    # (requests with kv_transfer_params.push_to) on a TCP receiver at kv_host:kv_port, into the offload tier.
+    kv_role: str | None = None  # None | prefill | decode | both
+    kv_host: str = "0.0.0.0"
+    kv_port: int = 8100
+    kv_push_timeout: float = 30.0  # seconds a push to a receiver may take before it counts as failed
     max_queue_len: int = 1024
     # The watchdog: a step still running after this many seconds while work is pending turns /health
     # to 503 (a hung device or kernel), so the pod's liveness probe restarts it.

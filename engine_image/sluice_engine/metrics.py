@@ -110,18 +110,6 @@ class EngineMetrics:
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
     lora_requests: dict[str, int] = field(default_factory=dict)
     lora_goodput: dict[str, int] = field(default_factory=dict)
-    # The KV offload tier (with --kv-offload-bytes; all 0 without): its size and use in blocks, blocks stored and
-    # loaded, prompt tokens served from it, evicted blocks not stored, bytes per block (rank 0's shard), and the
-    # host time rank 0 spent on its copies.
-    kv_offload_blocks: int = 0
-    kv_offload_used: int = 0
-    kv_offload_stored: int = 0
-    kv_offload_loaded: int = 0
-    kv_offload_hits: int = 0
-    kv_offload_dropped: int = 0
-    kv_offload_block_bytes: int = 0
-    kv_offload_store_seconds: float = 0.0
-    kv_offload_load_seconds: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, num_gpus: int) -> EngineMetrics:
@@ -280,6 +268,9 @@ class StatsSnapshot:
     kv_offload_block_bytes: int = 0
     kv_offload_store_seconds: float = 0.0
     kv_offload_load_seconds: float = 0.0
+    kv_offload_received: int = 0  # blocks other engines pushed here (kv_transfer/)
+    # Pushes of finished requests' prompt blocks to other engines (kv_transfer_params.push_to): ok, failed.
+    kv_pushes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def zero(cls) -> StatsSnapshot:
@@ -379,6 +370,10 @@ class _EngineCollector:
         yield counter("sluice_num_preemptions", "Requests preempted by recompute.", snap.num_preemptions)
         if snap.kv_offload_blocks:
             yield from self._kv_offload_metrics(snap, gauge, counter, counters)
+        if snap.kv_pushes:
+            yield counters("sluice_kv_pushes", "Pushes of finished requests' prompt KV blocks to another engine "
+                           "(kv_transfer_params.push_to), by result.", "result",
+                           {r: snap.kv_pushes.get(r, 0) for r in ("ok", "failed")})
         yield counters("sluice_request_success", "Finished requests by reason.", "finished_reason",
                        {r: snap.finished.get(r, 0) for r in FINISHED_REASONS})
         yield counters("sluice_request_abandoned", "Requests aborted because their client left, by how far "
@@ -455,7 +450,8 @@ class _EngineCollector:
                       "(also counted in sluice_prefix_cache_hits).", snap.kv_offload_hits)
         yield counters("sluice_kv_offload_blocks_moved", "KV blocks copied to the offload tier (store: evicted from "
                        "the device's prefix cache) and back (load: a prefix hit in the tier).", "direction",
-                       {"store": snap.kv_offload_stored, "load": snap.kv_offload_loaded})
+                       {"store": snap.kv_offload_stored, "load": snap.kv_offload_loaded,
+                        "receive": snap.kv_offload_received})
         yield counters("sluice_kv_offload_bytes", "Bytes of KV copied to and from the offload tier (rank 0's "
                        "shard; every rank moves its own).", "direction",
                        {"store": snap.kv_offload_stored * b, "load": snap.kv_offload_loaded * b})

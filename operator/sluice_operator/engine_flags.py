@@ -38,6 +38,11 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     # Loading adapters through the API would load them on the one pod a request reached: replicas behind a
     # Service would differ. The endpoint's adapters are spec.adapters, on every replica.
     "allow-runtime-lora-updates": "spec.adapters (every replica loads and unloads the same adapters)",
+    # Prefill/decode disaggregation: the operator will render both pools and wire them (spec.disaggregation, issue
+    # 28); until then an endpoint does not set the roles piecemeal.
+    "kv-role": "spec.disaggregation (not built yet)",
+    "kv-host": "spec.disaggregation (not built yet)",
+    "kv-port": "spec.disaggregation (not built yet)",
     # A key on the command line is in the pod spec for anyone who may read pods: the engine reads it from its
     # environment instead.
     "api-key": "(pod.env SLUICE_API_KEY, valueFrom a Secret)",

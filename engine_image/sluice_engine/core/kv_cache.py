@@ -6,6 +6,8 @@ The tensors themselves live in the model runner; this module only hands out bloc
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -65,15 +67,22 @@ class FreeBlockQueue:
 
 
 def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
-    # NOTE: Python's hash of a tuple of ints is deterministic across processes (no salt) and 64-bit;
-    # chaining the parent makes a hit imply the whole prefix matched.
-    return hash((parent_hash, tuple(token_ids)))
+    """A block's name: 64 bits of BLAKE2b over its parent's name and its token ids. Chaining the parent makes a
+    hit imply the whole prefix matched. The same in every process (engines exchange blocks by name:
+    kv_transfer/), which Python's own hash is not: hash(None) is the object's address before Python 3.12."""
+    h = hashlib.blake2b(b"\0" if parent_hash is None else b"\1" + parent_hash.to_bytes(8, "little", signed=True),
+                        digest_size=8)
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def _root(request: Request) -> int | None:
     """The parent of a request's first block: the KV of a prefix computed under a LoRA adapter is that adapter's
     (it changes k and v), never a hit for another adapter or for the base model."""
-    return None if request.lora is None else hash(("lora", request.lora.id))
+    if request.lora is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(f"lora\0{request.lora.id}".encode(), digest_size=8).digest(), "little",
+                          signed=True)
 
 
 class BlockPool:

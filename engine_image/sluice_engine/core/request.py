@@ -95,6 +95,9 @@ class Request:
     # The LoRA adapter the request runs on (None: the base model), and its device slot while it holds one
     # (core/lora_slots.py: from admission until it finishes or is preempted).
     lora: LoRARef | None = None
+    # host:port of another engine's KV receiver: the prompt's blocks are pushed there when this request finishes
+    # (prefill/decode disaggregation, kv_transfer/).
+    kv_push_to: str | None = None
     lora_slot: int | None = None
 
     def __post_init__(self) -> None:

@@ -110,6 +110,7 @@ class EngineLoop:
         try:
             while not self._stop and self.dead is None:
                 changed = self._poll_objectives()
+                changed |= engine.kv_idle_work()  # blocks other engines sent; pushes finished (their metrics)
                 busy = engine.has_unfinished()
                 errors, taken = self._drain(None if busy else IDLE_TICK_S)
                 if self._stop:
@@ -220,7 +221,8 @@ class EngineLoop:
                 if add.grammar is not None:
                     procs = [*(procs or []), self._constraint(add.grammar)]
                 self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, procs,
-                                        arrival_time=add.arrival_time, lora_name=add.lora_name)
+                                        arrival_time=add.arrival_time, lora_name=add.lora_name,
+                                        kv_push_to=add.kv_push_to)
             except ValueError as e:
                 errors.append((add.request_id, e))
             except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's

@@ -107,6 +107,9 @@ class LLMEngine:
         # workers serve the thread that first ran parallel work (engine/owner_thread.py).
         self._steps = StepThread() if self.async_scheduling else None
         self._kv_inbox: queue.Queue = queue.Queue()  # blocks from other engines (take_blocks), for the tier
+        self.kv_pushes: Counter = Counter()  # prompt-block pushes to other engines: ok, failed
+        self._kv_events = threading.Event()  # a push finished: the metrics changed (kv_idle_work)
+        self.kv_receiver = None  # with --kv-role decode|both: where other engines push blocks (kv_transfer/)
         # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
         # draft model beside rank 0's shard, its KV cache out of the same memory budget.
         self.executor = self._on_device(Executor, cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
@@ -158,6 +161,15 @@ class LLMEngine:
                                     self.runner.model_config.vocab_size, self.eos_token_ids)
         for name, path in lora_modules:
             self.load_lora(name, path)
+        if cfg.kv_role in ("decode", "both"):  # other engines push prompt blocks here (kv_transfer/)
+            if self.kv.offload is None:
+                self.executor.shutdown()
+                raise ValueError(f"--kv-role {cfg.kv_role} takes blocks from prefill engines into the KV offload "
+                                 "tier: set --kv-offload-bytes (and keep prefix caching on)")
+            from ..kv_transfer.tcp import KVReceiver
+
+            self.kv_receiver = KVReceiver(cfg.kv_host, cfg.kv_port, self.take_blocks)
+            log.info("KV receiver (--kv-role %s) on %s:%d", cfg.kv_role, cfg.kv_host, self.kv_receiver.port)
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s, async scheduling %s",
                  self.model_dir, self.served_model_name, self.max_model_len,
                  "on" if cfg.enable_prefix_caching else "off", "on" if self.async_scheduling else "off")
@@ -194,7 +206,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     logits_processors: list[LogitsProcessor] | None = None,
-                    arrival_time: float | None = None, lora_name: str | None = None) -> Request:
+                    arrival_time: float | None = None, lora_name: str | None = None,
+                    kv_push_to: str | None = None) -> Request:
         self.check_prompt(prompt_token_ids, params)
         if request_id in self._open:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
@@ -204,8 +217,11 @@ class LLMEngine:
             if lora is None:
                 known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules)"
                 raise InvalidParam("model", f"no LoRA adapter {lora_name!r}; adapters: {known}")
+        if kv_push_to is not None and (lora is not None or self.cfg.world_size > 1):
+            raise InvalidParam("kv_transfer_params", "KV transfer runs for base-model requests on one rank only "
+                               "(not yet with LoRA adapters or tensor/pipeline parallelism)")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                      logits_processors=list(logits_processors or []), lora=lora)
+                      logits_processors=list(logits_processors or []), lora=lora, kv_push_to=kv_push_to)
         if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
             req.arrival_time = arrival_time
         # Everything that can fail comes before the request is registered anywhere: a request that
@@ -280,6 +296,31 @@ class LLMEngine:
             del self._prompt_leaders[key]
         if req.lora is not None and req.lora in self._unloading:
             self._drop_unloaded()
+        if req.kv_push_to is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._push_prefix(req)
+
+    def _push_prefix(self, req: Request) -> None:
+        """Send the finished request's prompt blocks (cached here, as it just ended) to req.kv_push_to, from a
+        thread: the engine loop never waits on the network. A failed push is logged and counted; the receiving
+        engine then computes the prompt itself."""
+        batch = self.export_prefix(req.prompt_token_ids)
+        if not batch.names:
+            return
+        host, _, port = req.kv_push_to.rpartition(":")
+        host = host.strip("[]")
+
+        def push() -> None:
+            from ..kv_transfer.tcp import push_blocks
+
+            try:
+                push_blocks(host, int(port), batch, timeout=self.cfg.kv_push_timeout)
+                self.kv_pushes["ok"] += 1
+            except (OSError, ValueError) as e:
+                self.kv_pushes["failed"] += 1
+                log.warning("KV push of request %s to %s failed: %s", req.request_id, req.kv_push_to, e)
+            self._kv_events.set()
+
+        threading.Thread(target=push, name="kv-push", daemon=True).start()
 
     # -- LoRA adapters -------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> LoRARef:
@@ -348,7 +389,7 @@ class LLMEngine:
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
             slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus,
-            **self._lora_stats(), **self._kv_offload_stats())
+            **self._lora_stats(), **self._kv_offload_stats(), kv_pushes=dict(self.kv_pushes))
 
     def _kv_offload_stats(self) -> dict:
         ix, tier = self.kv.offload, self.runner.kv_tier
@@ -357,7 +398,8 @@ class LLMEngine:
         return dict(kv_offload_blocks=ix.num_slots, kv_offload_used=len(ix), kv_offload_stored=ix.stored,
                     kv_offload_loaded=ix.loaded, kv_offload_hits=self.kv.offload_hits,
                     kv_offload_dropped=ix.dropped, kv_offload_block_bytes=tier.bytes_per_slot,
-                    kv_offload_store_seconds=tier.store_seconds, kv_offload_load_seconds=tier.load_seconds)
+                    kv_offload_store_seconds=tier.store_seconds, kv_offload_load_seconds=tier.load_seconds,
+                    kv_offload_received=ix.received)
 
     def _lora_stats(self) -> dict:
         if self.lora_slots is None:
@@ -407,6 +449,17 @@ class LLMEngine:
             raise ValueError(why)
         self._kv_inbox.put(batch)
         return len(batch.names)
+
+    def kv_idle_work(self) -> bool:
+        """The engine loop's, between steps (idle too): take in the blocks other engines sent, and say whether
+        anything the metrics show changed since the last call (blocks taken, pushes finished)."""
+        changed = self._kv_events.is_set()
+        if changed:
+            self._kv_events.clear()
+        if self._kv_inbox.qsize():
+            self._take_inbox()
+            changed = True
+        return changed
 
     def _take_inbox(self) -> None:
         """Blocks other engines sent (take_blocks): named in the tier's index, their data written into the slots
@@ -603,6 +656,8 @@ class LLMEngine:
         self.executor.keepalive()
 
     def shutdown(self) -> None:
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
         self.executor.shutdown()
 
     def _propose_drafts(self, ve: int = 0) -> None:

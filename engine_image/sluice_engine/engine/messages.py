@@ -34,6 +34,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: float  # time.monotonic() when the API took it (one clock for every process of the host)
     grammar: GrammarSpec | None = None  # the core compiles it (cached) into the request's token constraint
     lora_name: str | None = None  # the LoRA adapter the request runs on (None: the base model)
+    kv_push_to: str | None = None  # host:port: where its prompt's KV blocks go when it finishes (kv_transfer/)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):

@@ -43,6 +43,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step; longer prompts are prefilled in chunks")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,
+                   help="prefill/decode disaggregation: decode (or both) takes prompt KV blocks pushed by prefill "
+                        "engines on a TCP receiver (--kv-host/--kv-port) into the offload tier (needs "
+                        "--kv-offload-bytes); any engine pushes a request's prompt blocks when it finishes if the "
+                        "request has kv_transfer_params.push_to")
+    p.add_argument("--kv-host", default="0.0.0.0", help="address of the KV receiver (--kv-role decode|both)")
+    p.add_argument("--kv-port", type=int, default=8100, help="port of the KV receiver (--kv-role decode|both)")
     p.add_argument("--kv-offload-bytes", type=parse_size, default=0, metavar="SIZE",
                    help="host memory per rank, e.g. 4GiB, for the KV offload tier: prompt blocks the prefix cache "
                         "evicts are kept there (LRU) and loaded back on a later hit instead of recomputed "

@@ -48,6 +48,14 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False
 
 
+class KVTransferParams(_Base):
+    """Sluice extra (prefill/decode disaggregation, docs/architecture.md "KV beyond one engine"): where this
+    request's prompt blocks go once it finishes here: the KV receiver of the decode engine that continues it."""
+
+    push_to: str = Field(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$", max_length=300,
+                         description="host:port of a decode engine's KV receiver (sluice serve --kv-role decode)")
+
+
 class _SamplingFields(_Base):
     model: str | None = None
     temperature: float | None = None
@@ -82,6 +90,7 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: str | None = None  # EBNF (xgrammar's dialect, root rule `root`)
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class CompletionRequest(_SamplingFields):

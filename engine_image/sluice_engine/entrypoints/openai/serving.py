@@ -163,7 +163,7 @@ class OpenAIServing:
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
                            base_id: str, grammar: CompiledGrammar | None = None,
                            watch: ClientWatch | None = None, lora: str | None = None,
-                           ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+                           kv_push_to: str | None = None) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
         grammar: the request's grammar, or None (each choice gets its own grammar state).
         If the client leaves (watch), every unfinished choice is aborted in the engine at once and
@@ -179,7 +179,8 @@ class OpenAIServing:
         # NOTE: from the queue check to the last submit nothing awaits, so concurrent requests cannot
         # all pass the check before any of them counts as waiting (a burst stays within the bound).
         self.check_capacity(len(choices))
-        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar, lora_name=lora)
+        gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar, lora_name=lora,
+                                kv_push_to=kv_push_to if ch.index % n == 0 else None)  # one push per prompt
                 for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -262,7 +263,7 @@ class OpenAIServing:
         grammar = await self._constraints(req, watch=watch)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch, lora)
+        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch, lora, _push_to(req))
         if req.stream:
             return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter)
@@ -358,7 +359,7 @@ class OpenAIServing:
         grammar = await self._constraints(req, plan, watch=watch)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch, lora)
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch, lora, _push_to(req))
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
                                       tools=plan is not None)
@@ -534,3 +535,8 @@ def _usage(choices: list[_Choice], n: int) -> dict:
     completion = sum(len(ch.token_ids) for ch in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _push_to(req) -> str | None:
+    """Where the request's prompt blocks go when it finishes (kv_transfer_params.push_to), or None."""
+    return req.kv_transfer_params.push_to if req.kv_transfer_params is not None else None
