@@ -1,0 +1,70 @@
+"""Fault cases of moving KV between engines (issue 28, kv_transfer/), real servers on 127.0.0.1: a decode
+engine's receiver that dies mid-transfer fails the push alone (the prefill engine's request was answered, the
+push is counted failed, the engine settles and serves on); a sender that dies mid-batch leaves the decode engine
+nothing half-taken, settled, and taking the next batch. Nothing hangs."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import httpx
+import pytest
+from servers import free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPT = " ".join(f"word{j % 11}" for j in range(80))
+
+
+def _wait(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe, assert_settled):
+    prefill = start_server("--max-model-len", "512", "--kv-role", "prefill")
+    before = probe(prefill)
+    # A receiver that reads the start of a batch and dies (its pod killed mid-transfer).
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+
+    def die_mid_batch() -> None:
+        conn, _ = lsock.accept()
+        conn.recv(4096)
+        conn.close()
+        lsock.close()
+
+    threading.Thread(target=die_mid_batch, daemon=True).start()
+    r = httpx.post(f"{prefill.url}/v1/completions", timeout=120, json={
+        "model": prefill.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"push_to": f"127.0.0.1:{port}"}})
+    assert r.status_code == 200, r.text  # the request itself is served
+    _wait(lambda: prefill.metrics().get("sluice_kv_pushes_total", 0) >= 1)
+    text = httpx.get(f"{prefill.url}/metrics", timeout=10).text
+    assert 'result="failed"} 1.0' in text
+    assert_settled(prefill, before)
+
+
+def test_a_sender_dying_mid_batch_leaves_the_decode_engine_settled(start_server, probe, assert_settled):
+    kv_port = free_port()
+    decode = start_server("--max-model-len", "512", "--kv-role", "decode", "--kv-host", "127.0.0.1",
+                          "--kv-port", str(kv_port), "--kv-offload-bytes", "64MiB")
+    before = probe(decode)
+    header = (b'{"layout": {"model": "smollm2", "dtype": "float16", "block_size": 16, "num_layers": 30, '
+              b'"num_kv_heads": 3, "head_dim": 64}, "names": [11, 12, 13], "nbytes": 1105920}')
+    with socket.create_connection(("127.0.0.1", kv_port), timeout=10) as sock:
+        sock.sendall(struct.pack(">Q", len(header)) + header + b"\0" * 4096)  # then gone
+    time.sleep(0.5)
+    assert decode.metrics().get("sluice_kv_offload_blocks_used", 0) == 0  # nothing half-taken
+    assert_settled(decode, before)
+    # A batch that is not even a batch: refused with a reason, the connection closed, the receiver serves on.
+    with socket.create_connection(("127.0.0.1", kv_port), timeout=10) as sock:
+        sock.sendall(struct.pack(">Q", 5) + b"nope!")
+        n = struct.unpack(">I", sock.recv(4))[0]
+        assert b"bad batch" in sock.recv(n)
+    assert_settled(decode, before)
