@@ -19,13 +19,6 @@ pytestmark = pytest.mark.slow
 PROMPT = " ".join(f"word{j % 11}" for j in range(80))
 
 
-def _wait(cond, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe, assert_settled):
     prefill = start_server("--max-model-len", "512", "--kv-role", "prefill")
     before = probe(prefill)
@@ -43,8 +36,7 @@ def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe,
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=120, json={
         "model": prefill.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"push_to": f"127.0.0.1:{port}"}})
-    assert r.status_code == 200, r.text  # the request itself is served
-    _wait(lambda: prefill.metrics().get("sluice_kv_pushes_total", 0) >= 1)
+    assert r.status_code == 200, r.text  # the request itself is served, once its push has failed
     text = httpx.get(f"{prefill.url}/metrics", timeout=10).text
     assert 'result="failed"} 1.0' in text
     assert_settled(prefill, before)

@@ -109,6 +109,11 @@ class LLMEngine:
         self._kv_inbox: queue.Queue = queue.Queue()  # blocks from other engines (take_blocks), for the tier
         self.kv_pushes: Counter = Counter()  # prompt-block pushes to other engines: ok, failed
         self._kv_events = threading.Event()  # a push finished: the metrics changed (kv_idle_work)
+        # A request that pushes its prompt's blocks (kv_transfer_params.push_to) answers once the push has ended,
+        # so whoever sends it on to the decode engine next finds the blocks there: its last output waits here.
+        self._pushing: set[str] = set()
+        self._held: dict[str, RequestOutput] = {}
+        self._pushed: queue.Queue[str] = queue.Queue()
         self.kv_receiver = None  # with --kv-role decode|both: where other engines push blocks (kv_transfer/)
         # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
         # draft model beside rank 0's shard, its KV cache out of the same memory budget.
@@ -319,8 +324,24 @@ class LLMEngine:
                 self.kv_pushes["failed"] += 1
                 log.warning("KV push of request %s to %s failed: %s", req.request_id, req.kv_push_to, e)
             self._kv_events.set()
+            self._pushed.put(req.request_id)  # its held answer goes out (_take_released)
 
+        self._pushing.add(req.request_id)
         threading.Thread(target=push, name="kv-push", daemon=True).start()
+
+    def _take_released(self, wait: float = 0.0) -> list[RequestOutput]:
+        """The held answers of requests whose pushes have ended (acknowledged or failed)."""
+        out = []
+        while True:
+            try:
+                rid = self._pushed.get(timeout=wait) if wait and not out else self._pushed.get_nowait()
+            except queue.Empty:
+                break
+            self._pushing.discard(rid)
+            held = self._held.pop(rid, None)
+            if held is not None:
+                out.append(held)
+        return out
 
     # -- LoRA adapters -------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> LoRARef:
@@ -481,7 +502,7 @@ class LLMEngine:
                 self._on_device(self.runner.kv_tier.write, slots, batch.data[rows])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._in_flight)
+        return self.scheduler.has_work() or bool(self._in_flight) or bool(self._held)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -503,13 +524,16 @@ class LLMEngine:
         return texts
 
     def _step_tokens(self) -> list[RequestOutput]:
+        released = self._take_released()
         while len(self._in_flight) < self._max_in_flight and self._start_step():
             pass
         if not self._in_flight:
-            return []
+            if not released and self._held:  # only answers waiting on their pushes: wait a little, not spin
+                released = self._take_released(wait=0.005)
+            return released
         step = self._in_flight.popleft()
         try:
-            return self._finish_step(step)
+            return released + self._finish_step(step)
         finally:
             if step.applied is not None:
                 step.applied.set()  # the next step may sample (also when this one failed: it has nothing to wait for)
@@ -749,6 +773,9 @@ class LLMEngine:
         if finish is not None:
             self._open.discard(req.request_id)
             self._prompt_logprobs_sent.discard(req.request_id)
+            if req.request_id in self._pushing:  # its answer waits for its push (_take_released)
+                self._held[req.request_id] = out
+                return None
         return out
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
