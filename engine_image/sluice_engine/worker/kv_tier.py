@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from .host_memory import lazy_zeros
+
 
 class KVTier:
     def __init__(self, num_slots: int, caches: list[torch.Tensor]):
@@ -25,9 +27,7 @@ class KVTier:
         if self.on_device:
             self.layers = [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in caches]
         else:
-            from .model_runner import _lazy_zeros
-
-            self.layers = [_lazy_zeros(shape, dtype) for _ in caches]
+            self.layers = [lazy_zeros(shape, dtype) for _ in caches]
         self.bytes_per_slot = sum(t[:, 0].numel() * t.element_size() for t in self.layers)
         # Host time spent issuing the copies (on CPU: doing them), for the metrics.
         self.store_seconds = 0.0

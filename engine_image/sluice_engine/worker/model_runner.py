@@ -6,12 +6,10 @@ same plain data; pipeline stages pass hidden states on, and the logits reach ran
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..attention.backend import select_backend
@@ -41,6 +39,7 @@ from .cuda_graphs import (
     decode_workspaces,
     graphs_off_reason,
 )
+from .host_memory import lazy_zeros
 from .input_buffers import InputBuffers
 from .model_input import ModelInput
 
@@ -197,7 +196,7 @@ class ModelRunner:
         sh = self.shard
         shape = (2, num_blocks, self.cfg.block_size, sh.num_kv_heads, self.model_config.head_dim)
         if self.device.type == "cpu":
-            return [_lazy_zeros(shape, self.kv_cache_dtype) for _ in range(sh.num_layers)]
+            return [lazy_zeros(shape, self.kv_cache_dtype) for _ in range(sh.num_layers)]
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(sh.num_layers)]
 
     def _log_kv_scales(self) -> None:
@@ -432,10 +431,3 @@ class ModelRunner:
             if cache.dtype == torch.float8_e4m3fn:  # torch's index_copy_ takes no float8: copy the bytes
                 cache = cache.view(torch.uint8)
             cache.index_copy_(1, dst, cache.index_select(1, src))
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros in memory the OS maps on first write: numpy's zeros is calloc, which for a large size is a fresh
-    anonymous mapping left untouched, where torch.zeros writes every byte. So on CPU a KV cache's blocks count
-    in the process's resident memory once used, not all at startup (1 GiB by default on CPU)."""
-    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
