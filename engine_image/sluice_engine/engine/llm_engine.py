@@ -524,7 +524,7 @@ class LLMEngine:
         return texts
 
     def _step_tokens(self) -> list[RequestOutput]:
-        released = self._take_released()
+        released = self._take_released() if self._pushing else []
         while len(self._in_flight) < self._max_in_flight and self._start_step():
             pass
         if not self._in_flight:

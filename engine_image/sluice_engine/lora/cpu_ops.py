@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from .ops import rows_per_slot
+
 
 @functools.cache
 def cpu_kernel():
@@ -40,12 +42,7 @@ def _threads_sleep() -> bool:
 def rows_by_slot(num_tokens: list[int], slots: list[int]) -> tuple[list[int], list[int]]:
     """The step's adapter tokens (rows of the batch) sorted by slot, and each one's slot; the base's left out. Per
     request in batch order, its token count and slot (0 = the base)."""
-    by: dict[int, list[int]] = {}
-    at = 0
-    for n, slot in zip(num_tokens, slots, strict=True):
-        if slot:
-            by.setdefault(slot, []).extend(range(at, at + n))
-        at += n
+    by = rows_per_slot(num_tokens, slots)
     rows = [r for slot in sorted(by) for r in by[slot]]
     return rows, [slot for slot in sorted(by) for _ in by[slot]]
 

@@ -88,17 +88,23 @@ class LoRAGroup:
     length: int
 
 
-def group_tokens(num_tokens: list[int], slots: list[int]) -> list[tuple[list[int], list[list[int]]]]:
-    """The step's adapter tokens by slot, in buckets: (slots, their token rows) per bucket, longest groups first,
-    a bucket growing while its padding stays at most half its rows. Per request in batch order, its token count
-    and slot (0 = the base: left out)."""
+def rows_per_slot(num_tokens: list[int], slots: list[int]) -> dict[int, list[int]]:
+    """The step's adapter tokens (rows of the batch) by slot, the base's left out. Per request in batch order, its
+    token count and slot (0 = the base)."""
     rows: dict[int, list[int]] = {}
     at = 0
     for n, slot in zip(num_tokens, slots, strict=True):
         if slot:
             rows.setdefault(slot, []).extend(range(at, at + n))
         at += n
-    ordered = sorted(rows.items(), key=lambda kv: -len(kv[1]))
+    return rows
+
+
+def group_tokens(num_tokens: list[int], slots: list[int]) -> list[tuple[list[int], list[list[int]]]]:
+    """The step's adapter tokens by slot, in buckets: (slots, their token rows) per bucket, longest groups first,
+    a bucket growing while its padding stays at most half its rows. Per request in batch order, its token count
+    and slot (0 = the base: left out)."""
+    ordered = sorted(rows_per_slot(num_tokens, slots).items(), key=lambda kv: -len(kv[1]))
     buckets: list[tuple[list[int], list[list[int]]]] = []
     for slot, toks in ordered:
         if buckets:
