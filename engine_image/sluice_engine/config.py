@@ -80,6 +80,12 @@ class EngineConfig:
     kv_host: str = "0.0.0.0"
     kv_port: int = 8100
     kv_push_timeout: float = 30.0  # seconds a push to a receiver may take before it counts as failed
+    # A decode engine's first hop (kv_transfer/prefill_hop.py): its requests' prompts are prefilled by the engines at
+    # prefill_url first, their blocks pushed to this engine's receiver at kv_host:kv_port; prompts shorter than
+    # prefill_min_prompt_tokens stay here; a hop past prefill_timeout seconds means computing here.
+    prefill_url: str | None = None
+    prefill_min_prompt_tokens: int = 256
+    prefill_timeout: float = 120.0
     max_queue_len: int = 1024
     # The watchdog: a step still running after this many seconds while work is pending turns /health
     # to 503 (a hung device or kernel), so the pod's liveness probe restarts it.

@@ -282,7 +282,7 @@ class StatsSnapshot:
 
 # -- scrape time -------------------------------------------------------------------------------
 class _EngineCollector:
-    def __init__(self, engine, async_engine=None):
+    def __init__(self, engine, async_engine=None, prefill_hops=None):
         """engine: the LLMEngine when it runs in this process, else None (an engine-core process: everything
         comes from the snapshots it publishes, and it reads the objectives file itself)."""
         if engine is not None:
@@ -294,6 +294,7 @@ class _EngineCollector:
             cfg = async_engine.cfg
             self.recorder = None
         self.endpoint_label = cfg.endpoint_label
+        self.prefill_hops = prefill_hops
         # The latest snapshot: the AsyncEngine's (published by its engine loop), or, with none (the offline
         # LLM, tests), one taken at scrape time.
         self.latest = async_engine.stats if async_engine is not None else engine.stats_snapshot
@@ -370,6 +371,11 @@ class _EngineCollector:
         yield counter("sluice_num_preemptions", "Requests preempted by recompute.", snap.num_preemptions)
         if snap.kv_offload_blocks:
             yield from self._kv_offload_metrics(snap, gauge, counter, counters)
+        if self.prefill_hops is not None:
+            yield counters("sluice_kv_prefill_hops", "Requests whose prompts were first sent to the prefill engines "
+                           "(--prefill-url) by outcome: ok (their blocks pushed here), failed (computed here), "
+                           "skipped (prompts shorter than --prefill-min-prompt-tokens).", "outcome",
+                           {o: self.prefill_hops.get(o, 0) for o in ("ok", "failed", "skipped")})
         if snap.kv_pushes:
             yield counters("sluice_kv_pushes", "Pushes of finished requests' prompt KV blocks to another engine "
                            "(kv_transfer_params.push_to), by result.", "result",
@@ -471,9 +477,10 @@ def _label_text(text: str, limit: int = 200) -> str:
 class PrometheusExporter:
     """`/metrics` for one engine, from its own registry (never the process-global one)."""
 
-    def __init__(self, engine, async_engine=None):
+    def __init__(self, engine, async_engine=None, prefill_hops=None):
+        """prefill_hops: the API process's counts of prefill hops by outcome (a decode engine with --prefill-url)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, async_engine))
+        self.registry.register(_EngineCollector(engine, async_engine, prefill_hops))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

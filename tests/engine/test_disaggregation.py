@@ -17,15 +17,40 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 PROMPTS = [" ".join(WORDS[(i + j) % len(WORDS)] + str(j % 5) for j in range(110)) + "\nContinue:" for i in range(3)]
 
 
+COMMON = ("--quantization", "none", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+
+
 @pytest.fixture(scope="module")
 def pools(start_server):
     kv_port = free_port()
-    common = ("--quantization", "none", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
-    decode = start_server(*common, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
+    decode = start_server(*COMMON, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
                           "--kv-offload-bytes", "256MiB")
-    prefill = start_server(*common, "--kv-role", "prefill")
-    alone = start_server(*common)
+    # Chunked prefill on the prefill side (a 64-token budget): the blocks it pushes were computed in chunks.
+    prefill = start_server(*COMMON, "--kv-role", "prefill", "--max-num-batched-tokens", "64")
+    alone = start_server(*COMMON)
     return prefill, decode, alone, kv_port
+
+
+@pytest.fixture(scope="module")
+def routed(start_server, pools):
+    """A decode engine that sends every prompt to the prefill engine first (--prefill-url): what the operator
+    renders, and what clients (or the gateway) talk to."""
+    prefill = pools[0]
+    return start_server(*COMMON, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(free_port()),
+                        "--kv-offload-bytes", "256MiB", "--prefill-url", prefill.url,
+                        "--prefill-min-prompt-tokens", "0")
+
+
+def hops(server) -> dict[str, float]:
+    """sluice_kv_prefill_hops_total by outcome."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("sluice_kv_prefill_hops_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _client(server) -> OpenAI:
@@ -67,3 +92,84 @@ def test_a_push_to_a_dead_receiver_fails_alone_and_a_bad_target_is_a_400(pools):
         _client(prefill).completions.create(model=prefill.model, prompt="hi", max_tokens=1,
                                             extra_body={"kv_transfer_params": {"push_to": "no-port"}})
     assert "kv_transfer_params" in str(e.value)
+
+
+# -- through the decode engine's prefill hop (--prefill-url), as clients of a disaggregated endpoint see it ------
+def _same(got, want) -> None:
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    for g, w in zip(got.choices, want.choices, strict=True):
+        if w.logprobs is not None:
+            for a, b in zip(g.logprobs.token_logprobs, w.logprobs.token_logprobs, strict=True):
+                assert a == pytest.approx(b, abs=1e-3)
+
+
+def test_completions_through_the_prefill_hop_equal_one_engine_and_hf(pools, routed, hf_model, model_dir):
+    import torch
+    from transformers import AutoTokenizer
+
+    prefill, _, alone, _ = pools
+    before = hops(routed).get("ok", 0)
+    pushes = prefill.metrics()["sluice_kv_pushes_total"]
+    kw = dict(max_tokens=8, temperature=0, logprobs=1)
+    for prompt in PROMPTS:
+        got = _client(routed).completions.create(model=routed.model, prompt=prompt + " once", **kw)
+        want = _client(alone).completions.create(model=alone.model, prompt=prompt + " once", **kw)
+        _same(got, want)
+        # The prompt's full blocks came from the prefill engine (the last token is always computed here).
+        assert got.usage.prompt_tokens_details.cached_tokens == (got.usage.prompt_tokens - 1) // 16 * 16
+    assert hops(routed)["ok"] == before + len(PROMPTS)
+    assert prefill.metrics()["sluice_kv_pushes_total"] == pushes + len(PROMPTS)
+    # HF transformers, greedy on the same weights: the chain's other end.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(PROMPTS[0] + " once")["input_ids"]
+    with torch.no_grad():
+        gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    got = _client(routed).completions.create(model=routed.model, prompt=PROMPTS[0] + " once", max_tokens=8,
+                                             temperature=0)
+    assert got.choices[0].text == tok.decode(gen[0, len(ids):])
+
+
+def test_chat_and_n_greater_than_one_through_the_prefill_hop_equal_one_engine(pools, routed):
+    _, _, alone, _ = pools
+    before = hops(routed).get("ok", 0)
+    messages = [{"role": "system", "content": "You answer in one line. Context: " + PROMPTS[1]},
+                {"role": "user", "content": "Which word comes after theta?"}]
+    kw = dict(messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=1)
+    got = _client(routed).chat.completions.create(model=routed.model, **kw)
+    want = _client(alone).chat.completions.create(model=alone.model, **kw)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    for a, b in zip(got.choices[0].logprobs.content, want.choices[0].logprobs.content, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    assert got.usage.prompt_tokens_details.cached_tokens >= 16 * (got.usage.prompt_tokens // 16 - 1)
+    # n > 1: one hop for the prompt; every choice decodes from the pushed blocks.
+    kw = dict(prompt=PROMPTS[2] + " twice", max_tokens=6, temperature=0, n=2)
+    got = _client(routed).completions.create(model=routed.model, **kw)
+    want = _client(alone).completions.create(model=alone.model, **kw)
+    _same(got, want)
+    assert got.choices[0].text == got.choices[1].text
+    assert hops(routed)["ok"] == before + 2
+
+
+def test_prefix_hits_on_either_side_keep_the_outputs(pools, routed):
+    prefill, _, alone, _ = pools
+    prompt = PROMPTS[0] + " once"  # sent through the hop by the first test of this group
+    hits = prefill.metrics()["sluice_prefix_cache_hits_total"]
+    kw = dict(prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
+    got = _client(routed).completions.create(model=routed.model, **kw)
+    _same(got, _client(alone).completions.create(model=alone.model, **kw))
+    assert prefill.metrics()["sluice_prefix_cache_hits_total"] > hits  # the prefill engine had it cached
+    assert got.usage.prompt_tokens_details.cached_tokens == (got.usage.prompt_tokens - 1) // 16 * 16
+
+
+def test_short_prompts_skip_the_hop_and_a_dead_prefill_engine_means_computing_here(pools, routed):
+    """Last in this module: it stops the prefill engine."""
+    prefill, _, alone, _ = pools
+    short = _client(routed).completions.create(model=routed.model, prompt="Hi", max_tokens=3, temperature=0)
+    assert short.choices[0].finish_reason == "length" and hops(routed).get("skipped", 0) >= 1
+    prefill.stop()
+    failed = hops(routed).get("failed", 0)
+    kw = dict(prompt="Fresh: " + PROMPTS[1], max_tokens=8, temperature=0, logprobs=1)
+    got = _client(routed).completions.create(model=routed.model, **kw)
+    _same(got, _client(alone).completions.create(model=alone.model, **kw))
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # computed here, in full
+    assert hops(routed)["failed"] == failed + 1

@@ -60,3 +60,49 @@ def test_a_sender_dying_mid_batch_leaves_the_decode_engine_settled(start_server,
         n = struct.unpack(">I", sock.recv(4))[0]
         assert b"bad batch" in sock.recv(n)
     assert_settled(decode, before)
+
+
+def test_a_prefill_engine_dying_or_hanging_mid_hop_means_computing_here(start_server, probe, assert_settled):
+    """A decode engine's prefill hop (--prefill-url) to a prefill engine that dies after reading the request, and
+    then to one that never answers (past --prefill-timeout): each request is served, computed here, the hop
+    counted failed; nothing hangs."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.settimeout(60)
+    mode = {"hang": False}
+    held: list[socket.socket] = []
+
+    def fake_prefill() -> None:
+        while True:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            if mode["hang"]:
+                held.append(conn)  # read, never answered
+            else:
+                conn.close()  # died mid-hop
+
+    threading.Thread(target=fake_prefill, daemon=True).start()
+    decode = start_server("--max-model-len", "512", "--kv-role", "decode", "--kv-host", "127.0.0.1",
+                          "--kv-port", str(free_port()), "--kv-offload-bytes", "64MiB", "--prefill-url",
+                          f"http://127.0.0.1:{lsock.getsockname()[1]}", "--prefill-min-prompt-tokens", "0",
+                          "--prefill-timeout", "2")
+    before = probe(decode)
+    try:
+        for hang in (False, True):
+            mode["hang"] = hang
+            t0 = time.monotonic()
+            r = httpx.post(f"{decode.url}/v1/completions", timeout=120, json={
+                "model": decode.model, "prompt": ("Hang: " if hang else "") + PROMPT, "max_tokens": 2,
+                "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed here
+            assert time.monotonic() - t0 < 60
+        text = httpx.get(f"{decode.url}/metrics", timeout=10).text
+        assert 'sluice_kv_prefill_hops_total{model_name="smollm2",outcome="failed"} 2.0' in text
+        assert_settled(decode, before)
+    finally:
+        lsock.close()
+        for c in held:
+            c.close()

@@ -50,6 +50,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "request has kv_transfer_params.push_to")
     p.add_argument("--kv-host", default="0.0.0.0", help="address of the KV receiver (--kv-role decode|both)")
     p.add_argument("--kv-port", type=int, default=8100, help="port of the KV receiver (--kv-role decode|both)")
+    p.add_argument("--prefill-url", default=None, metavar="URL",
+                   help="with --kv-role decode|both: send each request's prompts to the prefill engines at this "
+                        "OpenAI base URL first (e.g. http://NAME-prefill), which push their KV blocks to this "
+                        "engine's receiver (--kv-host must then be an address they reach, not 0.0.0.0); a failed "
+                        "hop means computing the prompt here")
+    p.add_argument("--prefill-min-prompt-tokens", type=int, default=256, metavar="N",
+                   help="with --prefill-url: shorter prompts are prefilled here (a hop costs more than it saves)")
+    p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="with --prefill-url: a hop taking longer counts as failed and the prompt is computed here")
     p.add_argument("--kv-offload-bytes", type=parse_size, default=0, metavar="SIZE",
                    help="host memory per rank, e.g. 4GiB, for the KV offload tier: prompt blocks the prefix cache "
                         "evicts are kept there (LRU) and loaded back on a later hit instead of recomputed "
@@ -168,6 +177,13 @@ def run(args: argparse.Namespace) -> int:
         from ..model_fetch import resolve_model
 
         return run_worker_node(cfg, resolve_model(cfg.model), args.host, args.port)
+    if cfg.prefill_url is not None:
+        if cfg.kv_role not in ("decode", "both"):
+            raise ValueError("--prefill-url sends prompts to prefill engines that push their blocks to this engine's "
+                             "KV receiver: it needs --kv-role decode (or both)")
+        if cfg.kv_host in ("0.0.0.0", "::", "") or cfg.kv_port == 0:
+            raise ValueError("--prefill-url: the prefill engines push to --kv-host:--kv-port, so --kv-host must be "
+                             "an address they reach (the pod's IP), not a wildcard, and --kv-port not 0")
     if args.allow_runtime_lora_updates and not cfg.enable_lora:
         raise ValueError("--allow-runtime-lora-updates needs --enable-lora")
     if args.engine_process:

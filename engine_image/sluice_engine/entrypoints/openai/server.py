@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
+from ...kv_transfer.prefill_hop import PrefillHop
 from ...metrics import PrometheusExporter
 from .client_watch import ClientWatch
 from .errors import (
@@ -38,6 +39,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.api")
 
 
+def prefill_hop(cfg, served_model_name: str) -> PrefillHop | None:
+    """A decode engine's first hop to the prefill engines (--prefill-url), or None."""
+    if getattr(cfg, "prefill_url", None) is None:
+        return None
+    host = f"[{cfg.kv_host}]" if ":" in cfg.kv_host else cfg.kv_host
+    return PrefillHop(cfg.prefill_url, f"{host}:{cfg.kv_port}", served_model_name, block_size=cfg.block_size,
+                      min_prompt_tokens=cfg.prefill_min_prompt_tokens, timeout=cfg.prefill_timeout)
+
+
 def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
               allow_runtime_lora_updates: bool = False) -> FastAPI:
     """The OpenAI server over an engine: an AsyncEngine.spawn(...) one runs it in its own process (what
@@ -49,8 +59,10 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
     engine = async_engine.engine  # None when the engine runs in its own process
     info = async_engine.model_info
     cfg = async_engine.cfg
-    serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len)
-    metrics = PrometheusExporter(engine, async_engine)  # renders the engine's snapshots (docs/metrics.md)
+    hop = prefill_hop(cfg, info.served_model_name)
+    serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len, prefill_hop=hop)
+    # Renders the engine's snapshots (docs/metrics.md), and this process's prefill hops.
+    metrics = PrometheusExporter(engine, async_engine, prefill_hops=hop.counts if hop is not None else None)
     started = int(time.time())
 
     @asynccontextmanager
@@ -59,6 +71,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
         try:
             yield
         finally:
+            if hop is not None:
+                await hop.close()
             async_engine.shutdown()
 
     app = FastAPI(title="Sluice engine", lifespan=lifespan)

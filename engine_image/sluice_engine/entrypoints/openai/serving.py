@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ...engine.async_engine import AsyncEngine, ServerShuttingDownError
 from ...engine.model_info import RequestRejected
 from ...engine.output import RequestOutput
+from ...kv_transfer.prefill_hop import PrefillHop
 from ...sample.token_logprobs import TokenLogprobs
 from ...sampling_params import MAX_TOP_K, InvalidParam, SamplingParams
 from ...structured import (
@@ -51,8 +52,10 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, max_queue_len: int):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, max_queue_len: int,
+                 prefill_hop: PrefillHop | None = None):
         self.engine = engine
+        self.prefill_hop = prefill_hop  # a decode engine's first hop (--prefill-url), else None
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
         self.max_queue_len = max_queue_len
@@ -176,6 +179,12 @@ class OpenAIServing:
                 self.engine.check_prompt(ch.prompt_ids, p)
             except RequestRejected as e:
                 raise bad_request(str(e), param=e.param, code=e.code) from None
+        if (self.prefill_hop is not None and lora is None and kv_push_to is None
+                and all(p.prompt_logprobs is None for p in params)):
+            # The prompts' blocks computed by a prefill engine and pushed here first (prefill_hop.py). Not for a
+            # request that is itself some engine's prefill hop (kv_push_to), nor for LoRA (transfers carry the
+            # base model's blocks only), nor for prompt logprobs (computed here in full, never from the cache).
+            await watch.race(self.prefill_hop.run(prompts))
         # NOTE: from the queue check to the last submit nothing awaits, so concurrent requests cannot
         # all pass the check before any of them counts as waiting (a burst stays within the bound).
         self.check_capacity(len(choices))
