@@ -36,6 +36,7 @@ from sluice_contract import (
     NAME_SCOPE_NAMESPACE,
     PLURAL,
     POOL_LABEL,
+    PREFILL,
     ROLE_LABEL,
     SERVICE_NAME_LABEL,
     SERVING,
@@ -110,6 +111,8 @@ def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[st
         if spec is None or port is None or s.get("addressType") not in ("IPv4", "IPv6"):
             continue
         role = labels.get(ROLE_LABEL) or labels.get(POOL_LABEL) or SERVING
+        if role == PREFILL:  # a disaggregated endpoint's prefill pool: its decode engines' first hop, not clients'
+            continue
         pool = spec.standby if role == STANDBY else spec.serving
         for e in s.get("endpoints") or []:
             addresses = e.get("addresses") or []

@@ -271,6 +271,7 @@ class StatsSnapshot:
     kv_offload_received: int = 0  # blocks other engines pushed here (kv_transfer/)
     # Pushes of finished requests' prompt blocks to other engines (kv_transfer_params.push_to): ok, failed.
     kv_pushes: dict[str, int] = field(default_factory=dict)
+    prompt_tokens_pending: int = 0  # prompt tokens of waiting and running requests not computed yet
 
     @classmethod
     def zero(cls) -> StatsSnapshot:
@@ -343,6 +344,9 @@ class _EngineCollector:
         yield gauge("sluice_num_requests_running", "Requests in the running batch.", snap.num_running)
         yield gauge("sluice_num_requests_waiting", "Requests waiting to be scheduled, including those "
                     "submitted but not yet seen by the engine thread.", self.num_waiting(snap))
+        yield gauge("sluice_num_prompt_tokens_waiting", "Prompt tokens of waiting and running requests not computed "
+                    "yet: the prefill backlog (what scales a disaggregated endpoint's prefill pool).",
+                    snap.prompt_tokens_pending)
         yield gauge("sluice_kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).",
                     snap.kv_usage)
         yield gauge("sluice_kv_cache_num_blocks", "KV cache blocks in the pool.", snap.kv_num_blocks)

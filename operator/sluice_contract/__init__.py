@@ -24,6 +24,9 @@ ENDPOINT_LABEL = f"{GROUP}/endpoint"
 # two classes of backend apart by it.
 ROLE_LABEL = f"{GROUP}/role"
 SERVING, STANDBY = "serving", "standby"
+# "prefill" on a disaggregated endpoint's prefill pool (spec.disaggregation): its engines are reached by the
+# decode engines only, never by clients, so the gateway leaves that Service's slices out.
+PREFILL = "prefill"
 # Read by the gateway when a slice carries the pods' pool label instead of the role.
 POOL_LABEL = f"{GROUP}/pool"
 SERVES_LABEL = f"{GROUP}/serves"  # "true" on pods that answer HTTP (LeaderWorkerSet workers do not)

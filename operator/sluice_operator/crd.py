@@ -138,6 +138,8 @@ def crd() -> dict[str, Any]:
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                     {"name": "Ready", "type": "integer", "jsonPath": ".status.replicas.ready"},
                     {"name": "Desired", "type": "integer", "jsonPath": ".status.replicas.desired"},
+                    {"name": "Prefill", "type": "integer", "jsonPath": ".status.replicas.prefillReady",
+                     "priority": 1},
                     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],

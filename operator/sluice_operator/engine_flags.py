@@ -38,11 +38,13 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     # Loading adapters through the API would load them on the one pod a request reached: replicas behind a
     # Service would differ. The endpoint's adapters are spec.adapters, on every replica.
     "allow-runtime-lora-updates": "spec.adapters (every replica loads and unloads the same adapters)",
-    # Prefill/decode disaggregation: the operator will render both pools and wire them (spec.disaggregation, issue
-    # 28); until then an endpoint does not set the roles piecemeal.
-    "kv-role": "spec.disaggregation (not built yet)",
-    "kv-host": "spec.disaggregation (not built yet)",
-    "kv-port": "spec.disaggregation (not built yet)",
+    # Prefill/decode disaggregation: the operator renders both pools and wires them (disaggregation.py); an
+    # endpoint does not set the roles piecemeal.
+    "kv-role": "spec.disaggregation",
+    "kv-host": "spec.disaggregation (the decode pod's IP)",
+    "kv-port": "spec.disaggregation (always 8100 in a pod, the container port named kv)",
+    "prefill-url": "spec.disaggregation (the prefill pool's Service)",
+    "prefill-min-prompt-tokens": "spec.disaggregation.decode.minPromptTokens",
     # A key on the command line is in the pod spec for anyone who may read pods: the engine reads it from its
     # environment instead.
     "api-key": "(pod.env SLUICE_API_KEY, valueFrom a Secret)",
@@ -59,6 +61,8 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "no-prefix-caching": bool,
     # The KV offload tier: host memory per rank, in the pod's memory (size the container's memory for it).
     "kv-offload-bytes": str,
+    # A decode engine's hop to the prefill pool (spec.disaggregation): past this, the prompt is computed there.
+    "prefill-timeout": float,
     "max-queue-len": int,
     "step-timeout": float,
     "shutdown-timeout": float,

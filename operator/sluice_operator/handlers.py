@@ -33,6 +33,7 @@ from . import cache_sync, drift, engine_probe
 from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
 from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
 from .config import OperatorConfig
+from .disaggregation import prefill_name
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
 from .model_cache import MODEL_CACHE_LABEL
 from .operator_metrics import OperatorMetrics
@@ -232,6 +233,7 @@ class Loop:
             if ep.spec.adapters and pods is not None else None
         return endpoint_status(
             ep, serving=serving, standby=await live(standby_name(ep), workloads),
+            prefill=await live(prefill_name(ep), workloads) if ep.spec.disaggregation else None,
             scaled_object=await live(ep.name, ("ScaledObject",)),
             pods=pods, missing_kinds=missing,
             problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg,

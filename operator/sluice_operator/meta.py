@@ -7,6 +7,7 @@ from typing import Any
 # Labels are a contract with the gateway (sluice_contract): it finds backends through the Services the operator
 # labels with the endpoint, and tells serving from standby pods by the role. Re-exported for the operator.
 from sluice_contract import ENDPOINT_LABEL as ENDPOINT_LABEL
+from sluice_contract import PREFILL as PREFILL
 from sluice_contract import ROLE_LABEL as ROLE_LABEL
 from sluice_contract import SERVES_LABEL as SERVES_LABEL
 from sluice_contract import SERVING as SERVING

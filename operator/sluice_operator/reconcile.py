@@ -12,9 +12,11 @@ from typing import Any
 from . import adapters
 from .autoscaling import check_scaling, scaled_object, trigger_authentication
 from .config import OperatorConfig
+from .disaggregation import decode_parts, pool_scaled_object, prefill_name, prefill_parts
 from .layout import Layout, plan_layout
 from .meta import (
     ENDPOINT_LABEL,
+    PREFILL,
     ROLE_LABEL,
     SERVES_LABEL,
     SERVING,
@@ -86,7 +88,7 @@ def service(ep: InferenceEndpoint, role: str = SERVING) -> dict[str, Any]:
     EndpointSlices belong to, and a client of `<name>` never lands on a standby pod. LWS workers (pipeline
     stages) do not answer HTTP and are left out of both.
     """
-    name = ep.name if role == SERVING else standby_name(ep)
+    name = {SERVING: ep.name, PREFILL: prefill_name(ep)}.get(role) or standby_name(ep)
     meta = object_meta(ep, name, component_of(role))
     meta["labels"][ROLE_LABEL] = role  # the EndpointSlice controller copies it onto the slices the gateway reads
     return {
@@ -101,14 +103,15 @@ def service(ep: InferenceEndpoint, role: str = SERVING) -> dict[str, Any]:
     }
 
 
-def pod_disruption_budget(ep: InferenceEndpoint) -> dict[str, Any]:
+def pod_disruption_budget(ep: InferenceEndpoint, role: str = SERVING) -> dict[str, Any]:
+    name = prefill_name(ep) if role == PREFILL else ep.name
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": object_meta(ep, ep.name, "server"),
+        "metadata": object_meta(ep, name, component_of(role)),
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, ROLE_LABEL: SERVING}},
+            "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name, ROLE_LABEL: role}},
             # A pod still loading (not Ready) protects nothing; let drains evict it.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -125,7 +128,8 @@ def service_monitor(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) ->
             # replicas are cold), and the autoscaler's query sums it in.
             "selector": {"matchLabels": {ENDPOINT_LABEL: ep.name},
                          "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
-                                               "values": [component_of(SERVING), component_of(STANDBY)]}]},
+                                               "values": [component_of(SERVING), component_of(STANDBY),
+                                                          component_of(PREFILL)]}]},
             "namespaceSelector": {"matchNames": [ep.namespace]},
             # sluice_dev_endpoint (the autoscaler's query and the rules select by it) and sluice_dev_role
             # (serving or standby: the dashboards' replica counts).
@@ -155,10 +159,21 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
     live = {OBJECTIVES_KEY, *adapters.LIVE_KEYS}
     config_hash = _hash([{k: v for k, v in cm["data"].items() if k not in live}, serve_args(ep, "")])
     scaling = ep.spec.scaling
+    split = ep.spec.disaggregation  # a prefill pool beside the serving (decode) one: disaggregation.py
+    decode = decode_parts(ep, split.decode, cfg) if split else None
     serving = workload(ep, layout, cfg, name=ep.name, role=SERVING,
                        replicas=0 if awaiting_model else ep.spec.fixed_replicas,
-                       config_map=cm["metadata"]["name"], config_hash=config_hash)
+                       config_map=cm["metadata"]["name"],
+                       config_hash=_hash([config_hash, decode.args]) if decode else config_hash, pool=decode)
     out = [*shared_cache_manifests(ep, cfg, CONTAINER_SECURITY, POD_SECURITY), cm, serving]
+    prefill = None
+    if split:
+        parts = prefill_parts(split.prefill)
+        prefill = workload(ep, layout, cfg, name=prefill_name(ep), role=PREFILL,
+                           replicas=0 if awaiting_model else split.prefill.fixed_replicas,
+                           config_map=cm["metadata"]["name"], config_hash=_hash([config_hash, parts.args]),
+                           pool=parts)
+        out.append(prefill)
     warm = has_warm_pool(ep)
     if warm:  # a fixed count, outside the ScaledObject: the pool stays filled whatever the autoscaler does
         out.append(workload(ep, layout, cfg, name=standby_name(ep), role=STANDBY,
@@ -168,7 +183,18 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
     out.append(service(ep))
     if warm:
         out.append(service(ep, STANDBY))
+    if prefill is not None:
+        out.append(service(ep, PREFILL))
     out.append(pod_disruption_budget(ep))
+    if prefill is not None:
+        out.append(pod_disruption_budget(ep, PREFILL))
+    if split:  # one ScaledObject per autoscaled pool, each on its own signal
+        for pool, role, target in ((split.decode, SERVING, serving), (split.prefill, PREFILL, prefill)):
+            if pool.scaling is not None:
+                autoscaler = pool_scaled_object(ep, cfg, target, role)
+                if awaiting_model:
+                    autoscaler["metadata"].setdefault("annotations", {})[KEDA_PAUSED_REPLICAS] = "0"
+                out.append(autoscaler)
     if scaling:
         if cfg.gateway_scaler_address and cfg.gateway_scaler_tls_secret:  # before the ScaledObject naming it
             out.append(trigger_authentication(ep, cfg))

@@ -564,6 +564,115 @@ class PodOverrides(_Object):
         return value
 
 
+# -- prefill/decode disaggregation ------------------------------------------------------------------------
+DEFAULT_BLOCK_SIZE = 16  # the engine's --block-size default
+KV_PORT = 8100  # the decode engines' KV receiver (--kv-port), the container port named kv
+SIZE_PATTERN = r"^[0-9]*\.?[0-9]+([kKmMgGtT]i?)?[bB]?$"  # what the engine's parse_size takes, e.g. 2GiB
+
+
+class _PoolScaling(_Object):
+    RULES = (
+        Rule("self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas",
+             lambda s: s.min_replicas <= s.max_replicas, field_path=".minReplicas"),
+    )
+    min_replicas: int = Field(1, ge=1, le=1000, description="Fewest replicas of the pool.")
+    max_replicas: int = Field(ge=1, le=1000, description="Most replicas of the pool.")
+    scale_down_delay_seconds: int = Field(300, ge=0, le=86400, description="Stabilization window before scaling in.")
+
+
+class PrefillScaling(_PoolScaling):
+    """KEDA scaling of the prefill pool on its backlog: prompt tokens not computed yet per replica."""
+
+    target_prompt_tokens: int = Field(8192, ge=1, description=(
+        "Prompt tokens waiting to be computed (sluice_num_prompt_tokens_waiting) per prefill replica the "
+        "autoscaler aims for."))
+
+
+class DecodeScaling(_PoolScaling):
+    """KEDA scaling of the decode pool on the sequences it carries: running plus waiting requests per replica."""
+
+    target_requests: int = Field(32, ge=1, description=(
+        "Requests running and waiting (sluice_num_requests_running + sluice_num_requests_waiting) per decode "
+        "replica the autoscaler aims for."))
+
+
+class _Pool(_Object):
+    RULES = (
+        Rule("!(has(self.replicas) && has(self.scaling))",
+             "set either replicas (a fixed count) or scaling, not both",
+             lambda p: p.replicas is None or p.scaling is None),
+    )
+    replicas: int | None = Field(None, ge=0, le=1000, description=(
+        "A fixed replica count (mutually exclusive with scaling). Default: 1 when scaling is unset."))
+    resources: Annotated[dict[str, Any] | None, _core("ResourceRequirements")] = Field(None, description=(
+        "The pool's engine container resources (core/v1 ResourceRequirements), in place of pod.resources. The "
+        "operator sets the GPU limit itself."))
+    args: Annotated[dict[str, Any], WithJsonSchema(_ARGS_SCHEMA)] = Field(default_factory=dict, description=(
+        "Engine flags of this pool only, over engine.args (e.g. a larger max-num-batched-tokens for prefill). "
+        "block-size must be the same in both pools."))
+
+    @field_validator("args")
+    @classmethod
+    def _known_flags(cls, args: dict[str, Any]) -> dict[str, ArgValue]:
+        for flag, value in args.items():
+            check_arg(flag, value)
+        return args
+
+    @field_validator("resources")
+    @classmethod
+    def _core_resources(cls, value: Any) -> Any:
+        problems = core_schemas.errors(core_schemas.schema("ResourceRequirements"), value, "resources")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @property
+    def fixed_replicas(self) -> int | None:
+        if self.scaling is not None:
+            return None
+        return 1 if self.replicas is None else self.replicas
+
+
+class PrefillPool(_Pool):
+    """Engines that compute prompts (`--kv-role prefill`) and push their KV blocks to the decode engine that asked."""
+
+    scaling: PrefillScaling | None = Field(None, description="Autoscaling (mutually exclusive with replicas).")
+
+
+class DecodePool(_Pool):
+    """Engines clients talk to (the endpoint's Service): each sends a request's prompt to the prefill pool first
+    (`--prefill-url`), takes its blocks into its KV offload tier and decodes; a failed hop means computing the
+    prompt itself."""
+
+    scaling: DecodeScaling | None = Field(None, description="Autoscaling (mutually exclusive with replicas).")
+    kv_offload_bytes: str = Field("1GiB", pattern=SIZE_PATTERN, max_length=32, description=(
+        "Host memory of each decode engine for the blocks prefill engines push (--kv-offload-bytes), e.g. 4GiB; "
+        "it is in the pod's memory, so size the container's memory for it."))
+    min_prompt_tokens: int = Field(256, ge=0, description=(
+        "Prompts shorter than this are computed by the decode engine itself (--prefill-min-prompt-tokens): a "
+        "hop costs more than it saves."))
+
+
+class Disaggregation(_Object):
+    """Prefill/decode disaggregation: two pools of engines, each with its own replicas and resources, the KV
+    cache of each prompt moving from a prefill engine to the decode engine serving the request (TCP)."""
+
+    prefill: PrefillPool = Field(default_factory=PrefillPool, description="The prefill pool (<name>-prefill).")
+    decode: DecodePool = Field(default_factory=DecodePool, description="The decode pool (<name>).")
+
+
+def pool_block_size(spec: EndpointSpec, pool: _Pool) -> int:
+    """The KV block size a pool's engines run with: its args', else engine.args', else the engine's default."""
+    return int(pool.args.get("block-size", spec.engine.args.get("block-size", DEFAULT_BLOCK_SIZE)))
+
+
+def _block_size_cel(pool: str) -> str:
+    p = f"self.disaggregation.{pool}"
+    return (f"(has({p}) && has({p}.args) && 'block-size' in {p}.args ? int({p}.args['block-size']) : "
+            "(has(self.engine) && has(self.engine.args) && 'block-size' in self.engine.args ? "
+            f"int(self.engine.args['block-size']) : {DEFAULT_BLOCK_SIZE}))")
+
+
 # -- the spec -------------------------------------------------------------------------------------------
 def _tp(s: EndpointSpec) -> tuple[int, int, int | None]:
     return s.parallelism.tensor, s.parallelism.pipeline, s.accelerator.gpus_per_node
@@ -660,6 +769,23 @@ class EndpointSpec(_Object):
              lambda s: not lora_enabled(s) or ((s.parallelism.nodes or 1) <= 1 and (
                  lambda t, p, g: g is None or t * p <= g)(*_tp(s))),
              field_path=".parallelism"),
+        Rule("!has(self.disaggregation) || (!has(self.replicas) && !has(self.scaling))",
+             "with disaggregation, set replicas or scaling per pool (disaggregation.prefill, disaggregation.decode), "
+             "not spec.replicas or spec.scaling",
+             lambda s: s.disaggregation is None or (s.replicas is None and s.scaling is None)),
+        Rule(f"!has(self.disaggregation) || ({_T} == 1 && {_P} == 1 && (!({_HAS_N}) || {_N} <= 1))",
+             "disaggregation runs engines of one rank for now: parallelism.tensor, pipeline and nodes must be 1 "
+             "(moving KV blocks between multi-rank engines is not built yet)",
+             lambda s: s.disaggregation is None or (s.parallelism.tensor == 1 and s.parallelism.pipeline == 1
+                                                     and (s.parallelism.nodes or 1) <= 1),
+             field_path=".parallelism"),
+        Rule(f"!has(self.disaggregation) || {_block_size_cel('prefill')} == {_block_size_cel('decode')}",
+             "disaggregation.prefill and disaggregation.decode must use the same KV block size (args block-size, "
+             "else engine.args block-size): the decode engines take the prefill engines' blocks as they are and "
+             "refuse another layout",
+             lambda s: s.disaggregation is None or pool_block_size(s, s.disaggregation.prefill) == pool_block_size(
+                 s, s.disaggregation.decode),
+             field_path=".disaggregation"),
         Rule(f"!({_HAS_ADAPTERS} && {_LORA_ARG.format('false')})",
              "engine.args enable-lora \"false\" contradicts spec.adapters: the engines serve adapters with LoRA "
              "on; remove the key",
@@ -694,10 +820,17 @@ class EndpointSpec(_Object):
             "so the first adapter added, and the last removed, roll the pods once; so does the first adapter on "
             "a pvc claim the pods do not mount yet, and the last one removed from it. One rank only "
             "(parallelism.tensor and pipeline 1)."))
+    disaggregation: Disaggregation | None = Field(None, description=(
+        "Prefill/decode disaggregation: a prefill pool (<name>-prefill) computes prompts and pushes their KV "
+        "blocks to the decode pool (<name>, the endpoint's Service), so long prompts never stall decoding and "
+        "each pool scales on its own signal. Both pools serve model, engine and accelerator as set above; "
+        "replicas and scaling are set per pool. One-rank engines only for now (parallelism 1)."))
 
     @property
     def fixed_replicas(self) -> int | None:
-        """The replica count when not autoscaled, else None."""
+        """The replica count when not autoscaled, else None (with disaggregation: the decode pool's)."""
+        if self.disaggregation is not None:
+            return self.disaggregation.decode.fixed_replicas
         if self.scaling is not None:
             return None
         return 1 if self.replicas is None else self.replicas
@@ -724,6 +857,10 @@ class ReplicaStatus(_Object):
     desired: int | None = Field(None, ge=0, description="Replicas the workload aims for.")
     ready: int | None = Field(None, ge=0, description="Replicas ready to serve.")
     standby: int | None = Field(None, ge=0, description="Ready warm-pool pods (set when scaling.warmPool is).")
+    prefill_desired: int | None = Field(None, ge=0, description=(
+        "Prefill replicas the prefill workload aims for (set with disaggregation; desired and ready are then the "
+        "decode pool's)."))
+    prefill_ready: int | None = Field(None, ge=0, description="Prefill replicas ready (set with disaggregation).")
 
 
 class AdapterStatus(_Object):

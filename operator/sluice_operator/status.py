@@ -140,6 +140,7 @@ def _unschedulable_message(pods: Pods) -> str:
 
 # -- the status -------------------------------------------------------------------------------------------
 def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: Object | None = None,
+                    prefill: Object | None = None,
                     scaled_object: Object | None = None, pods: list[Object] | None = None,
                     missing_kinds: frozenset[str] | set[str] = frozenset(),
                     problems: Sequence[ApplyProblem] = (), previous: Object | None = None,
@@ -154,6 +155,8 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     `model_cache`: the shared model cache's state, when the endpoint uses one (cache_sync.observe).
     `adapters`: what each ready serving pod's /v1/models lists, or why it could not be asked (engine_probe.py);
     None: not asked.
+    `prefill`: a disaggregated endpoint's prefill workload. The endpoint serves once a decode (serving) replica
+    is ready: a decode engine computes prompts itself while no prefill replica is.
     """
     cfg = cfg or OperatorConfig()
     gen, prev = ep.metadata.generation, list((previous or {}).get("conditions") or [])
@@ -237,6 +240,15 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     replicas: Object = {"desired": desired, "ready": ready}
     if ep.spec.scaling is not None and ep.spec.scaling.warm_pool is not None:
         replicas["standby"] = standby_ready
+    split = ep.spec.disaggregation
+    if split is not None:
+        live = ((prefill or {}).get("spec") or {}).get("replicas")
+        fixed = split.prefill.fixed_replicas
+        replicas["prefillDesired"] = int(live) if live is not None else (1 if fixed is None else fixed)
+        replicas["prefillReady"] = _count(prefill, "readyReplicas")
+        if phase in ("Ready", "Degraded") and replicas["prefillReady"] < replicas["prefillDesired"]:
+            conditions[0]["message"] += (f"; {replicas['prefillReady']}/{replicas['prefillDesired']} prefill "
+                                         "replicas ready (decode engines compute prompts themselves meanwhile)")
     return {
         "observedGeneration": gen,
         "phase": phase,

@@ -8,17 +8,20 @@ worker pod is node LWS_WORKER_INDEX, running ranks only and answering /health on
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import adapters
 from .config import OperatorConfig
 from .engine_flags import render_args
 from .layout import Layout, ceil_div
-from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
+from .meta import ENDPOINT_LABEL, PREFILL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
 from .model_cache import OWN_CACHE_CONTAINER
 from .model_source import CONFIG_DIR, OBJECTIVES_KEY, OBJECTIVES_PATH, model_mount
 from .pod_customization import customize_pod
 from .spec import InferenceEndpoint, lora_enabled
+
+if TYPE_CHECKING:
+    from .disaggregation import PoolParts
 
 PORT = 8000
 MASTER_PORT = 29500  # node 0's torch.distributed rendezvous (--master-port), the leader's port named "dist"
@@ -114,8 +117,9 @@ def probes(ep: InferenceEndpoint, *, serves: bool = True) -> dict[str, Any]:
     }
 
 
-def resources(ep: InferenceEndpoint, layout: Layout) -> dict[str, Any]:
-    out = copy.deepcopy(ep.spec.pod.resources or {})
+def resources(ep: InferenceEndpoint, layout: Layout, pool: PoolParts | None = None) -> dict[str, Any]:
+    own = pool.resources if pool is not None and pool.resources is not None else ep.spec.pod.resources
+    out = copy.deepcopy(own or {})
     if layout.gpus_per_pod:
         gpu = ep.spec.accelerator.resource_name
         for kind in ("limits", "requests"):  # extended resources: requests must equal limits
@@ -124,7 +128,7 @@ def resources(ep: InferenceEndpoint, layout: Layout) -> dict[str, Any]:
 
 
 def component_of(role: str) -> str:
-    return "server" if role == SERVING else "standby"
+    return {SERVING: "server", PREFILL: "prefill"}.get(role, "standby")
 
 
 def termination_grace_seconds(ep: InferenceEndpoint) -> int:
@@ -133,7 +137,8 @@ def termination_grace_seconds(ep: InferenceEndpoint) -> int:
 
 
 def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, role: str, serves: bool,
-                 config_map: str, config_hash: str) -> dict[str, Any]:
+                 config_map: str, config_hash: str, pool: PoolParts | None = None) -> dict[str, Any]:
+    """`pool`: a disaggregated endpoint's pool (disaggregation.py): its flags, resources, env and ports."""
     spec, pod = ep.spec, ep.spec.pod
     mount = model_mount(ep, cfg, CONTAINER_SECURITY, config_map, run_as=RUN_AS)
     gpu = layout.gpus_per_pod > 0
@@ -145,6 +150,7 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         {"name": "TRITON_CACHE_DIR", "value": f"{mount.engine_cache_dir}/{TRITON_CACHE_SUBDIR}"},
         {"name": "HOME", "value": "/tmp"},
         *copy.deepcopy(pod.env),
+        *copy.deepcopy(list(pool.env if pool is not None else ())),
     ]
     # The ConfigMap as a directory (never subPath): the kubelet then updates its files in place, and the
     # engine sees new objectives without a restart.
@@ -162,13 +168,15 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(layout)}})
     ports = [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
+    ports += copy.deepcopy(list(pool.ports if pool is not None else ()))
     if layout.multi_node and serves:  # node 0 hosts the rendezvous the workers dial
         ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
     engine: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine.image or cfg.engine_image,
         "command": ["sluice", "serve"],
-        "args": serve_args(ep, mount.model_path) + rendezvous_args(layout, leader=serves),
+        "args": serve_args(ep, mount.model_path) + list(pool.args if pool is not None else ())
+        + rendezvous_args(layout, leader=serves),
         "ports": ports,
         "env": env,
         "volumeMounts": mounts,
@@ -178,7 +186,7 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     }
     # NOTE: no model credentials here: only the fetch init container reads model.credentialsSecretRef. The
     # engine loads local files, and a Secret in the serving container is one exploit away from a client.
-    res = resources(ep, layout)
+    res = resources(ep, layout, pool)
     if res:
         engine["resources"] = res
     pod_spec: dict[str, Any] = {
@@ -230,7 +238,8 @@ def rolling_update(ep: InferenceEndpoint) -> dict[str, int | str]:
 
 
 def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name: str, role: str,
-             replicas: int | None, config_map: str, config_hash: str) -> dict[str, Any]:
+             replicas: int | None, config_map: str, config_hash: str,
+             pool: PoolParts | None = None) -> dict[str, Any]:
     """A Deployment (one pod per replica) or a LeaderWorkerSet (a group of pods per replica).
 
     `replicas=None` leaves the count to the autoscaler: the field stays out of what the operator applies,
@@ -241,7 +250,7 @@ def workload(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, name
 
     def template(serves: bool) -> dict[str, Any]:
         return pod_template(ep, layout, cfg, role=role, serves=serves, config_map=config_map,
-                            config_hash=config_hash)
+                            config_hash=config_hash, pool=pool)
 
     if not layout.multi_node:
         spec: dict[str, Any] = {

@@ -134,3 +134,15 @@ def test_the_contract_module_needs_nothing_but_the_standard_library():
     code = ("import sys, sluice_contract; print(sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[1:])))")
     out = subprocess.run([sys.executable, "-c", code, *heavy], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_disaggregated_endpoints_prefill_pool_is_no_backend():
+    """Its decode engines call the prefill pool (spec.disaggregation); clients, and so the gateway, never do."""
+    from gateway_fakes import endpoint_slice
+
+    def slice_(name: str, role: str, url: str) -> dict[str, Any]:
+        return endpoint_slice(name, "ml", {"sluice.dev/endpoint": "split", "sluice.dev/role": role}, url)
+
+    (spec,) = endpoint_specs([ie("ml", "split")], [slice_("split-abcde", "serving", "http://10.0.0.1:8000"),
+                                                   slice_("split-prefill-fghij", "prefill", "http://10.0.0.2:8000")])
+    assert set(spec.serving) == {"http://10.0.0.1:8000"} and not spec.standby

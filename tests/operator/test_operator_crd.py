@@ -86,7 +86,7 @@ def test_names_subresources_and_columns():
     for key in ("specReplicasPath", "statusReplicasPath", "labelSelectorPath"):
         assert scale[key] in paths, key
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert set(columns) == {"Model", "Phase", "Ready", "Desired", "URL", "Age"}
+    assert set(columns) == {"Model", "Phase", "Ready", "Desired", "Prefill", "URL", "Age"}
     for name, path in columns.items():
         assert path in paths or path == ".metadata.creationTimestamp", name
 

@@ -247,10 +247,15 @@ def test_every_rendered_command_line_is_one_the_engine_accepts(path):
     layout = layout_of(ep)
     for wl in [m for m in reconcile(ep) if m["kind"] in ("Deployment", "LeaderWorkerSet")]:
         for index, template in enumerate(templates(wl).values()):
-            args = engine_of(template)["args"]
+            engine = engine_of(template)
+            args = engine["args"]
             used = set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(args)))
-            assert used <= {"LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX"}  # only what LWS injects
-            assert not used or wl["kind"] == "LeaderWorkerSet"
-            ns = engine_parses(expand(args, {"LWS_LEADER_ADDRESS": "leader.example", "LWS_WORKER_INDEX": str(index)}))
+            # Only what LWS injects, or the container's own env from the pod's fields (a decode pod's POD_IP).
+            own = {e["name"] for e in engine.get("env", []) if "fieldRef" in e.get("valueFrom", {})}
+            lws = used - own
+            assert lws <= {"LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX"}
+            assert not lws or wl["kind"] == "LeaderWorkerSet"
+            ns = engine_parses(expand(args, {"LWS_LEADER_ADDRESS": "leader.example", "LWS_WORKER_INDEX": str(index),
+                                             "POD_IP": "10.0.0.7"}))
             assert (ns.tensor_parallel_size, ns.pipeline_parallel_size) == (layout.tensor, layout.pipeline)
             assert ns.nnodes == layout.pods_per_replica and ns.node_rank == index

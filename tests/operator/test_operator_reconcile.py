@@ -156,7 +156,7 @@ def test_pods_are_hardened_probed_and_wired(path):
             assert engine["readinessProbe"]["httpGet"]["path"] == ("/ready" if serves else "/health")
             # Each Service selects the pods of its own role that answer HTTP, and no other pod.
             role = template["metadata"]["labels"]["sluice.dev/role"]
-            own = ep.name if role == "serving" else f"{ep.name}-warm"
+            own = {"serving": ep.name, "prefill": f"{ep.name}-prefill"}.get(role, f"{ep.name}-warm")
             for name, svc in services.items():
                 assert _selects(svc["spec"]["selector"], template["metadata"]["labels"]) == (serves and name == own)
             # flags

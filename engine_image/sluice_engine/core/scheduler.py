@@ -79,6 +79,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def prompt_tokens_pending(self) -> int:
+        """Prompt tokens of waiting and running requests not computed yet: the prefill backlog (a prefill pool's
+        scaling signal; prefix hits count once they are found)."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in (*self.waiting, *self.running))
+
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Finish a request (done, aborted or failed) and give its blocks back."""
         if request.is_finished:

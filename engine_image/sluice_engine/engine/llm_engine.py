@@ -396,6 +396,7 @@ class LLMEngine:
         m, stats, kv, graphs = self.metrics, self.stats, self.kv, self.runner.graph_state
         return StatsSnapshot(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            prompt_tokens_pending=self.scheduler.prompt_tokens_pending,
             kv_usage=kv.usage(), kv_num_blocks=kv.num_blocks, graphs_captured=graphs.captured,
             graphs_state=graphs.state, graphs_reason=graphs.reason, prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
