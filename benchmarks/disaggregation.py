@@ -1,8 +1,10 @@
 """Issue 28's disaggregation check, in one sitting: a mixed workload of long prompts and short chats at a fixed
 request rate (Poisson arrivals, the same schedule for both layouts) served by two colocated engines (requests
-alternate between them) and by one prefill + one decode engine (a long prompt goes to the prefill engine with
-one output token and `kv_transfer_params.push_to`, then to the decode engine; a short chat goes to the decode
-engine alone), the same cores in total: each engine pinned to its own core (taskset), one thread each.
+alternate between them) and by one prefill + one decode engine, the same cores in total: each engine pinned to
+its own core (taskset), one thread each. The client sends every request to the decode engine, as clients of a
+disaggregated endpoint do: the decode engine sends prompts of --prefill-min-prompt-tokens or more to the prefill
+engine first (`--prefill-url`, the operator's wiring), which pushes their KV blocks back; short chats are
+prefilled where they are decoded.
 
 The client streams every answer; TTFT is from sending (the first hop) to the first streamed token, TPOT the
 mean gap between the later tokens. Reported: TTFT p50 of all requests, TPOT p50/p99 of the short chats (what
@@ -98,6 +100,8 @@ def main() -> None:
     p.add_argument("--short-tokens", type=int, default=60)
     p.add_argument("--long-max-tokens", type=int, default=16)
     p.add_argument("--short-max-tokens", type=int, default=32)
+    p.add_argument("--prefill-min-prompt-tokens", type=int, default=256,
+                   help="the decode engine's threshold for the prefill hop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="bench-results/disaggregation-logs")
     p.add_argument("--json")
@@ -142,25 +146,22 @@ def main() -> None:
     pport, dport, kvport = free_port(), free_port(), free_port()
     servers = [start("prefill", 0, pport, ["--kv-role", "prefill"], logs),
                start("decode", 1, dport, ["--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kvport),
-                                           "--kv-offload-bytes", "1GiB"], logs)]
+                                           "--kv-offload-bytes", "1GiB", "--prefill-url", f"http://127.0.0.1:{pport}",
+                                           "--prefill-min-prompt-tokens", str(a.prefill_min_prompt_tokens)], logs)]
     try:
         for s in servers:
             s.wait_ready(300)
 
         def disaggregated(kind, prompt, max_tokens):
-            last = (f"http://127.0.0.1:{dport}/v1/completions", {**base, "prompt": prompt, "max_tokens": max_tokens})
-            if kind == "short":
-                return [last]
-            first = {**base, "prompt": prompt, "max_tokens": 1,
-                     "kv_transfer_params": {"push_to": f"127.0.0.1:{kvport}"}}
-            return [(f"http://127.0.0.1:{pport}/v1/completions", first), last]
+            return [(f"http://127.0.0.1:{dport}/v1/completions", {**base, "prompt": prompt, "max_tokens": max_tokens})]
 
         results["1 prefill + 1 decode"] = summary(asyncio.run(run(schedule, disaggregated)))
         pushes = httpx.get(f"http://127.0.0.1:{pport}/metrics", timeout=10).text
         hits = httpx.get(f"http://127.0.0.1:{dport}/metrics", timeout=10).text
         pushed = [ln for ln in pushes.splitlines() if ln.startswith("sluice_kv_pushes_total")]
-        loaded = [ln for ln in hits.splitlines() if ln.startswith("sluice_kv_offload_hits_total")]
-        print("prefill pushes:", "; ".join(pushed), "| decode tier hits:", "; ".join(loaded))
+        loaded = [ln for ln in hits.splitlines() if ln.startswith(("sluice_kv_offload_hits_total",
+                                                                   "sluice_kv_prefill_hops_total"))]
+        print("prefill pushes:", "; ".join(pushed), "| decode:", "; ".join(loaded))
     finally:
         for s in servers:
             s.stop()

@@ -242,6 +242,23 @@ def endpoint_dashboard() -> Dashboard:
                    "up.", [target(f"sum(rate({s.sel(ENGINE_PREFIX_CACHE_HITS_METRIC)}[{W}])) / "
                                   f"sum(rate({s.sel(ENGINE_PREFIX_CACHE_QUERIES_METRIC)}[{W}]))", "hit rate")],
                    "percentunit", width=12, hi=1),
+        row("Prefill/decode disaggregation (spec.disaggregation)"),
+        timeseries("TTFT by pool", "TTFT percentiles per pool: on the prefill pool (role prefill) the prompt's "
+                   "computation; on the decode pool (role serving) what clients see, the hop included.", [
+                       target(m.quantile(s, ENGINE_TTFT_METRIC, q, W, by=ROLE), f"{{{{{ROLE}}}}} p{round(float(q) * 100)}")
+                       for q in ("0.5", "0.99")], "s"),
+        timeseries("TPOT by pool", "TPOT percentiles per pool: the decode pool's is the endpoint's.", [
+            target(m.quantile(s, ENGINE_TPOT_METRIC, q, W, by=ROLE), f"{{{{{ROLE}}}}} p{round(float(q) * 100)}")
+            for q in ("0.5", "0.99")], "s"),
+        timeseries("Prefill backlog and hops", "Prompt tokens not computed yet per pool (what scales the prefill "
+                   "pool), and the decode engines' prefill hops by outcome (failed: computed by the decode "
+                   "engine itself).", [
+                       target(f"sum by ({ROLE}) ({s.sel('sluice_num_prompt_tokens_waiting')})",
+                              f"{{{{{ROLE}}}}} prompt tokens waiting"),
+                       target(f"sum by (outcome) (rate({s.sel('sluice_kv_prefill_hops_total')}[{W}]))",
+                              "hops {{outcome}}/s"),
+                       target(f"sum by (result) (rate({s.sel('sluice_kv_pushes_total')}[{W}]))",
+                              "KV pushes {{result}}/s")], "short"),
         row("Cost"),
         timeseries("USD per 1M tokens", "GPU cost (serving and standby, idle included) split between prompt and "
                    "generation tokens by engine time; gaps: no traffic.", [

@@ -17,6 +17,7 @@ under CI (CI set), where they fail.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -178,8 +179,10 @@ def engine_metrics() -> dict[str, set[str]]:
 
     engine = MagicMock()
     engine.served_model_name, engine.cfg.endpoint_label, engine.metrics = "m", None, EngineMetrics()
-    engine.stats_snapshot.return_value = StatsSnapshot.zero()
-    return _exposed(PrometheusExporter(engine).registry)
+    # With the series a disaggregated endpoint's engines export too: KV pushes (exported once there is one) and
+    # the decode engines' prefill hops (--prefill-url).
+    engine.stats_snapshot.return_value = dataclasses.replace(StatsSnapshot.zero(), kv_pushes={"ok": 0})
+    return _exposed(PrometheusExporter(engine, prefill_hops={}).registry)
 
 
 @cache

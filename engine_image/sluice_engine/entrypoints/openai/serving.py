@@ -179,8 +179,10 @@ class OpenAIServing:
                 self.engine.check_prompt(ch.prompt_ids, p)
             except RequestRejected as e:
                 raise bad_request(str(e), param=e.param, code=e.code) from None
+        arrived = None  # the engine's clock starts at submission, or before the hop (TTFT includes it)
         if (self.prefill_hop is not None and lora is None and kv_push_to is None
                 and all(p.prompt_logprobs is None for p in params)):
+            arrived = time.monotonic()
             # The prompts' blocks computed by a prefill engine and pushed here first (prefill_hop.py). Not for a
             # request that is itself some engine's prefill hop (kv_push_to), nor for LoRA (transfers carry the
             # base model's blocks only), nor for prompt logprobs (computed here in full, never from the cache).
@@ -189,7 +191,8 @@ class OpenAIServing:
         # all pass the check before any of them counts as waiting (a burst stays within the bound).
         self.check_capacity(len(choices))
         gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar, lora_name=lora,
-                                kv_push_to=kv_push_to if ch.index % n == 0 else None)  # one push per prompt
+                                kv_push_to=kv_push_to if ch.index % n == 0 else None,  # one push per prompt
+                                arrival_time=arrived)
                 for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
