@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from openai import BadRequestError, OpenAI
+from parity_prompts import PROMPTS as PARITY_PROMPTS
 from servers import free_port
 
 pytestmark = pytest.mark.slow
@@ -127,6 +128,20 @@ def test_completions_through_the_prefill_hop_equal_one_engine_and_hf(pools, rout
     got = _client(routed).completions.create(model=routed.model, prompt=PROMPTS[0] + " once", max_tokens=8,
                                              temperature=0)
     assert got.choices[0].text == tok.decode(gen[0, len(ids):])
+
+
+def test_the_parity_set_through_the_prefill_hop_equals_one_engine(pools, routed):
+    """test_server_parity.py holds one engine to HF on these; through the hop they must equal that engine. Prompts
+    of 17 tokens or more hop (one full block and the last token); shorter ones are counted skipped."""
+    _, _, alone, _ = pools
+    before = hops(routed)
+    kw = dict(max_tokens=16, temperature=0, logprobs=1)
+    for prompt in PARITY_PROMPTS:
+        got = _client(routed).completions.create(model=routed.model, prompt=prompt, **kw)
+        _same(got, _client(alone).completions.create(model=alone.model, prompt=prompt, **kw))
+    after = hops(routed)
+    assert after["ok"] - before.get("ok", 0) >= 4 and after["skipped"] - before.get("skipped", 0) >= 4
+    assert after["ok"] + after["skipped"] - before.get("ok", 0) - before.get("skipped", 0) == len(PARITY_PROMPTS)
 
 
 def test_chat_and_n_greater_than_one_through_the_prefill_hop_equal_one_engine(pools, routed):

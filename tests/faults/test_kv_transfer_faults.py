@@ -106,3 +106,49 @@ def test_a_prefill_engine_dying_or_hanging_mid_hop_means_computing_here(start_se
         lsock.close()
         for c in held:
             c.close()
+
+
+def test_a_decode_engine_dying_mid_hop_fails_its_request_cleanly(start_server):
+    """The client's request is at a decode engine whose prefill hop is in flight when the decode engine dies (its
+    pod killed): the client gets an error at once, not a hang."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    got_hop = threading.Event()
+    held: list[socket.socket] = []
+
+    def fake_prefill() -> None:
+        try:
+            conn, _ = lsock.accept()
+        except OSError:
+            return
+        conn.recv(65536)
+        held.append(conn)  # the hop is in flight: never answered
+        got_hop.set()
+
+    threading.Thread(target=fake_prefill, daemon=True).start()
+    decode = start_server("--max-model-len", "512", "--kv-role", "decode", "--kv-host", "127.0.0.1",
+                          "--kv-port", str(free_port()), "--kv-offload-bytes", "64MiB", "--prefill-url",
+                          f"http://127.0.0.1:{lsock.getsockname()[1]}", "--prefill-min-prompt-tokens", "0")
+    outcome: dict[str, object] = {}
+
+    def client() -> None:
+        try:
+            r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
+                "model": decode.model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+            outcome["status"] = r.status_code
+        except httpx.HTTPError as e:
+            outcome["error"] = type(e).__name__
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        assert got_hop.wait(30), "the decode engine never sent its prefill hop"
+        t0 = time.monotonic()
+        decode.proc.kill()
+        t.join(30)
+        assert not t.is_alive(), "the client hung on a dead decode engine"
+        assert "error" in outcome, outcome  # the connection dropped: a clean failure the client can retry
+        assert time.monotonic() - t0 < 10
+    finally:
+        lsock.close()
+        for c in held:
+            c.close()

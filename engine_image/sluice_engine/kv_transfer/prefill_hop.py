@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import aiohttp
+if TYPE_CHECKING:
+    import aiohttp
 
 log = logging.getLogger("sluice.kv_transfer")
 
@@ -44,6 +46,10 @@ class PrefillHop:
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
+        # Imported here: only a decode engine with --prefill-url needs it (the GPU node's image has no aiohttp
+        # wheel for engines that never hop: tests/engine/test_gpu_wheels.py).
+        import aiohttp
+
         if self._session is None or self._session.closed:  # made in the server's loop, on first use
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
