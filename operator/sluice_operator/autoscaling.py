@@ -169,14 +169,14 @@ def hpa_behavior(scaling: Scaling) -> dict[str, Any]:
     }
 
 
-def scaled_object(ep: InferenceEndpoint, cfg: OperatorConfig, target: dict[str, Any]) -> dict[str, Any]:
-    scaling = ep.spec.scaling
-    assert scaling is not None
-    outage = scaling.on_metrics_outage.replicas if scaling.on_metrics_outage else max(scaling.min_replicas, 1)
+def scaled_object_of(ep: InferenceEndpoint, name: str, target: dict[str, Any], scaling: Any, outage: int,
+                     trigger_list: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ScaledObject `name` scaling `target` within scaling's min/max replicas (`scaling`: a Scaling or a
+    disaggregated pool's scaling), holding `outage` replicas when its triggers cannot be read."""
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": object_meta(ep, ep.name, "autoscaler"),
+        "metadata": object_meta(ep, name, "autoscaler"),
         "spec": {
             "scaleTargetRef": {"apiVersion": target["apiVersion"], "kind": target["kind"],
                                "name": target["metadata"]["name"]},
@@ -188,7 +188,14 @@ def scaled_object(ep: InferenceEndpoint, cfg: OperatorConfig, target: dict[str, 
             # behavior needs KEDA >= 2.17 (KEDA_MIN_VERSION): never scale in below the current count on an outage.
             "fallback": {"failureThreshold": FAILURE_THRESHOLD, "replicas": outage,
                          "behavior": "currentReplicasIfHigher"},
-            "advanced": {"horizontalPodAutoscalerConfig": {"name": ep.name, "behavior": hpa_behavior(scaling)}},
-            "triggers": triggers(ep, cfg, scaling),
+            "advanced": {"horizontalPodAutoscalerConfig": {"name": name, "behavior": hpa_behavior(scaling)}},
+            "triggers": trigger_list,
         },
     }
+
+
+def scaled_object(ep: InferenceEndpoint, cfg: OperatorConfig, target: dict[str, Any]) -> dict[str, Any]:
+    scaling = ep.spec.scaling
+    assert scaling is not None
+    outage = scaling.on_metrics_outage.replicas if scaling.on_metrics_outage else max(scaling.min_replicas, 1)
+    return scaled_object_of(ep, ep.name, target, scaling, outage, triggers(ep, cfg, scaling))

@@ -15,13 +15,13 @@ sizes differ, and engines of more than one rank (their transfers are not built).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .autoscaling import ENDPOINT_METRIC_LABEL, FAILURE_THRESHOLD, POLLING_INTERVAL_S, hpa_behavior
+from .autoscaling import ENDPOINT_METRIC_LABEL, scaled_object_of
 from .config import OperatorConfig
 from .engine_flags import render_args
-from .meta import PREFILL, SERVING, object_meta
+from .meta import PREFILL, SERVING
 from .spec import KV_PORT, DecodePool, InferenceEndpoint, PrefillPool
 
 POD_IP_ENV = "POD_IP"
@@ -38,7 +38,7 @@ class PoolParts:
     args: tuple[str, ...] = ()
     resources: dict[str, Any] | None = None
     env: tuple[dict[str, Any], ...] = ()
-    ports: tuple[dict[str, Any], ...] = field(default=())
+    ports: tuple[dict[str, Any], ...] = ()
 
 
 def prefill_name(ep: InferenceEndpoint) -> str:
@@ -93,28 +93,11 @@ def pool_scaled_object(ep: InferenceEndpoint, cfg: OperatorConfig, target: dict[
         scaling, name, query = d.decode.scaling, ep.name, decode_query(ep)
         threshold, trigger = d.decode.scaling.target_requests, "requests"
     assert scaling is not None
-    return {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": object_meta(ep, name, "autoscaler"),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": target["apiVersion"], "kind": target["kind"],
-                               "name": target["metadata"]["name"]},
-            "minReplicaCount": scaling.min_replicas,
-            "maxReplicaCount": scaling.max_replicas,
-            "pollingInterval": POLLING_INTERVAL_S,
-            "cooldownPeriod": scaling.scale_down_delay_seconds,
-            "initialCooldownPeriod": ep.spec.startup_grace_seconds,
-            # An unreadable metric holds at least minReplicas, never scaling in below the current count.
-            "fallback": {"failureThreshold": FAILURE_THRESHOLD, "replicas": scaling.min_replicas,
-                         "behavior": "currentReplicasIfHigher"},
-            "advanced": {"horizontalPodAutoscalerConfig": {"name": name, "behavior": hpa_behavior(scaling)}},
-            "triggers": [{
-                "type": "prometheus",
-                "name": trigger,
-                "metricType": "AverageValue",  # per replica
-                "metadata": {"serverAddress": cfg.prometheus_url, "query": query, "threshold": str(threshold),
-                             "activationThreshold": "0", "ignoreNullValues": "false"},
-            }],
-        },
-    }
+    # An unreadable metric holds at least minReplicas, never scaling in below the current count.
+    return scaled_object_of(ep, name, target, scaling, scaling.min_replicas, [{
+        "type": "prometheus",
+        "name": trigger,
+        "metricType": "AverageValue",  # per replica
+        "metadata": {"serverAddress": cfg.prometheus_url, "query": query, "threshold": str(threshold),
+                     "activationThreshold": "0", "ignoreNullValues": "false"},
+    }])

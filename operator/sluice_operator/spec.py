@@ -250,6 +250,23 @@ _ARGS_SCHEMA = {
 }
 
 
+def _check_engine_args(cls, args: dict[str, Any]) -> dict[str, ArgValue]:
+    """The field validator of engine.args and of a disaggregated pool's args."""
+    for flag, value in args.items():
+        check_arg(flag, value)
+    return args
+
+
+def _check_core_fields(cls, value: Any, info: ValidationInfo) -> Any:
+    """The field validator of core/v1 fields (pod overrides, a pool's resources): the schema the CRD shows."""
+    node = cls.model_fields[info.field_name].metadata
+    schema = next(m.json_schema for m in node if isinstance(m, WithJsonSchema))
+    problems = core_schemas.errors(schema, value, to_camel(info.field_name))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return value
+
+
 # engine.quantization: which accelerator runs which format (the GPU ones are Triton kernels, the GGUF ones the
 # CPU kernels). NOTE: the same names as the engine's --quantization choices (a test compares them).
 GPU_QUANTIZATIONS = ("fp8", "awq", "gptq")
@@ -281,12 +298,7 @@ class Engine(_Object):
         "k_scale/v_scale, else 1.0), half the bytes of a bfloat16 cache per token, so twice the tokens in the "
         "same memory. Default: unset (the engine's default, auto)."))
 
-    @field_validator("args")
-    @classmethod
-    def _known_flags(cls, args: dict[str, Any]) -> dict[str, ArgValue]:
-        for flag, value in args.items():
-            check_arg(flag, value)
-        return args
+    _known_flags = field_validator("args")(classmethod(_check_engine_args))
 
 
 # -- placement ------------------------------------------------------------------------------------------
@@ -552,16 +564,8 @@ class PodOverrides(_Object):
         default_factory=list, description="core/v1 VolumeMounts of the engine container, of pod.volumes.")
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, description="Image pull Secrets.")
 
-    @field_validator("resources", "tolerations", "affinity", "topology_spread_constraints", "env", "volumes",
-                     "volume_mounts")
-    @classmethod
-    def _core_fields(cls, value: Any, info: ValidationInfo) -> Any:
-        node = cls.model_fields[info.field_name].metadata
-        schema = next(m.json_schema for m in node if isinstance(m, WithJsonSchema))
-        problems = core_schemas.errors(schema, value, to_camel(info.field_name))
-        if problems:
-            raise ValueError("; ".join(problems))
-        return value
+    _core_fields = field_validator("resources", "tolerations", "affinity", "topology_spread_constraints", "env",
+                                   "volumes", "volume_mounts")(classmethod(_check_core_fields))
 
 
 # -- prefill/decode disaggregation ------------------------------------------------------------------------
@@ -611,20 +615,9 @@ class _Pool(_Object):
         "Engine flags of this pool only, over engine.args (e.g. a larger max-num-batched-tokens for prefill). "
         "block-size must be the same in both pools."))
 
-    @field_validator("args")
-    @classmethod
-    def _known_flags(cls, args: dict[str, Any]) -> dict[str, ArgValue]:
-        for flag, value in args.items():
-            check_arg(flag, value)
-        return args
+    _known_flags = field_validator("args")(classmethod(_check_engine_args))
 
-    @field_validator("resources")
-    @classmethod
-    def _core_resources(cls, value: Any) -> Any:
-        problems = core_schemas.errors(core_schemas.schema("ResourceRequirements"), value, "resources")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return value
+    _core_fields = field_validator("resources")(classmethod(_check_core_fields))
 
     @property
     def fixed_replicas(self) -> int | None:

@@ -210,7 +210,17 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
         phase, reason, message = "Pending", "NoPods", f"{what}: no pod created yet"
 
     serves = phase in ("Ready", "Degraded")
-    conditions = [condition("Ready", "True" if serves else "False", reason, message, gen, prev, now)]
+    split = ep.spec.disaggregation
+    prefill_counts, ready_message = None, message
+    if split is not None:  # (desired, ready) of the prefill pool
+        live = ((prefill or {}).get("spec") or {}).get("replicas")
+        fixed = split.prefill.fixed_replicas
+        prefill_counts = (int(live) if live is not None else (1 if fixed is None else fixed),
+                          _count(prefill, "readyReplicas"))
+        if serves and prefill_counts[1] < prefill_counts[0]:
+            ready_message += (f"; {prefill_counts[1]}/{prefill_counts[0]} prefill replicas ready (decode engines compute "
+                              "prompts themselves meanwhile)")
+    conditions = [condition("Ready", "True" if serves else "False", reason, ready_message, gen, prev, now)]
     conditions.append(condition("ModelReady", *_model_ready(phase, reason, message, ready, desired), gen, prev, now))
     conditions.append(condition("Scheduled", *_scheduled(seen, desired), gen, prev, now))
     if failure:
@@ -240,15 +250,8 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     replicas: Object = {"desired": desired, "ready": ready}
     if ep.spec.scaling is not None and ep.spec.scaling.warm_pool is not None:
         replicas["standby"] = standby_ready
-    split = ep.spec.disaggregation
-    if split is not None:
-        live = ((prefill or {}).get("spec") or {}).get("replicas")
-        fixed = split.prefill.fixed_replicas
-        replicas["prefillDesired"] = int(live) if live is not None else (1 if fixed is None else fixed)
-        replicas["prefillReady"] = _count(prefill, "readyReplicas")
-        if phase in ("Ready", "Degraded") and replicas["prefillReady"] < replicas["prefillDesired"]:
-            conditions[0]["message"] += (f"; {replicas['prefillReady']}/{replicas['prefillDesired']} prefill "
-                                         "replicas ready (decode engines compute prompts themselves meanwhile)")
+    if prefill_counts is not None:
+        replicas["prefillDesired"], replicas["prefillReady"] = prefill_counts
     return {
         "observedGeneration": gen,
         "phase": phase,
