@@ -35,7 +35,8 @@ from ..model_fetch import cache_root
 log = logging.getLogger("sluice.engine")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
-                                                              "layer_ops.cpp", "ggml_attention.cpp", "lora.cpp")]
+                                                              "layer_ops.cpp", "ggml_attention.cpp", "lora.cpp",
+                                                              "ggml_decoder.cpp")]
 HEADERS = [Path(__file__).with_name("ggml_expf.h")]  # included by the sources: part of the build's cache key
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 2  # of paged_attention.cpp's entry points
@@ -260,6 +261,10 @@ def _bind_ggml_attention(lib: ctypes.CDLL) -> None:
     lib.sluice_ggml_write_kv.restype = None
     lib.sluice_ggml_attention.argtypes = [p, i64, p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
     lib.sluice_ggml_attention.restype = None
+    # The decoder layers in one call (models/ggml_decoder.py): pointers to its layer table and shape structs.
+    lib.sluice_ggml_decoder_abi_version.argtypes, lib.sluice_ggml_decoder_abi_version.restype = [], i32
+    lib.sluice_ggml_decoder_layers.argtypes = [p, i32, p, p, p, i32, i32, p, p, p, p, i64, p, p, i32, i32]
+    lib.sluice_ggml_decoder_layers.restype = None
 
 
 def _bind_layer_ops(lib: ctypes.CDLL) -> None:

@@ -158,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         tied_here = cfg.tie_word_embeddings and shard.is_first_stage
         self.lm_head = (nn.Linear(cfg.hidden_size, local_vocab, bias=False)
                         if shard.is_last_stage and not tied_here else None)
+        # The layer loop as one native call (models/ggml_decoder.py), set by the model runner where it covers the
+        # model (a GGUF served in its blocks on CPU); None runs the layers one op at a time.
+        self.fused_layers: Callable | None = None
         with torch.no_grad():
             for table in (self.embed_tokens, self.lm_head):
                 if table is not None:
@@ -171,8 +174,11 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids) if self.embed_tokens is not None else hidden
         cos_sin = self.rotary(positions)
         residual = None
-        for layer in self.layers:  # every stage holds at least one layer (distributed/layout.py)
-            x, residual = layer(cos_sin, x, residual)
+        if self.fused_layers is not None:
+            x, residual = self.fused_layers(x, cos_sin)
+        else:
+            for layer in self.layers:  # every stage holds at least one layer (distributed/layout.py)
+                x, residual = layer(cos_sin, x, residual)
         if self.norm is not None:
             return self.norm.add_norm(x, residual)[0]
         return x + residual  # the stream, whole, for the next stage

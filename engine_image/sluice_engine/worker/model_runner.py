@@ -108,6 +108,12 @@ class ModelRunner:
             # Adapters are registered by the engine (LLMEngine.load_lora), at start and while it runs.
             self.lora = LoRAModel(self.model, mc, self.shard, cfg.max_loras, cfg.max_lora_rank, self.dtype,
                                   self.device, cfg.max_cpu_loras)
+        if self.lora is None and self.backend.name == "ggml":
+            # A GGUF served in its blocks on CPU: its layer loop in one C++ call (the same floats, less Python).
+            from ..cpu_kernels import load as load_kernels
+            from ..models.ggml_decoder import GgmlDecoderStack
+
+            self.model.fused_layers = GgmlDecoderStack.build(self.model, load_kernels())
         self._lora_cpu_kernel = False  # LoRA through cpu_kernels/lora.cpp (an fp32 model on CPU, kernels built)
         if cfg.enable_lora and self.device.type == "cpu" and self.dtype == torch.float32:
             from ..lora.cpu_ops import cpu_kernel
