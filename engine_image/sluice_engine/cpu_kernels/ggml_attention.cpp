@@ -110,6 +110,52 @@ inline double dot_avx2_order(const float* qh, const uint16_t* k, int d) {
 }
 #endif
 
+// The vec path's online softmax for one head, over its n scores in key order: the running max M; on a new maximum
+// ms = expf(M_old - s) (0 at the first key) and vs = 1, else ms = 1 and vs = expf(s - M); S = fma(S, ms, vs).
+// Returns S, and each key's (ms, vs), which the fp16 accumulation applies afterwards. Split from the
+// accumulation (llama.cpp interleaves the two per key) so that neither waits on the other's latency: the same
+// operations on the same values, so the same floats.
+inline float softmax_weights(const float* s, int n, float* ms, float* vs) {
+    float M = -INFINITY, S = 0.f;
+    for (int p = 0; p < n; ++p) {
+        float m = 1.f, v = 1.f;
+        if (s[p] > M) {
+            m = std::exp(M - s[p]);
+            M = s[p];
+        } else {
+            v = std::exp(s[p] - M);
+        }
+        ms[p] = m;
+        vs[p] = v;
+        S = std::fma(S, m, v);
+    }
+    return S;
+}
+
+// A work item's per-key scores and softmax weights, [heads][n] each, in per-thread memory kept between calls.
+struct VecScratch {
+    float* base;
+    int64_t* rows;  // each key's element offset in the caches (its slot's, for KV head 0)
+    int heads, n;
+    VecScratch(const Geometry& g, int heads_, int n_) : heads(heads_), n(n_) {
+        thread_local std::vector<float> buf;
+        thread_local std::vector<int64_t> offsets;
+        const size_t need = static_cast<size_t>(3) * heads * n;
+        if (buf.size() < need) buf.resize(need);
+        if (offsets.size() < static_cast<size_t>(n)) offsets.resize(n);
+        base = buf.data();
+        rows = offsets.data();
+        const int64_t row = static_cast<int64_t>(g.kv_heads) * g.d;
+        for (int p0 = 0, b = 0; p0 < n; p0 += g.block_size, ++b) {  // block by block: no division per key
+            const int64_t first = static_cast<int64_t>(g.table[b]) * g.block_size * row;
+            for (int o = 0; o < g.block_size && p0 + o < n; ++o) rows[p0 + o] = first + o * row;
+        }
+    }
+    float* score(int h) const { return base + static_cast<int64_t>(h) * n; }
+    float* ms(int h) const { return base + static_cast<int64_t>(heads + h) * n; }
+    float* vs(int h) const { return base + static_cast<int64_t>(2 * heads + h) * n; }
+};
+
 #if defined(__AVX512F__) && defined(__F16C__)
 // The "vec" path for a 64-dim head with AVX-512: the same operations as attend_vec below, 16 lanes at a time.
 // Up to 4 query heads of one KV head at once (GQA): each key and value is loaded and widened once for all of
@@ -117,8 +163,9 @@ inline double dot_avx2_order(const float* qh, const uint16_t* k, int d) {
 constexpr int kVecHeads = 4;
 
 void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos, float scale, float* out) {
+    const int n = pos + 1;
+    VecScratch w(g, nh, n);
     __m512 q4[kVecHeads][4], acc[kVecHeads][4];  // acc: the fp16 accumulators, held widened
-    float S[kVecHeads], M[kVecHeads];
     for (int h = 0; h < nh; ++h) {
         alignas(64) float qh[64];
         for (int e = 0; e < 64; ++e) qh[e] = h2f(f2h(q_hf[h * 64 + hf_index(e, 64)]));
@@ -126,40 +173,37 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
             q4[h][j] = _mm512_load_ps(qh + 16 * j);
             acc[h][j] = _mm512_setzero_ps();
         }
-        S[h] = 0.f;
-        M[h] = -INFINITY;
     }
     const auto round16 = [](__m512 x) { return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); };
     const auto load16 = [](const uint16_t* p) {
         return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
-    for (int p = 0; p <= pos; ++p) {
-        const uint16_t* kp = g.k_at(p, kvh);
-        const uint16_t* vp = g.v_at(p, kvh);
-        __m512 k[4], v[4];
-        for (int j = 0; j < 4; ++j) {
-            k[j] = load16(kp + 16 * j);
-            v[j] = load16(vp + 16 * j);
-        }
+    for (int p = 0; p < n; ++p) {  // every key's score: independent of one another
+        const uint16_t* kp = g.k_cache + w.rows[p] + kvh * 64;
+        __m512 k[4];
+        for (int j = 0; j < 4; ++j) k[j] = load16(kp + 16 * j);
         for (int h = 0; h < nh; ++h) {
             __m512 prod[4];
             for (int j = 0; j < 4; ++j) prod[j] = _mm512_mul_ps(q4[h][j], k[j]);  // exact: fp16 x fp16
             const __m512 lanes = _mm512_add_ps(_mm512_add_ps(prod[0], prod[2]), _mm512_add_ps(prod[1], prod[3]));
-            float s = static_cast<float>(static_cast<double>(_mm512_reduce_add_ps(lanes)));
-            s = s * scale;
-            const float Mold = M[h];
-            float ms = 1.f, vs = 1.f;
-            if (s > M[h]) {
-                M[h] = s;
-                ms = std::exp(Mold - s);
+            const float s = static_cast<float>(static_cast<double>(_mm512_reduce_add_ps(lanes)));
+            w.score(h)[p] = s * scale;
+        }
+    }
+    float S[kVecHeads];
+    for (int h = 0; h < nh; ++h) S[h] = softmax_weights(w.score(h), n, w.ms(h), w.vs(h));
+    for (int p = 0; p < n; ++p) {  // the fp16 accumulation, key by key
+        const uint16_t* vp = g.v_cache + w.rows[p] + kvh * 64;
+        __m512 v[4];
+        for (int j = 0; j < 4; ++j) v[j] = load16(vp + 16 * j);
+        for (int h = 0; h < nh; ++h) {
+            const float ms = w.ms(h)[p];
+            if (ms != 1.f) {  // a new maximum (acc holds fp16 values, so a scale of exactly 1 changes nothing)
                 const __m512 vms = _mm512_set1_ps(ms);
                 for (int j = 0; j < 4; ++j) acc[h][j] = round16(_mm512_mul_ps(acc[h][j], vms));
-            } else {
-                vs = std::exp(s - M[h]);
             }
-            const __m512 vvs = _mm512_set1_ps(vs);
+            const __m512 vvs = _mm512_set1_ps(w.vs(h)[p]);
             for (int j = 0; j < 4; ++j) acc[h][j] = round16(_mm512_fmadd_ps(v[j], vvs, acc[h][j]));
-            S[h] = std::fma(S[h], ms, vs);
         }
     }
     for (int h = 0; h < nh; ++h) {
@@ -174,22 +218,21 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
 constexpr int kVecHeads = 4;
 
 void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos, float scale, float* out) {
-    alignas(32) float qh[kVecHeads][64], acc[kVecHeads][64], kf[64], vf[64];
-    float S[kVecHeads], M[kVecHeads];
+    const int n = pos + 1;
+    VecScratch w(g, nh, n);
+    alignas(32) float qh[kVecHeads][64], kf[64];
+    __m256 acc[kVecHeads][8];  // the fp16 accumulators, held widened
     for (int h = 0; h < nh; ++h) {
         for (int e = 0; e < 64; ++e) qh[h][e] = h2f(f2h(q_hf[h * 64 + hf_index(e, 64)]));
-        for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
-        S[h] = 0.f;
-        M[h] = -INFINITY;
+        for (int j = 0; j < 8; ++j) acc[h][j] = _mm256_setzero_ps();
     }
     const auto round8 = [](__m256 x) { return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); };
-    for (int p = 0; p <= pos; ++p) {
-        const uint16_t* kp = g.k_at(p, kvh);
-        const uint16_t* vp = g.v_at(p, kvh);
-        for (int j = 0; j < 8; ++j) {
-            _mm256_store_ps(kf + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kp + 8 * j))));
-            _mm256_store_ps(vf + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vp + 8 * j))));
-        }
+    const auto load8 = [](const uint16_t* p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    };
+    for (int p = 0; p < n; ++p) {  // every key's score: independent of one another
+        const uint16_t* kp = g.k_cache + w.rows[p] + kvh * 64;
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(kf + 8 * j, load8(kp + 8 * j));
         for (int h = 0; h < nh; ++h) {
             __m256 sum[4];
             for (int j = 0; j < 4; ++j) {  // dims 0..31 (exact products), then 32..63 by FMA
@@ -200,29 +243,29 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
             const __m128 t = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
             alignas(16) float tl[4];
             _mm_store_ps(tl, t);
-            float s = static_cast<float>(static_cast<double>((tl[0] + tl[1]) + (tl[2] + tl[3])));
-            s = s * scale;
-            const float Mold = M[h];
-            float ms = 1.f, vs = 1.f;
-            if (s > M[h]) {
-                M[h] = s;
-                ms = std::exp(Mold - s);
+            const float s = static_cast<float>(static_cast<double>((tl[0] + tl[1]) + (tl[2] + tl[3])));
+            w.score(h)[p] = s * scale;
+        }
+    }
+    float S[kVecHeads];
+    for (int h = 0; h < nh; ++h) S[h] = softmax_weights(w.score(h), n, w.ms(h), w.vs(h));
+    for (int p = 0; p < n; ++p) {  // the fp16 accumulation, key by key
+        const uint16_t* vp = g.v_cache + w.rows[p] + kvh * 64;
+        __m256 v[8];
+        for (int j = 0; j < 8; ++j) v[j] = load8(vp + 8 * j);
+        for (int h = 0; h < nh; ++h) {
+            const float ms = w.ms(h)[p];
+            if (ms != 1.f) {  // a new maximum (acc holds fp16 values, so a scale of exactly 1 changes nothing)
                 const __m256 vms = _mm256_set1_ps(ms);
-                for (int j = 0; j < 8; ++j)
-                    _mm256_store_ps(acc[h] + 8 * j, round8(_mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * j), vms)));
-            } else {
-                vs = std::exp(s - M[h]);
+                for (int j = 0; j < 8; ++j) acc[h][j] = round8(_mm256_mul_ps(acc[h][j], vms));
             }
-            const __m256 vvs = _mm256_set1_ps(vs);
-            for (int j = 0; j < 8; ++j)
-                _mm256_store_ps(acc[h] + 8 * j,
-                                round8(_mm256_fmadd_ps(_mm256_load_ps(vf + 8 * j), vvs, _mm256_load_ps(acc[h] + 8 * j))));
-            S[h] = std::fma(S[h], ms, vs);
+            const __m256 vvs = _mm256_set1_ps(w.vs(h)[p]);
+            for (int j = 0; j < 8; ++j) acc[h][j] = round8(_mm256_fmadd_ps(v[j], vvs, acc[h][j]));
         }
     }
     for (int h = 0; h < nh; ++h) {
         const __m256 inv = _mm256_set1_ps(S[h] == 0.f ? 0.f : 1.f / S[h]);
-        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + h * 64 + 8 * j, _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * j), inv));
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + h * 64 + 8 * j, _mm256_mul_ps(acc[h][j], inv));
     }
 }
 #endif

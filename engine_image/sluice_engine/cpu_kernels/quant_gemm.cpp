@@ -241,10 +241,20 @@ using TileFn = void (*)(const XQ&, int, const uint8_t*, int64_t, float*, int64_t
 inline int group_cols(int g, int N) { return std::min(kGroup, N - g * kGroup); }
 
 #if defined(SLUICE_QUANT_AVX512)
-// One lane of 16 outputs: its integer sum (from init: the lane's correction, or 0), then
-// acc = fma(dd, float(sum), acc), as llama.cpp's _mm256_fmadd_ps(d, q, acc).
+// int32 -> float without vcvtdq2ps: an int32 i with |i| < 2^22 added to the bits of 1.5 * 2^23 are the bits of the
+// float 1.5 * 2^23 + i exactly (the same exponent; i lands in the mantissa), and subtracting 1.5 * 2^23 gives
+// float(i) exactly. The addition rides in vpdpbusd's accumulator for free (every lane sum here is far below 2^22:
+// at most 4 x 255 x 128 plus a correction of 4 x 128 x 128). Why: on Intel's AVX-512 cores vpdpbusd and
+// vcvtdq2ps both issue on port 0 only, so a block's 8 of each (per row and 16 outputs) took 16 cycles there while
+// port 5 idled; vsubps issues on either.
+constexpr int32_t kMagicBits = 0x4B400000;  // 1.5 * 2^23
+inline __m512 magic_f() { return _mm512_castsi512_ps(_mm512_set1_epi32(kMagicBits)); }
+
+// One lane of 16 outputs: its integer sum (from init: the magic bits plus the lane's correction, or plus 0), as a
+// float, then acc = fma(dd, float(sum), acc), as llama.cpp's _mm256_fmadd_ps(d, q, acc).
 inline __m512 lane_fma(__m512 acc, __m512 dd, __m512i init, __m512i w, __m512i x) {
-    return _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, w, x)), acc);
+    const __m512 sum = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_dpbusd_epi32(init, w, x)), magic_f());
+    return _mm512_fmadd_ps(dd, sum, acc);
 }
 
 // hsum_float_8's order over the 8 lanes, for 16 outputs at once.
@@ -291,9 +301,9 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc[j] + b * SC)));
             for (int i = 0; i < MR; ++i) dd[i][j] = _mm512_mul_ps(dw, _mm512_set1_ps(dx[i][b]));
         }
-        // lane l's starting integer: the format's correction (Q4_1: none)
+        // lane l's starting integer: the magic bits (lane_fma) plus the format's correction (Q4_1: none)
         auto init = [&](int i, int l) {
-            return F == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(cr[i][b * kLanes + l]);
+            return F == kQ4_1 ? _mm512_set1_epi32(kMagicBits) : _mm512_set1_epi32(cr[i][b * kLanes + l] + kMagicBits);
         };
         if constexpr (F == kQ8_0) {
             for (int v = 0; v < 8; ++v) {
