@@ -5,6 +5,7 @@ rest (Python: scheduler, batch building, the model's own glue).
     .venv/bin/python benchmarks/cpu_step_profile.py                       # Q4_1 (the default), B=32, ~1 min
     SLUICE_CPU_ISA=avx2 .venv/bin/python benchmarks/cpu_step_profile.py  # the AVX2 kernels on an AVX-512 CPU
     .venv/bin/python benchmarks/cpu_step_profile.py --quantization none   # fp32
+    SLUICE_CPU_FUSED_DECODER=off .venv/bin/python benchmarks/cpu_step_profile.py  # GEMM/attention/layer ops apart
 
 B requests of --prompt-len random token ids (seed 0), greedy, ignore_eos. The prefill steps run first, unprofiled
 but timed; then --steps decode steps (every sequence one token) run under cProfile, and each bucket is the
@@ -25,6 +26,9 @@ import time
 import torch
 
 BUCKETS = {  # bucket: (file suffix, function name) pairs whose cumulative time it takes
+    # A GGUF's decoder layers as one C++ call (models/ggml_decoder.py): GEMMs, attention and layer ops together;
+    # SLUICE_CPU_FUSED_DECODER=off runs them one op at a time, which splits them into the buckets below.
+    "decoder layers (1 call)": [("models/ggml_decoder.py", "__call__")],
     "GEMM (quantized)": [("cpu_kernels/quant.py", "forward")],
     "GEMM (fp32 packed)": [("cpu_kernels/linear.py", "forward")],
     "attention": [("attention/ggml_cpu.py", "attend"), ("attention/cpu_paged.py", "attend"),
