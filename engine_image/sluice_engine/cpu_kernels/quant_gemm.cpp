@@ -95,7 +95,7 @@ constexpr int64_t kChunkBytes = 256 << 10;  // quantized x per pass over the wei
 constexpr int kMR = 2, kNG = 1;  // tile: rows of x x groups of 16 outputs (9 float accumulators per row)
 constexpr int kIsa = 2;
 #elif defined(SLUICE_QUANT_AVX2)
-constexpr int kMR = 1, kNG = 1;  // 16 ymm registers: 1 row x 8 outputs (9 accumulators) at a time
+constexpr int kMR = 3, kNG = 1;  // 3 rows x 8 outputs per unpacked weight (27 accumulators: some in L1); 2 as fast, 1 and 4 ~12% slower
 constexpr int kIsa = 1;
 #else
 constexpr int kMR = 4, kNG = 1;
@@ -359,64 +359,85 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
 }
 
 #elif defined(SLUICE_QUANT_AVX2)
-// One row x one half (8 outputs: bytes 0..31 or 32..63 of each vector) at a time, over all of K.
+// MR rows x one half (8 outputs: bytes 0..31 or 32..63 of each vector) at a time, over all of K: each block's weights
+// are loaded and unpacked once for the MR rows (without VNNI a lane's sum is maddubs + madd per row, so the
+// unpacking was a fifth of the work when done per row). MR rows' 9 accumulators exceed AVX2's 16 registers: the
+// compiler keeps some in L1, whose loads and stores use other ports than the arithmetic.
 template <int F, int MR, int NG>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
     const int nb = xq.nb, K = xq.K;
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int8_t* xr[MR];
+    const float* dx[MR];
+    const int32_t* ax[MR];
+    const int32_t* cr[MR];
+    for (int i = 0; i < MR; ++i) {
+        xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
+        dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
+        ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
+        cr[i] = xq.corr + static_cast<int64_t>(m + i) * nb * kLanes;
+    }
     for (int j = 0; j < NG; ++j) {
         const uint8_t* qs = w + j * gbytes;
         const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
         const int cols = group_cols(g + j, N);
-        for (int i = 0; i < MR; ++i) {
-            const int8_t* xr = xq.q + static_cast<int64_t>(m + i) * K;
-            const float* dx = xq.d + static_cast<int64_t>(m + i) * nb;
-            const int32_t* ax = xq.aux + static_cast<int64_t>(m + i) * nb;
-            const int32_t* cr = xq.corr + static_cast<int64_t>(m + i) * nb * kLanes;
-            for (int h = 0; h < 2 && h * 8 < cols; ++h) {
-                __m256 acc[kLanes], ms = _mm256_setzero_ps();
-                for (int l = 0; l < kLanes; ++l) acc[l] = _mm256_setzero_ps();
-                for (int b = 0; b < nb; ++b) {
-                    const uint8_t* wb = qs + b * QS + h * 32;
-                    const uint8_t* s = sc + b * SC + h * 16;
-                    const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))),
-                                                    _mm256_set1_ps(dx[b]));
-                    if constexpr (F == kQ8_0) {
-                        for (int v = 0; v < 8; ++v) {
-                            const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64)),
-                                                                _mm256_set1_epi8(-128));
+        for (int h = 0; h < 2 && h * 8 < cols; ++h) {
+            __m256 acc[MR][kLanes], ms[MR];
+            for (int i = 0; i < MR; ++i) {
+                for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm256_setzero_ps();
+                ms[i] = _mm256_setzero_ps();
+            }
+            for (int b = 0; b < nb; ++b) {
+                const uint8_t* wb = qs + b * QS + h * 32;
+                const uint8_t* s = sc + b * SC + h * 16;
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+                __m256 dd[MR];
+                for (int i = 0; i < MR; ++i) dd[i] = _mm256_mul_ps(dw, _mm256_set1_ps(dx[i][b]));
+                if constexpr (F == kQ8_0) {
+                    for (int v = 0; v < 8; ++v) {
+                        const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64)),
+                                                            _mm256_set1_epi8(-128));
+                        const __m256i aw = _mm256_abs_epi8(ws);
+                        for (int i = 0; i < MR; ++i) {
                             // |q_w| (<= 128 as unsigned) x sign(q_x, q_w): pairs of products < 32767
-                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load32(xr + b * kBlock + 4 * v)), ws);
-                            const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), xs), ones);
-                            acc[v] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[v]);
+                            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v)), ws);
+                            const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+                            acc[i][v] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(isum), acc[i][v]);
                         }
-                    } else {
-                        for (int v = 0; v < 4; ++v) {
-                            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64));
-                            const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                            const __m256i xl = _mm256_set1_epi32(load32(xr + b * kBlock + 4 * v));
-                            const __m256i xh = _mm256_set1_epi32(load32(xr + b * kBlock + 16 + 4 * v));
+                    }
+                } else {
+                    for (int v = 0; v < 4; ++v) {
+                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64));
+                        const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        for (int i = 0; i < MR; ++i) {
+                            const __m256i xl = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
+                            const __m256i xh = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
                             __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones);
                             __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones);
                             if constexpr (F == kQ4_0) {
-                                il = _mm256_add_epi32(il, _mm256_set1_epi32(cr[b * kLanes + v]));
-                                ih = _mm256_add_epi32(ih, _mm256_set1_epi32(cr[b * kLanes + 4 + v]));
+                                il = _mm256_add_epi32(il, _mm256_set1_epi32(cr[i][b * kLanes + v]));
+                                ih = _mm256_add_epi32(ih, _mm256_set1_epi32(cr[i][b * kLanes + 4 + v]));
                             }
-                            acc[v] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(il), acc[v]);
-                            acc[4 + v] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(ih), acc[4 + v]);
+                            acc[i][v] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(il), acc[i][v]);
+                            acc[i][4 + v] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(ih), acc[i][4 + v]);
                         }
                     }
-                    if constexpr (F == kQ4_1) {
-                        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
+                }
+                if constexpr (F == kQ4_1) {
+                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
+                    for (int i = 0; i < MR; ++i) {
                         float sx;
-                        std::memcpy(&sx, &ax[b], 4);
-                        ms = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), ms);
+                        std::memcpy(&sx, &ax[i][b], 4);
+                        ms[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx), ms[i]);
                     }
                 }
-                __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-                                         _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
-                if constexpr (F == kQ4_1) r = _mm256_add_ps(r, ms);
+            }
+            for (int i = 0; i < MR; ++i) {
+                const __m256* a = acc[i];
+                __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                                         _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
+                if constexpr (F == kQ4_1) r = _mm256_add_ps(r, ms[i]);
                 float* yr = y + i * ldy + (g + j) * kGroup + h * 8;
                 if (cols >= (h + 1) * 8) {
                     _mm256_storeu_ps(yr, r);
