@@ -132,6 +132,14 @@ inline float softmax_weights(const float* s, int n, float* ms, float* vs) {
     return S;
 }
 
+// A key's 64 fp16 values (two cache lines), fetched kPrefetchKeys keys ahead: the keys of a sequence jump from
+// block to block of the cache, where the hardware prefetchers lose the stream.
+constexpr int kPrefetchKeys = 16;
+inline void prefetch_row(const uint16_t* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p) + 64, _MM_HINT_T0);
+}
+
 // A work item's per-key scores and softmax weights, [heads][n] each, in per-thread memory kept between calls.
 struct VecScratch {
     float* base;
@@ -180,6 +188,7 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
     };
     for (int p = 0; p < n; ++p) {  // every key's score: independent of one another
         const uint16_t* kp = g.k_cache + w.rows[p] + kvh * 64;
+        if (p + kPrefetchKeys < n) prefetch_row(g.k_cache + w.rows[p + kPrefetchKeys] + kvh * 64);
         __m512 k[4];
         for (int j = 0; j < 4; ++j) k[j] = load16(kp + 16 * j);
         for (int h = 0; h < nh; ++h) {
@@ -194,6 +203,7 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
     for (int h = 0; h < nh; ++h) S[h] = softmax_weights(w.score(h), n, w.ms(h), w.vs(h));
     for (int p = 0; p < n; ++p) {  // the fp16 accumulation, key by key
         const uint16_t* vp = g.v_cache + w.rows[p] + kvh * 64;
+        if (p + kPrefetchKeys < n) prefetch_row(g.v_cache + w.rows[p + kPrefetchKeys] + kvh * 64);
         __m512 v[4];
         for (int j = 0; j < 4; ++j) v[j] = load16(vp + 16 * j);
         for (int h = 0; h < nh; ++h) {
@@ -232,6 +242,7 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
     };
     for (int p = 0; p < n; ++p) {  // every key's score: independent of one another
         const uint16_t* kp = g.k_cache + w.rows[p] + kvh * 64;
+        if (p + kPrefetchKeys < n) prefetch_row(g.k_cache + w.rows[p + kPrefetchKeys] + kvh * 64);
         for (int j = 0; j < 8; ++j) _mm256_store_ps(kf + 8 * j, load8(kp + 8 * j));
         for (int h = 0; h < nh; ++h) {
             __m256 sum[4];
@@ -251,6 +262,7 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
     for (int h = 0; h < nh; ++h) S[h] = softmax_weights(w.score(h), n, w.ms(h), w.vs(h));
     for (int p = 0; p < n; ++p) {  // the fp16 accumulation, key by key
         const uint16_t* vp = g.v_cache + w.rows[p] + kvh * 64;
+        if (p + kPrefetchKeys < n) prefetch_row(g.v_cache + w.rows[p + kPrefetchKeys] + kvh * 64);
         __m256 v[8];
         for (int j = 0; j < 8; ++j) v[j] = load8(vp + 8 * j);
         for (int h = 0; h < nh; ++h) {
@@ -509,9 +521,15 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
 #if (defined(__AVX512F__) || defined(SLUICE_GGML_AVX2_ORDER)) && defined(__F16C__)
     if (d == 64) {  // (row, KV head, up to 4 of its query heads) per work item
         const int chunks = (group + kVecHeads - 1) / kVecHeads;
-        const int64_t n = static_cast<int64_t>(row_idx.size()) * kv_heads * chunks;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 2) if (n > 2)
-        for (int64_t w = 0; w < n; ++w) {
+        const int64_t units = static_cast<int64_t>(row_idx.size()) * kv_heads * chunks;
+        // With rows enough to share out, a work item is a whole row (its KV heads in turn): it then reads each
+        // cached token's K (and V) row of all KV heads, contiguous in the cache, where one KV head's share of
+        // it is a strided read that the prefetchers serve badly (~2x the time of a decode batch's attention).
+        const int per_item = static_cast<int64_t>(row_idx.size()) >= 4 * threads ? kv_heads * chunks : 1;
+        const int64_t n = units / per_item;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (n > 2)
+        for (int64_t item = 0; item < n; ++item)
+        for (int64_t w = item * per_item; w < (item + 1) * per_item; ++w) {
             const int i = static_cast<int>(w / (kv_heads * chunks)), rest = static_cast<int>(w % (kv_heads * chunks));
             const int kvh = rest / chunks, h0 = kvh * group + (rest % chunks) * kVecHeads;
             const int nh = std::min(kVecHeads, (kvh + 1) * group - h0), s = row_seq[i], row = row_idx[i];
