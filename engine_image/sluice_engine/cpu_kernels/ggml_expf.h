@@ -70,13 +70,16 @@ static inline float ggml_v_expf_avx2_lane(float x) {
                              u, lin);
     const float size = std::fabs(n);
     const uint32_t g = (0u - static_cast<uint32_t>(n <= 0.0f)) & 0x82000000u;  // (mask arithmetic: no branch)
+    // huge and split from 1 where they are not selected (as in ggml_v_expf_avx2: no underflow assists)
+    const bool wide = size > 126.0f, beyond = size > 192.0f;
     const float s1 = from_bits(g + 0x7f000000u);
     const float s2 = from_bits(e - g);
-    const float huge = s1 * s1;
-    const float split = std::fma(s2, j, s2) * s1;
+    const float s1b = beyond ? s1 : 1.0f, s1w = wide ? s1 : 1.0f, s2w = wide ? s2 : 1.0f;
+    const float huge = s1b * s1b;
+    const float split = std::fma(s2w, j, s2w) * s1w;
     const float plain = std::fma(k, j, k);
-    const float inner = size > 126.0f ? split : plain;
-    return size > 192.0f ? huge : inner;
+    const float inner = wide ? split : plain;
+    return beyond ? huge : inner;
 }
 
 // The form of this build's level: the avx2 level's llama.cpp counterpart is its AVX2 build; every other level
@@ -106,11 +109,21 @@ static inline __m256 ggml_v_expf_avx2(__m256 x) {
                                        _mm256_set1_epi32(static_cast<int>(0x82000000u)));
     const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000)));
     const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
-    const __m256 huge = _mm256_mul_ps(s1, s1);
-    const __m256 split = _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1);
+    // `huge` is selected only where size > 192 and `split` only where size > 126, but computed in every lane, where
+    // for common arguments they underflow (s1 * s1 for every n <= 0; s2 (1 + j) for n = 1, j < 0: a subnormal),
+    // which Intel CPUs finish in microcode assists of ~100 cycles each (SwiGLU ran 10x slower than AVX-512's
+    // form). So each is computed from its inputs only in the lanes that select it (from 1 in the others): the same
+    // value wherever it is used.
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 beyond = _mm256_cmp_ps(size, _mm256_set1_ps(192.0f), _CMP_GT_OQ);
+    const __m256 wide = _mm256_cmp_ps(size, _mm256_set1_ps(126.0f), _CMP_GT_OQ);
+    const __m256 s1_beyond = _mm256_blendv_ps(one, s1, beyond);
+    const __m256 huge = _mm256_mul_ps(s1_beyond, s1_beyond);
+    const __m256 s1_wide = _mm256_blendv_ps(one, s1, wide), s2_wide = _mm256_blendv_ps(one, s2, wide);
+    const __m256 split = _mm256_mul_ps(_mm256_fmadd_ps(s2_wide, j, s2_wide), s1_wide);
     const __m256 plain = _mm256_fmadd_ps(k, j, k);
-    const __m256 inner = _mm256_blendv_ps(plain, split, _mm256_cmp_ps(size, _mm256_set1_ps(126.0f), _CMP_GT_OQ));
-    return _mm256_blendv_ps(inner, huge, _mm256_cmp_ps(size, _mm256_set1_ps(192.0f), _CMP_GT_OQ));
+    const __m256 inner = _mm256_blendv_ps(plain, split, wide);
+    return _mm256_blendv_ps(inner, huge, beyond);
 }
 // The sum of 8 floats as ggml_vec_soft_max_f32's AVX2 branch adds them: the halves, then pairs, then the two.
 static inline float expf_block_sum(const float* v) {
