@@ -223,6 +223,27 @@ void quantize_row(const float* x, XQ& xq, int row) {
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+#elif defined(SLUICE_QUANT_AVX2)
+        // The plain loop's arithmetic 8 lanes at a time (it was ~5% of an avx2 prefill, done a float at a time):
+        // max|x| (a NaN skipped, as std::max skips it), q = x * id rounded to nearest even (vcvtps2dq under the
+        // default MXCSR, as nearbyint), packed to bytes in order.
+        __m256 v[4], amax8 = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            amax8 = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[k]), amax8);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q32[4];
+        for (int k = 0; k < 4; ++k) q32[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));
+        // packs interleave the two 128-bit halves: bytes come out as dwords 0 4 1 5 2 6 3 7 of the order wanted
+        const __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                            _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
         float amax = 0.f;
         for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
