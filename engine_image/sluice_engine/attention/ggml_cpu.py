@@ -40,11 +40,7 @@ class GgmlCpuAttention:
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        plan = meta.per_step.get("ggml_cpu")
-        if plan is None:  # once per step, shared by every layer
-            plan = meta.per_step["ggml_cpu"] = (meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
-                                                meta.query_start_loc.contiguous())
-        tables, seq_lens, query_start = plan
+        tables, seq_lens, query_start = step_plan(meta)
         t, heads, d = q.shape
         q = _rows(q)
         out = torch.empty(t, heads, d, dtype=torch.float32)
@@ -54,6 +50,16 @@ class GgmlCpuAttention:
                 tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), query_start.data_ptr(), meta.num_seqs, heads,
                 kv_cache.shape[3], d, kv_cache.shape[2], ctypes.c_float(scale), torch.get_num_threads())
         return out
+
+
+def step_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's view of the step's metadata (block tables, sequence lengths, query starts, contiguous), made
+    once per step and shared by every layer (and by models/ggml_decoder.py's one-call layers)."""
+    plan = meta.per_step.get("ggml_cpu")
+    if plan is None:
+        plan = meta.per_step["ggml_cpu"] = (meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
+                                            meta.query_start_loc.contiguous())
+    return plan
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

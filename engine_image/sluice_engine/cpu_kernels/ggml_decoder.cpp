@@ -8,7 +8,7 @@
 // this. Only the layer loop moves here; the embedding, the final norm and the output layer stay in Python.
 //
 // Per layer, for T tokens (hidden H, q = heads * d, kv = kv_heads * d, intermediate I):
-//   h, residual = add_norm(x, residual)            (the first layer, with no residual yet: h = norm(x), residual = x)
+//   h, residual = add_norm(x, residual)            (the first layer: h = norm(x), residual = x)
 //   qkv = h . Wqkv^T                      [T, q + 2 kv]
 //   rotary over qkv's Q and K heads, in place; K and V written to the layer's fp16 cache at the tokens' slots
 //   attn = attention(Q, cache)            [T, q]
@@ -71,14 +71,12 @@ struct SluiceGgmlShape {
     float eps, scale;
 };
 
-int sluice_ggml_decoder_abi_version() { return 1; }
-
-// x [T, H] (rows H apart): in, the stream (has_residual 0) or the previous layer's output; out, the last layer's
-// output. residual [T, H]: in, the stream before x when has_residual; out, the stream before the returned x.
+// x [T, H] (rows H apart): in, the stream (the embedding); out, the last layer's output. residual [T, H]: out, the
+// stream before the returned x.
 // cos/sin: the tokens' rotary rows [T, d / 2] (ggml's table). slots [T]; block_tables [num_seqs, ldt];
 // seq_lens [num_seqs]; query_start [num_seqs + 1]: the step's attention metadata.
 void sluice_ggml_decoder_layers(const SluiceGgmlLayer* layers, int num_layers, const SluiceGgmlShape* shape,
-                                float* x, float* residual, int has_residual, int tokens, const float* cos,
+                                float* x, float* residual, int tokens, const float* cos,
                                 const float* sin, const int64_t* slots, const int32_t* block_tables, int64_t ldt,
                                 const int32_t* seq_lens, const int32_t* query_start, int num_seqs, int threads) {
     if (tokens <= 0 || num_layers <= 0) return;
@@ -93,7 +91,7 @@ void sluice_ggml_decoder_layers(const SluiceGgmlLayer* layers, int num_layers, c
     float* act = gate_up + T * 2 * I;
     for (int l = 0; l < num_layers; ++l) {
         const SluiceGgmlLayer& L = layers[l];
-        if (l == 0 && !has_residual) {
+        if (l == 0) {
             sluice_ggml_rms_norm_f32(x, H, L.input_norm, h, H, tokens, H, shape->eps, threads);
             std::memcpy(residual, x, sizeof(float) * T * H);
         } else {

@@ -255,6 +255,23 @@ void quantize_row(const float* x, XQ& xq, int row) {
     }
 }
 
+// Rows m .. m + MR - 1 of a quantized chunk: where each row's q, d, aux and lane corrections start.
+template <int MR>
+struct XRows {
+    const int8_t* q[MR];
+    const float* d[MR];
+    const int32_t* aux[MR];
+    const int32_t* corr[MR];
+    XRows(const XQ& xq, int m) {
+        for (int i = 0; i < MR; ++i) {
+            q[i] = xq.q + static_cast<int64_t>(m + i) * xq.K;
+            d[i] = xq.d + static_cast<int64_t>(m + i) * xq.nb;
+            aux[i] = xq.aux + static_cast<int64_t>(m + i) * xq.nb;
+            corr[i] = xq.corr + static_cast<int64_t>(m + i) * xq.nb * kLanes;
+        }
+    }
+};
+
 // -- the micro-kernel: MR rows of x (from row m of the chunk) x NG groups (from group g) ----------------
 // w: group g's start; y: row m's start (column 0); writes columns 16 g .. min(N, 16 (g + NG)).
 using TileFn = void (*)(const XQ&, int, const uint8_t*, int64_t, float*, int64_t, int, int);
@@ -287,23 +304,18 @@ inline __m512 hsum_lanes(const __m512* a) {
 template <int F, int MR, int NG>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
-    const int nb = xq.nb, K = xq.K;
+    const int nb = xq.nb;
     const uint8_t* qs[NG];
     const uint8_t* sc[NG];
     for (int j = 0; j < NG; ++j) {
         qs[j] = w + j * gbytes;
         sc[j] = qs[j] + static_cast<int64_t>(nb) * QS;
     }
-    const int8_t* xr[MR];
-    const float* dx[MR];
-    const int32_t* ax[MR];
-    const int32_t* cr[MR];
-    for (int i = 0; i < MR; ++i) {
-        xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
-        dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
-        ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
-        cr[i] = xq.corr + static_cast<int64_t>(m + i) * nb * kLanes;
-    }
+    const XRows<MR> rows(xq, m);
+    const int8_t* const* xr = rows.q;
+    const float* const* dx = rows.d;
+    const int32_t* const* ax = rows.aux;
+    const int32_t* const* cr = rows.corr;
     __m512 acc[MR][NG][kLanes], ms[MR][NG];
     for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NG; ++j) {
@@ -387,18 +399,13 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
 template <int F, int MR, int NG>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
-    const int nb = xq.nb, K = xq.K;
+    const int nb = xq.nb;
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int8_t* xr[MR];
-    const float* dx[MR];
-    const int32_t* ax[MR];
-    const int32_t* cr[MR];
-    for (int i = 0; i < MR; ++i) {
-        xr[i] = xq.q + static_cast<int64_t>(m + i) * K;
-        dx[i] = xq.d + static_cast<int64_t>(m + i) * nb;
-        ax[i] = xq.aux + static_cast<int64_t>(m + i) * nb;
-        cr[i] = xq.corr + static_cast<int64_t>(m + i) * nb * kLanes;
-    }
+    const XRows<MR> rows(xq, m);
+    const int8_t* const* xr = rows.q;
+    const float* const* dx = rows.d;
+    const int32_t* const* ax = rows.aux;
+    const int32_t* const* cr = rows.corr;
     for (int j = 0; j < NG; ++j) {
         const uint8_t* qs = w + j * gbytes;
         const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention
+from ..attention.ggml_cpu import KV_DTYPE, GgmlCpuAttention, step_plan
 from ..cpu_kernels.quant import GgufBlockLinear
 from ..forward_context import get_forward_context
 from ..layer_ops.ggml_ops import GgmlLayerOps
@@ -53,8 +53,7 @@ class GgmlDecoderStack:
         self._call = lib.sluice_ggml_decoder_layers
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
-        self._hidden = first.input_layernorm.weight.shape[0]
-        self._shape = _Shape(self._hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate, 0,
+        self._shape = _Shape(first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate, 0,
                              first.input_layernorm.eps, attn.scale)
         self._table = (_Layer * len(layers))()
         for row, layer in zip(self._table, layers, strict=True):
@@ -100,24 +99,19 @@ class GgmlDecoderStack:
         self._shape.block_size = block_size
         self._caches_key = key
 
-    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = get_forward_context()
         meta = ctx.attn
         caches = ctx.kv_caches
         self._bind_caches(caches, caches[0].shape[2])
-        plan = meta.per_step.get("ggml_cpu")
-        if plan is None:  # the attention backend's per-step plan: the same tensors it would make
-            plan = meta.per_step["ggml_cpu"] = (meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
-                                                meta.query_start_loc.contiguous())
-        tables, seq_lens, query_start = plan
+        tables, seq_lens, query_start = step_plan(meta)
         t = x.shape[0]
-        out = x.float().contiguous().clone() if residual is None else x.contiguous().clone()
-        stream = torch.empty_like(out) if residual is None else residual.contiguous().clone()
+        out = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # the caller's x stays as it is
+        stream = torch.empty_like(out)
         cos, sin = (c.contiguous() for c in cos_sin)
         slots = meta.slot_mapping.contiguous()
         self._call(ctypes.byref(self._table), len(self._layers), ctypes.byref(self._shape), out.data_ptr(),
-                   stream.data_ptr(), int(residual is not None), t, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                   stream.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                    tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), query_start.data_ptr(), meta.num_seqs,
                    torch.get_num_threads())
         return out, stream
