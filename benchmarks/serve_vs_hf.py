@@ -294,7 +294,9 @@ class HFRunner:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        from sluice_engine.models.gguf_checkpoint import hf_dense_dir
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dense_dir(model_dir)), dtype=torch.float32).eval()
         pad_id = self.model.generation_config.pad_token_id
         if pad_id is None:
             pad_id = self.model.config.eos_token_id

@@ -54,7 +54,9 @@ def hf_model(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from sluice_engine.models.gguf_checkpoint import hf_dense_dir
+
+    return AutoModelForCausalLM.from_pretrained(hf_dense_dir(model_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

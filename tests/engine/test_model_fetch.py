@@ -227,7 +227,9 @@ def test_default_model_from_installed_package(cache, fake_converter, monkeypatch
 
 @pytest.mark.slow
 def test_default_model_is_complete(model_dir):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", COMPLETE_MARKER):
+    # Weights: the GGUF's (gguf-checkpoint.json names it), or a former full conversion's safetensors.
+    weights = "model.safetensors" if (model_dir / "model.safetensors").is_file() else model_fetch.GGUF_REFERENCE
+    for name in ("config.json", weights, "tokenizer.json", "generation_config.json", COMPLETE_MARKER):
         assert (model_dir / name).is_file(), name
     assert (model_dir / "chat_template.jinja").is_file() or "chat_template" in (
         model_dir / "tokenizer_config.json"

@@ -63,6 +63,7 @@ class StaticBatcher:
         from transformers import AutoModelForCausalLM
 
         from ..engine.owner_thread import start_owner_thread
+        from ..models.gguf_checkpoint import hf_dense_dir
         from ..tokenizer import Tokenizer
 
         self.torch = torch
@@ -76,7 +77,8 @@ class StaticBatcher:
         # so the peer is not slowed by stepping from another thread.
         def build() -> None:
             torch.set_num_threads(threads)
-            self._load(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval())
+            dense = hf_dense_dir(model_dir)  # a directory converted from a GGUF has no safetensors of its own
+            self._load(AutoModelForCausalLM.from_pretrained(str(dense), dtype=getattr(torch, dtype)).eval())
 
         start_owner_thread(build, self._loop, "hf-static-batcher")
 

@@ -1,5 +1,6 @@
 """Model loading: the device and dtype a config names, and the weights of one rank's shard streamed
-from a checkpoint's safetensors files.
+from a checkpoint's safetensors files (or, for a directory converted from a GGUF, from the GGUF itself:
+models/gguf_checkpoint.py).
 
 Each checkpoint tensor is read lazily, tensor by tensor, and only the rows this rank holds
 (distributed/layout.py) are read from the file (columns: the tensor, then sliced): peak memory while
@@ -17,8 +18,9 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +28,7 @@ from ..distributed.layout import RankShard, single_shard
 from ..model_config import ModelConfig
 from ..quant.formats import CPU_FORMATS, GPU_FORMATS, gpu_formats_run
 from ..quant.formats import check_device as check_quant_device
+from .gguf_checkpoint import GGUF_REFERENCE, GgufTensorSlice, gguf_checkpoint, gguf_tensors
 from .llama import LlamaForCausalLM, dense_linear
 
 log = logging.getLogger("sluice.engine")
@@ -118,6 +121,17 @@ def resolve_quantization(cfg, device: torch.device, dtype: torch.dtype, backend,
     return q
 
 
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, SafetensorsSlice | GgufTensorSlice]]:
+    """(name, lazy slice) of every tensor of a checkpoint: its safetensors files, or for a directory converted
+    from a GGUF that has none, the GGUF's tensors dequantized as read (models/gguf_checkpoint.py)."""
+    gguf = gguf_checkpoint(model_dir)
+    if gguf is not None and not any(Path(model_dir).glob("*.safetensors")):
+        if not gguf.is_file():
+            raise ValueError(f"{model_dir} reads its weights from {gguf} ({GGUF_REFERENCE}), which is not there")
+        return gguf_tensors(gguf)
+    return _checkpoint_tensors(checkpoint_files(model_dir))
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those its index names, else every *.safetensors."""
     model_dir = Path(model_dir)
@@ -175,7 +189,7 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
             model = LlamaForCausalLM(mc, backend, max_positions=max_positions, shard=shard, linear=linear)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, checkpoint_files(model_dir))
+    load_weights(model, checkpoint_tensors(model_dir))
     if quant_linears is not None:
         quant_linears.finish()
     elif quantization == "fp8":
@@ -201,8 +215,8 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
 
 
 # -- weights ---------------------------------------------------------------------------------------
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Copy this shard's slices of every checkpoint tensor into the model; raise ValueError on a
+def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, Any]]) -> None:
+    """Copy this shard's slices of every checkpoint tensor (`checkpoint_tensors`) into the model; raise ValueError on a
     tensor the model does not know, a shape that does not fit, or a parameter left unfilled. The layers
     already built from a quantized checkpoint's packed tensors (gpu_quant_loader.py) are passed over, with
     the tensors of them and the auxiliary scales weight-only serving does not use."""
@@ -215,7 +229,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     # parameter name -> the rows of it filled so far (fused projections fill in parts)
     filled: dict[str, int] = {}
     with torch.no_grad():
-        for name, get in _checkpoint_tensors(files):
+        for name, get in tensors:
             if _load_kv_scale(model, name, get):
                 continue
             for param_name, rows, take in _targets(model, name):

@@ -22,6 +22,8 @@ from torch import nn
 
 from ..cpu_kernels.quant import GgufBlockLinear, LinearMethod, QuantEmbedding
 from ..quant.formats import CPU_FORMATS
+from .gguf_checkpoint import unpermute_rows
+from .gguf_file import open_gguf
 from .llama import LlamaForCausalLM, dense_linear
 
 log = logging.getLogger("sluice.engine")
@@ -35,33 +37,24 @@ _LAYER_PARTS = {
 }
 
 
-def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo the converter's rotary permutation of attn_q/attn_k rows: per head, llama.cpp holds the
-    two halves of the head's dims interleaved; HF holds them as [first half, second half]."""
-    n = rows.shape[0]
-    return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 class GGUFBlocks:
-    """The block-format tensors of a GGUF file, as uint8 [rows, row bytes] (memory-mapped by the gguf
-    reader; copied out per layer)."""
+    """The block-format tensors of a GGUF file, as uint8 [rows, row bytes] (memory-mapped: models/gguf_file.py;
+    copied out per layer)."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = path
-        self._tensors = {t.name: t for t in GGUFReader(path).tensors}
+        self._tensors = open_gguf(path).tensors
 
     def format(self, name: str) -> str | None:
         """The tensor's format name if it is one the CPU kernels run (q8_0, q4_0, q4_1), else None."""
         t = self._tensors.get(name)
-        fmt = t.tensor_type.name.lower() if t is not None else None
+        fmt = t.type_name.lower() if t is not None else None
         return fmt if fmt in CPU_FORMATS else None
 
     def rows(self, name: str, n_head: int | None = None) -> np.ndarray:
-        data = np.asarray(self._tensors[name].data)
+        data = self._tensors[name].data
         assert data.dtype == np.uint8 and data.ndim == 2
-        return _unpermute_rows(data, n_head) if n_head else data
+        return unpermute_rows(data, n_head) if n_head else data
 
 
 def _own_format(gguf: GGUFBlocks, names: list[str]) -> str | None:

@@ -16,7 +16,10 @@ import re
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from ..models.gguf_checkpoint import GGUF_REFERENCE
+from ..models.loader import checkpoint_tensors
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -29,16 +32,17 @@ def write_layer_draft(src: Path, dst: Path, num_layers: int) -> Path:
         raise ValueError(f"--layers must be between 1 and {total} (the model's layer count), got {num_layers}")
     dst.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        for name, t in load_file(str(f)).items():
-            m = _LAYER.search(name)
-            if m is None or int(m.group(1)) < num_layers:
-                tensors[name] = t.contiguous()
+    for name, get in checkpoint_tensors(src):  # safetensors, or the GGUF a converted directory reads
+        m = _LAYER.search(name)
+        if m is None or int(m.group(1)) < num_layers:
+            tensors[name] = get[:].contiguous()
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config["num_hidden_layers"] = num_layers
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():  # tokenizer, chat template, generation config
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", GGUF_REFERENCE):
             shutil.copy2(f, dst / f.name)
     return dst
 
