@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -64,7 +65,12 @@ def status_mb(pid: int) -> dict[str, float]:
 
 
 def checkpoint_mb(model_dir: Path) -> float:
-    """Sum of the safetensors tensors' sizes (from the files' headers)."""
+    """Sum of the safetensors tensors' sizes (from the files' headers); for a directory converted from a GGUF,
+    which reads its weights from the GGUF, the float32 size of its tensors as loaded."""
+    if not any(model_dir.glob("*.safetensors")):
+        from sluice_engine.models.loader import checkpoint_tensors
+
+        return sum(4 * math.prod(get.shape) for _, get in checkpoint_tensors(model_dir)) / MB
     total = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:

@@ -237,7 +237,7 @@ def start_llama_server(bin_dir: Path, gguf: Path, log_dir: Path, extra: tuple[st
 
 def dequantized_gguf(bin_dir: Path, gguf: Path, out: Path) -> Path:
     """The GGUF with every tensor dequantized to F32 (llama-quantize --allow-requantize ... F32): the
-    same weights sluice fp32 serves (its safetensors are the GGUF dequantized), for llama.cpp to run
+    same weights sluice fp32 serves (the GGUF dequantized at load), for llama.cpp to run
     without its int8 activation path."""
     cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(out), "F32"]
     print(f"running: {shlex.join(cmd)}", flush=True)
