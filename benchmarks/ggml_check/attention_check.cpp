@@ -15,7 +15,7 @@
 
 extern "C" {
 void sluice_ggml_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, uint16_t* k_cache,
-                          uint16_t* v_cache, const int64_t* slots, int tokens, int kv_heads, int d);
+                          uint16_t* v_cache, const int64_t* slots, int tokens, int kv_heads, int d, int threads);
 void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq, const uint16_t* k_cache,
                            const uint16_t* v_cache, const int32_t* block_tables, int64_t ldt, const int32_t* seq_lens,
                            const int32_t* query_start, int num_seqs, int heads, int kv_heads, int d, int block_size,
@@ -42,7 +42,7 @@ static int run_case(int heads, int kv_heads, int d, int n_q, int ctx, int n_kv, 
     std::vector<int64_t> slots(n_kv);
     for (int p = 0; p < n_kv; ++p) slots[p] = static_cast<int64_t>(table[p / bs]) * bs + p % bs;
     sluice_ggml_write_kv(k_hf.data(), kv_heads * d, v_hf.data(), kv_heads * d, kc.data(), vc.data(), slots.data(), n_kv,
-                         kv_heads, d);
+                         kv_heads, d, 1);
     std::vector<float> ours(q_hf.size());
     const int32_t seq_len = ctx, qs[2] = {0, n_q};
     sluice_ggml_attention(ours.data(), heads * d, q_hf.data(), heads * d, kc.data(), vc.data(), table.data(), nblocks,

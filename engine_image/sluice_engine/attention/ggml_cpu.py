@@ -36,7 +36,8 @@ class GgmlCpuAttention:
             return
         k, v = _rows(k), _rows(v)
         self._lib.sluice_ggml_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache[0].data_ptr(),
-                                       kv_cache[1].data_ptr(), meta.slot_mapping.data_ptr(), t, h, d)
+                                       kv_cache[1].data_ptr(), meta.slot_mapping.data_ptr(), t, h, d,
+                                       torch.get_num_threads())
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                kv_scale: torch.Tensor | None = None) -> torch.Tensor:

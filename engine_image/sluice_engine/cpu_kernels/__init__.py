@@ -257,7 +257,7 @@ def _bind_ggml_attention(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.sluice_ggml_attention_supports_head_dim.argtypes = [i32]
     lib.sluice_ggml_attention_supports_head_dim.restype = i32
-    lib.sluice_ggml_write_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i32]
+    lib.sluice_ggml_write_kv.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i32, i32]
     lib.sluice_ggml_write_kv.restype = None
     lib.sluice_ggml_attention.argtypes = [p, i64, p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
     lib.sluice_ggml_attention.restype = None

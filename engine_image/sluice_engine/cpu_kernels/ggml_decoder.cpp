@@ -32,7 +32,7 @@ void sluice_ggml_rotary_f32(float* x, int64_t ldt, int64_t ldh, int tokens, int 
 void sluice_ggml_swiglu_f32(const float* gate_up, int64_t ldg, float* out, int64_t ldo, int rows, int inter,
                             int threads);
 void sluice_ggml_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, uint16_t* k_cache,
-                          uint16_t* v_cache, const int64_t* slots, int tokens, int kv_heads, int d);
+                          uint16_t* v_cache, const int64_t* slots, int tokens, int kv_heads, int d, int threads);
 void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq, const uint16_t* k_cache,
                            const uint16_t* v_cache, const int32_t* block_tables, int64_t ldt, const int32_t* seq_lens,
                            const int32_t* query_start, int num_seqs, int heads, int kv_heads, int d, int block_size,
@@ -100,7 +100,8 @@ void sluice_ggml_decoder_layers(const SluiceGgmlLayer* layers, int num_layers, c
         }
         sluice_quant_gemm_f32(L.qkv_fmt, h, H, L.qkv, tokens, H, qkv_n, qkv, qkv_n, threads);
         sluice_ggml_rotary_f32(qkv, qkv_n, d, tokens, heads + kv_heads, d, cos, sin, d / 2, threads);
-        sluice_ggml_write_kv(qkv + q, qkv_n, qkv + q + kv, qkv_n, L.k_cache, L.v_cache, slots, tokens, kv_heads, d);
+        sluice_ggml_write_kv(qkv + q, qkv_n, qkv + q + kv, qkv_n, L.k_cache, L.v_cache, slots, tokens, kv_heads, d,
+                             threads);
         sluice_ggml_attention(attn, q, qkv, qkv_n, L.k_cache, L.v_cache, block_tables, ldt, seq_lens, query_start,
                               num_seqs, heads, kv_heads, d, shape->block_size, shape->scale, threads);
         sluice_quant_gemm_f32(L.o_fmt, attn, q, L.o, tokens, q, H, x, H, threads);
