@@ -37,7 +37,7 @@ log = logging.getLogger("sluice.engine")
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
                                                               "layer_ops.cpp", "ggml_attention.cpp", "lora.cpp",
                                                               "ggml_decoder.cpp")]
-HEADERS = [Path(__file__).with_name("ggml_expf.h")]  # included by the sources: part of the build's cache key
+HEADERS = [Path(__file__).with_name(name) for name in ("ggml_expf.h", "libm_expf.h")]  # included by the sources: part of the build's cache key
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 2  # of paged_attention.cpp's entry points
 QUANT_ABI_VERSION = 2  # of quant_gemm.cpp's: its packed weight layout and int8 activations

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "ggml_expf.h"
+#include "libm_expf.h"
 
 namespace {
 
@@ -132,6 +133,59 @@ inline float softmax_weights(const float* s, int n, float* ms, float* vs) {
     return S;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// softmax_weights for nh heads at once (up to kMaxHeads), S[h] each: the same expf arguments and the same results, in
+// passes: the arguments (the heads' running maxima, serial chains run side by side), libm's expf 8 at a time
+// (libm_expf.h: glibc's algorithm, bit for bit, checked against the running libm once), then each key's (ms, vs) and
+// the heads' S chains, side by side. Falls back to softmax_weights where the check failed.
+constexpr int kMaxHeads = 4;
+inline void softmax_weights_heads(float* const* s, int nh, int n, float* const* ms, float* const* vs, float* S) {
+    if (!sluice_libm::libm_expf_matches() || nh > kMaxHeads) {
+        for (int h = 0; h < nh; ++h) S[h] = softmax_weights(s[h], n, ms[h], vs[h]);
+        return;
+    }
+    float M[kMaxHeads];
+    for (int h = 0; h < nh; ++h) M[h] = -INFINITY;
+    for (int p = 0; p < n; ++p)  // vs: the argument; ms: 0 where the key is a new maximum, 1 elsewhere
+        for (int h = 0; h < nh; ++h) {
+            const float sp = s[h][p];
+            const bool new_max = sp > M[h];
+            vs[h][p] = new_max ? M[h] - sp : sp - M[h];
+            ms[h][p] = new_max ? 0.f : 1.f;
+            M[h] = new_max ? sp : M[h];
+        }
+    for (int h = 0; h < nh; ++h) {
+        int p = 0;
+        for (; p + 8 <= n; p += 8) {
+            const __m256 arg = _mm256_loadu_ps(vs[h] + p);
+            __m256 e = sluice_libm::expf8(arg);
+            if (const __mmask8 odd = sluice_libm::needs_libm(arg)) {  // |arg| >= 88, inf, nan: glibc's other paths
+                alignas(32) float a[8], r[8];
+                _mm256_store_ps(a, arg);
+                _mm256_store_ps(r, e);
+                for (int i = 0; i < 8; ++i)
+                    if (odd >> i & 1) r[i] = std::exp(a[i]);
+                e = _mm256_load_ps(r);
+            }
+            const __m256 one = _mm256_set1_ps(1.f);
+            const __m256 not_new = _mm256_cmp_ps(_mm256_loadu_ps(ms[h] + p), one, _CMP_EQ_OQ);
+            _mm256_storeu_ps(ms[h] + p, _mm256_blendv_ps(e, one, not_new));  // a new maximum: ms = expf, vs = 1
+            _mm256_storeu_ps(vs[h] + p, _mm256_blendv_ps(one, e, not_new));  // else ms = 1, vs = expf
+        }
+        for (; p < n; ++p) {
+            const float e = std::exp(vs[h][p]);
+            const bool new_max = ms[h][p] == 0.f;
+            ms[h][p] = new_max ? e : 1.f;
+            vs[h][p] = new_max ? 1.f : e;
+        }
+    }
+    float acc[kMaxHeads] = {};
+    for (int p = 0; p < n; ++p)
+        for (int h = 0; h < nh; ++h) acc[h] = std::fma(acc[h], ms[h][p], vs[h][p]);
+    for (int h = 0; h < nh; ++h) S[h] = acc[h];
+}
+#endif
+
 // A key's 64 fp16 values (two cache lines), fetched kPrefetchKeys keys ahead: the keys of a sequence jump from
 // block to block of the cache, where the hardware prefetchers lose the stream.
 constexpr int kPrefetchKeys = 16;
@@ -217,7 +271,17 @@ void attend_vec64(const Geometry& g, const float* q_hf, int nh, int kvh, int pos
         }
     }
     float S[kVecHeads];
-    for (int h = 0; h < nh; ++h) S[h] = softmax_weights(w.score(h), n, w.ms(h), w.vs(h));
+    {
+        float* sc[kVecHeads];
+        float* m[kVecHeads];
+        float* v[kVecHeads];
+        for (int h = 0; h < nh; ++h) {
+            sc[h] = w.score(h);
+            m[h] = w.ms(h);
+            v[h] = w.vs(h);
+        }
+        softmax_weights_heads(sc, nh, n, m, v, S);
+    }
     for (int p = 0; p < n; ++p) {  // the fp16 accumulation, key by key
         const uint16_t* vp = g.v_cache + w.rows[p] + kvh * 64;
         if (p + kPrefetchKeys < n) prefetch_row(g.v_cache + w.rows[p + kPrefetchKeys] + kvh * 64);
