@@ -3,6 +3,7 @@ a thread, and its lifecycle with the API process (it stops with it; its death st
 
 from __future__ import annotations
 
+import os
 import signal
 
 import httpx
@@ -26,8 +27,18 @@ from sluice_engine.engine.messages import (
 from sluice_engine.engine.model_info import RequestRejected
 from sluice_engine.engine.output import RequestOutput
 from sluice_engine.metrics import StatsSnapshot
+from sluice_engine.omp_wait import SPIN_COUNT, default_omp_wait
 from sluice_engine.sampling_params import InvalidParam, SamplingParams
 from sluice_engine.structured.grammar import GrammarSpec
+
+
+# -- libgomp's wait policy ---------------------------------------------------------------------------
+def test_a_short_spin_is_the_default_and_the_users_choice_wins() -> None:
+    env: dict[str, str] = {}
+    assert default_omp_wait(env) and env == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    for chosen in ({"OMP_WAIT_POLICY": "active"}, {"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(chosen)
+        assert not default_omp_wait(env) and env == chosen
 
 
 # -- the messages --------------------------------------------------------------------------------------
@@ -140,6 +151,11 @@ def test_sigterm_stops_the_core_in_order(start_server) -> None:
     _complete(server.url, BODIES[0])
     with open(f"/proc/{server.proc.pid}/maps") as f:
         assert "libtorch" not in f.read(), "the API process loaded torch"
+    # The core's OpenMP threads sleep after a short spin (omp_wait.py) unless the user chose a wait policy.
+    with open(f"/proc/{core}/environ", "rb") as f:
+        core_env = f.read().split(b"\0")
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        assert f"GOMP_SPINCOUNT={SPIN_COUNT}".encode() in core_env
     server.proc.terminate()
     assert server.proc.wait(timeout=30) == 0
     assert process_gone(core, 10)

@@ -162,6 +162,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..omp_wait import default_omp_wait
+
+    default_omp_wait(os.environ)  # before torch loads libgomp, here and in the engine processes started from here
     import threading
 
     import uvicorn
