@@ -247,10 +247,12 @@ def dequantized_gguf(bin_dir: Path, gguf: Path, out: Path) -> Path:
     return out
 
 
-def start_sluice(quantization: str, log_dir: Path) -> Server:
+def start_sluice(quantization: str, log_dir: Path, numerics: str = "exact") -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--quantization", quantization,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-prefix-caching"]
+    if quantization != "none":
+        cmd += ["--numerics", numerics]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     return Server(f"sluice serve ({quantization})", cmd, env, log_dir / f"sluice-{quantization}.log",
                   f"http://127.0.0.1:{port}", "/ready")
@@ -450,6 +452,8 @@ def main() -> int:
                     help="where llama-server, llama-perplexity and llama-quantize are")
     ap.add_argument("--gguf", type=Path, help="GGUF file (default: the bundled model's)")
     ap.add_argument("--skip-perplexity", action="store_true")
+    ap.add_argument("--numerics", choices=("exact", "fast"), default="exact",
+                    help="sluice q4_1's GEMM float order (`sluice serve --numerics`): exact is the one gated here")
     ap.add_argument("--skip-fp32", action="store_true", help="no sluice fp32 reference run")
     ap.add_argument("--noise-floor", action="store_true",
                     help="also (not gated): llama-server -fa off vs llama-server (llama.cpp against itself), and "
@@ -487,7 +491,7 @@ def main() -> int:
     with ExitStack() as stack:
         llama = start_llama_server(args.bin_dir, gguf, log_dir, kv)
         stack.callback(llama.stop)
-        sq = start_sluice("q4_1", log_dir)
+        sq = start_sluice("q4_1", log_dir, args.numerics)
         stack.callback(sq.stop)
         report.commands["llama-server"] = shlex.join(llama.cmd)
         report.commands["sluice q4_1"] = "OMP_NUM_THREADS=2 " + shlex.join(sq.cmd)

@@ -11,6 +11,8 @@ from .quant.formats import check_kv_cache_dtype
 
 # --warmup: what runs before /ready turns 200 (worker/warmup.py): auto = full on CUDA, minimal elsewhere.
 WARMUP_MODES = ("auto", "full", "minimal", "off")
+# --numerics: the CPU block-format GEMM's float order (cpu_kernels/quant_gemm.cpp).
+NUMERICS = ("exact", "fast")
 
 _SIZE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -106,6 +108,10 @@ class EngineConfig:
     # CPU; fp8/awq/gptq = the Triton kernels (a checkpoint quantized so; fp8 also quantizes a dense one);
     # auto = the checkpoint's quantization_config, else none for now (docs/engine-flags.md).
     quantization: str = "auto"
+    # The float order of the CPU block-format GEMM (cpu_kernels/quant_gemm.cpp): exact = llama.cpp's vec-dot order,
+    # bit for bit (8 roundings per block); fast = one rounding per block (1.4-1.9x the GEMM at batch; last bits
+    # differ from llama.cpp). Other paths ignore it.
+    numerics: str = "exact"
     # The KV cache's element type (quant/formats.py): auto = the model's dtype; fp8 = e4m3 with per-tensor
     # scales (the Triton attention kernels; half a bf16 cache's bytes per token).
     kv_cache_dtype: str = "auto"
@@ -166,6 +172,8 @@ class EngineConfig:
         if self.quantization not in QUANT_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}, got {self.quantization}")
         check_quant_device(self.quantization, self.device, self.attention_backend)
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         check_kv_cache_dtype(self.kv_cache_dtype, self.device, self.attention_backend)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")

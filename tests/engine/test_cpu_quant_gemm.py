@@ -252,6 +252,44 @@ def test_every_level_gives_the_same_bits(fmt):
             assert torch.equal(y, outs["portable"]), (isa, m)
 
 
+def block_order(x: torch.Tensor, blocks: torch.Tensor, fmt: str) -> np.ndarray:
+    """--numerics fast (quant_gemm.cpp, "Rounding per block") in float32, per output: each block's whole integer
+    sum FMA'd once with float(d_w) * float(d_x) into one accumulator; Q4_1's m_w s_x as in llama_order."""
+    q, d, s = quantize_x(x)
+    wq, dw, mw = weight_parts(blocks, fmt, x.shape[1])
+    isum = torch.einsum("mbt,nbt->mnb", q.double(), wq)
+    if fmt == "q4_0":
+        isum = isum - 8 * q.double().sum(-1)[:, None]
+    isum = isum.numpy().astype(np.float32)  # |sum| <= 32 * 128 * 127 < 2^24: exact
+    dd = dw.numpy().astype(np.float32)[None] * d.numpy()[:, None]
+    m32, s32 = mw.numpy().astype(np.float32), s.numpy()
+    acc = np.zeros(isum.shape[:2], np.float32)
+    summs = np.zeros(isum.shape[:2], np.float32)
+    for b in range(isum.shape[2]):
+        acc = fma32(dd[:, :, b], isum[:, :, b], acc)
+        if fmt == "q4_1":
+            summs = fma32(m32[None, :, b], s32[:, None, b], summs)
+    return acc + summs if fmt == "q4_1" else acc
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rounding_per_block_is_its_float_order_on_every_level(any_lib, fmt):
+    """--numerics fast: every level computes block_order bit for bit (1..9 rows: every tile height, and a chunk's
+    worth), within the exact order's float error of the float64 reference, and not the exact order's bits."""
+    g = torch.Generator().manual_seed(13)
+    for k, m in ((32, 3), (576, 9), (1536, 5), (576, 70)):
+        blocks = random_blocks(g, 37, k, fmt)
+        x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1.5, m)[:, None]
+        layer = GgufBlockLinear(blocks, fmt, k, None, any_lib)
+        layer.round_per_block = True
+        y = layer(x).numpy()
+        assert np.array_equal(y.view(np.uint32), block_order(x, blocks, fmt).view(np.uint32)), (k, m)
+        ref, scale = reference_gemm(x, blocks, fmt)
+        assert ((torch.from_numpy(y).double() - ref).abs() <= 1e-5 * scale + 1e-30).all()
+        if k > 32:
+            assert not np.array_equal(y, llama_order(x, blocks, fmt)), "the flag changed nothing"
+
+
 def test_big_prefill_chunks(lib):
     """Rows past one chunk of quantized x (~256 KB: 455 rows at K = 576), unevenly split."""
     g = torch.Generator().manual_seed(5)
@@ -343,6 +381,8 @@ def test_quantization_flag_refusals():
         EngineConfig(device="cuda", quantization="q4_1")
     with pytest.raises(ValueError, match="--quantization must be one of"):
         EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="--numerics must be one of exact, fast, got 'loose'"):
+        EngineConfig(numerics="loose")
 
 
 def test_auto_serves_a_ggufs_own_blocks_on_the_cpu_path(bundled_gguf, tmp_path):

@@ -55,6 +55,25 @@ def _compare() -> None:
     assert len({tuple(ids) for ids, _ in fused}) == len(PROMPTS)  # five different continuations: real work
 
 
+def test_fast_numerics_reach_every_layer_and_the_stack(bundled_gguf):
+    """--numerics fast: every block-format layer rounds per block, the one-call stack too (the same floats as the
+    layer loop), and the outputs are not the exact order's."""
+    from sluice_engine.cpu_kernels.quant import GgufBlockLinear
+
+    exact = _run(LLM(device="cpu", quantization="q4_1", kv_cache_memory=64 << 20, enable_prefix_caching=False))
+    llm = LLM(device="cpu", quantization="q4_1", kv_cache_memory=64 << 20, enable_prefix_caching=False,
+              numerics="fast", max_num_batched_tokens=80)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, GgufBlockLinear)]
+    assert layers and all(m.round_per_block for m in layers)
+    fused = _run(llm)
+    stack, model.fused_layers = model.fused_layers, None
+    loop = _run(llm)
+    model.fused_layers = stack
+    assert fused == loop
+    assert [lps for _, lps in fused] != [lps for _, lps in exact]
+
+
 def test_where_the_stack_does_not_apply_the_loop_runs(bundled_gguf, monkeypatch):
     monkeypatch.setenv("SLUICE_CPU_FUSED_DECODER", "off")
     llm = LLM(device="cpu", quantization="q4_1", kv_cache_memory=64 << 20)

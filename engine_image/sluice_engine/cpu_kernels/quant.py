@@ -24,6 +24,7 @@ BLOCK = 32  # weights per block in all three formats
 GROUP = 16  # output rows per group of the kernel's packed layout
 # The kernel's format codes (quant_gemm.cpp `Format`) and each format's bytes per block.
 FORMAT_CODE = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+ROUND_PER_BLOCK = 16  # a GEMM format code | this: one float rounding per block (--numerics fast; quant_gemm.cpp)
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 
 
@@ -70,6 +71,7 @@ class GgufBlockLinear(nn.Module):
                              f"got {blocks.dtype} {tuple(blocks.shape)}")
         self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
         self._code = FORMAT_CODE[fmt]
+        self.round_per_block = False  # --numerics fast (set_numerics): the GEMM's float order, not the weights
         self._lib = lib
         n, k = self.out_features, in_features
         groups = -(-n // GROUP)
@@ -90,11 +92,16 @@ class GgufBlockLinear(nn.Module):
         m = rows.shape[0]
         y = torch.empty(m, self.out_features, dtype=x.dtype)
         if m:
-            self._gemm(self._code, rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), m, self.in_features,
+            self._gemm(self.gemm_code, rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), m, self.in_features,
                        self.out_features, y.data_ptr(), self.out_features, torch.get_num_threads())
         if self.bias is not None:
             y += self.bias
         return y.view(*lead, self.out_features)
+
+    @property
+    def gemm_code(self) -> int:
+        """The kernel's code for this layer's GEMM: the format's, with the float order's bit."""
+        return self._code | (ROUND_PER_BLOCK if self.round_per_block else 0)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) of W as fp32, [*ids.shape, K], dequantized from the packed layout
@@ -126,6 +133,16 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.rows(ids)
+
+
+def set_numerics(model: nn.Module, numerics: str) -> int:
+    """Every block-format layer of `model` multiplies in `numerics`' float order (exact | fast); returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, GgufBlockLinear):
+            m.round_per_block = numerics == "fast"
+            n += 1
+    return n
 
 
 # -- the per-layer quant method (vLLM's quant_method): what a linear layer becomes on load ------------

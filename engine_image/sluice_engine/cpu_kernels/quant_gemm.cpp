@@ -36,6 +36,15 @@
 // (Caveat: llama.cpp repacks Q4_0 weights to its own 8x8 layout on AVX2 CPUs when N % 8 == 0, by default,
 // whose kernels add differently; its Q4_1 and Q8_0 have no such repack on x86.)
 //
+// Rounding per block (format code | kRoundPerBlock; `--numerics fast`): per output, per block b,
+//   isum = the block's whole integer sum (the 8 lanes' sums added in int32: exact)
+//   acc = fma(dd, float(isum), acc)                            one rounding per block instead of 8
+// and y = acc (+ summs for Q4_1, as above). One conversion and one FMA per block where the exact order has 8
+// and 8 plus the final 8-way sum: the order llama.cpp's own repacked and AMX kernels use (its
+// ggml_gemm_q4_0_8x8 and kin), not the one its vec-dot build runs for these files on x86. The last bits of
+// outputs differ from llama.cpp's vec-dot (and from the exact order), by about one float rounding of the
+// block terms; every level (AVX-512, AVX2, plain loops) computes this sequence identically too.
+//
 // Packed weight layout (sluice_quant_repack, once at load; built for AVX-512 VNNI's vpdpbusd, which
 // multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products into each int32 lane):
 //   16 output rows per group (a ragged last group zero-padded); per group, first every block's weights,
@@ -86,6 +95,8 @@
 namespace {
 
 enum Format { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+// A GEMM format code with this bit set rounds once per block (--numerics fast): see "Rounding per block" above.
+constexpr int kRoundPerBlock = 16;
 constexpr int kBlock = 32;  // weights per block, all formats
 constexpr int kGroup = 16;  // output rows per packed group: the 16 int32 lanes of a 512-bit vector
 constexpr int kDecodeRows = 8;  // up to this many rows, x is quantized by the calling thread alone
@@ -93,12 +104,15 @@ constexpr int64_t kChunkBytes = 256 << 10;  // quantized x per pass over the wei
 
 #if defined(SLUICE_QUANT_AVX512)
 constexpr int kMR = 2, kNG = 1;  // tile: rows of x x groups of 16 outputs (9 float accumulators per row)
+constexpr int kMRFast = 4;  // rounding per block: 1.60x the exact order at 32-512 rows of Q4_1 (2 rows: 1.39x), Zen 4
 constexpr int kIsa = 2;
 #elif defined(SLUICE_QUANT_AVX2)
 constexpr int kMR = 3, kNG = 1;  // 3 rows x 8 outputs per unpacked weight (27 accumulators: some in L1); 2 as fast, 1 and 4 ~12% slower
+constexpr int kMRFast = kMR;  // rounding per block: 1.1x (Q4_1) to 1.5x (Q4_0) the exact order; 4 rows no faster
 constexpr int kIsa = 1;
 #else
 constexpr int kMR = 4, kNG = 1;
+constexpr int kMRFast = 4;
 constexpr int kIsa = 0;
 #endif
 
@@ -304,9 +318,10 @@ inline __m512 hsum_lanes(const __m512* a) {
                          _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
 }
 
-template <int F, int MR, int NG>
+template <int F, int MR, int NG, bool PB>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
+    constexpr int L = PB ? 1 : kLanes;  // float accumulators per row and group: a block's one sum, or its 8 lanes
     const int nb = xq.nb;
     const uint8_t* qs[NG];
     const uint8_t* sc[NG];
@@ -319,10 +334,10 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
     const float* const* dx = rows.d;
     const int32_t* const* ax = rows.aux;
     const int32_t* const* cr = rows.corr;
-    __m512 acc[MR][NG][kLanes], ms[MR][NG];
+    __m512 acc[MR][NG][L], ms[MR][NG];
     for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NG; ++j) {
-            for (int l = 0; l < kLanes; ++l) acc[i][j][l] = _mm512_setzero_ps();
+            for (int l = 0; l < L; ++l) acc[i][j][l] = _mm512_setzero_ps();
             ms[i][j] = _mm512_setzero_ps();
         }
     const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -341,13 +356,24 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
         auto init = [&](int i, int l) {
             return F == kQ4_1 ? _mm512_set1_epi32(kMagicBits) : _mm512_set1_epi32(cr[i][b * kLanes + l] + kMagicBits);
         };
+        // PB: the block's whole integer sum in one register (the lanes' vpdpbusd chained, from the magic bits plus
+        // the block's correction), then one conversion and one FMA
+        __m512i isum[MR][NG];
+        if constexpr (PB) {
+            for (int i = 0; i < MR; ++i)
+                for (int j = 0; j < NG; ++j)
+                    isum[i][j] = _mm512_set1_epi32(F == kQ4_1 ? kMagicBits : ax[i][b] + kMagicBits);
+        }
         if constexpr (F == kQ8_0) {
             for (int v = 0; v < 8; ++v) {
                 __m512i wv[NG];
                 for (int j = 0; j < NG; ++j) wv[j] = _mm512_loadu_si512(qs[j] + b * QS + v * 64);
                 for (int i = 0; i < MR; ++i) {
                     const __m512i xv = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
-                    for (int j = 0; j < NG; ++j) acc[i][j][v] = lane_fma(acc[i][j][v], dd[i][j], init(i, v), wv[j], xv);
+                    for (int j = 0; j < NG; ++j) {
+                        if constexpr (PB) isum[i][j] = _mm512_dpbusd_epi32(isum[i][j], wv[j], xv);
+                        else acc[i][j][v] = lane_fma(acc[i][j][v], dd[i][j], init(i, v), wv[j], xv);
+                    }
                 }
             }
         } else {
@@ -366,11 +392,21 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                     const __m512i xl = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 4 * v));
                     const __m512i xh = _mm512_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
                     for (int j = 0; j < NG; ++j) {
-                        acc[i][j][v] = lane_fma(acc[i][j][v], dd[i][j], init(i, v), lo[j], xl);
-                        acc[i][j][4 + v] = lane_fma(acc[i][j][4 + v], dd[i][j], init(i, 4 + v), hi[j], xh);
+                        if constexpr (PB) {
+                            isum[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[i][j], lo[j], xl), hi[j], xh);
+                        } else {
+                            acc[i][j][v] = lane_fma(acc[i][j][v], dd[i][j], init(i, v), lo[j], xl);
+                            acc[i][j][4 + v] = lane_fma(acc[i][j][4 + v], dd[i][j], init(i, 4 + v), hi[j], xh);
+                        }
                     }
                 }
             }
+        }
+        if constexpr (PB) {
+            for (int i = 0; i < MR; ++i)
+                for (int j = 0; j < NG; ++j)
+                    acc[i][j][0] = _mm512_fmadd_ps(
+                        dd[i][j], _mm512_sub_ps(_mm512_castsi512_ps(isum[i][j]), magic_f()), acc[i][j][0]);
         }
         if constexpr (F == kQ4_1) {
             for (int j = 0; j < NG; ++j) {
@@ -387,7 +423,7 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
         const int cols = group_cols(g + j, N);
         const __mmask16 mask = cols >= kGroup ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
         for (int i = 0; i < MR; ++i) {
-            __m512 r = hsum_lanes(acc[i][j]);
+            __m512 r = PB ? acc[i][j][0] : hsum_lanes(acc[i][j]);
             if constexpr (F == kQ4_1) r = _mm512_add_ps(r, ms[i][j]);
             _mm512_mask_storeu_ps(y + i * ldy + (g + j) * kGroup, mask, r);
         }
@@ -399,9 +435,10 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
 // are loaded and unpacked once for the MR rows (without VNNI a lane's sum is maddubs + madd per row, so the
 // unpacking was a fifth of the work when done per row). MR rows' 9 accumulators exceed AVX2's 16 registers: the
 // compiler keeps some in L1, whose loads and stores use other ports than the arithmetic.
-template <int F, int MR, int NG>
+template <int F, int MR, int NG, bool PB>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
+    constexpr int L = PB ? 1 : kLanes;  // float accumulators per row: a block's one sum, or its 8 lanes
     const int nb = xq.nb;
     const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const XRows<MR> rows(xq, m);
@@ -414,9 +451,9 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
         const uint8_t* sc = qs + static_cast<int64_t>(nb) * QS;
         const int cols = group_cols(g + j, N);
         for (int h = 0; h < 2 && h * 8 < cols; ++h) {
-            __m256 acc[MR][kLanes], ms[MR];
+            __m256 acc[MR][L], ms[MR];
             for (int i = 0; i < MR; ++i) {
-                for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm256_setzero_ps();
+                for (int l = 0; l < L; ++l) acc[i][l] = _mm256_setzero_ps();
                 ms[i] = _mm256_setzero_ps();
             }
             for (int b = 0; b < nb; ++b) {
@@ -425,6 +462,11 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                 const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
                 __m256 dd[MR];
                 for (int i = 0; i < MR; ++i) dd[i] = _mm256_mul_ps(dw, _mm256_set1_ps(dx[i][b]));
+                // PB: the block's whole integer sum (Q4_0's correction once, for the block), one conversion, one FMA
+                __m256i isum[MR];
+                if constexpr (PB) {
+                    for (int i = 0; i < MR; ++i) isum[i] = _mm256_set1_epi32(F == kQ4_0 ? ax[i][b] : 0);
+                }
                 if constexpr (F == kQ8_0) {
                     for (int v = 0; v < 8; ++v) {
                         const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + v * 64)),
@@ -433,8 +475,9 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                         for (int i = 0; i < MR; ++i) {
                             // |q_w| (<= 128 as unsigned) x sign(q_x, q_w): pairs of products < 32767
                             const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load32(xr[i] + b * kBlock + 4 * v)), ws);
-                            const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-                            acc[i][v] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(isum), acc[i][v]);
+                            const __m256i lane = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+                            if constexpr (PB) isum[i] = _mm256_add_epi32(isum[i], lane);
+                            else acc[i][v] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(lane), acc[i][v]);
                         }
                     }
                 } else {
@@ -446,6 +489,10 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                             const __m256i xh = _mm256_set1_epi32(load32(xr[i] + b * kBlock + 16 + 4 * v));
                             __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones);
                             __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones);
+                            if constexpr (PB) {
+                                isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(il, ih));
+                                continue;
+                            }
                             if constexpr (F == kQ4_0) {
                                 il = _mm256_add_epi32(il, _mm256_set1_epi32(cr[i][b * kLanes + v]));
                                 ih = _mm256_add_epi32(ih, _mm256_set1_epi32(cr[i][b * kLanes + 4 + v]));
@@ -454,6 +501,9 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                             acc[i][4 + v] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(ih), acc[i][4 + v]);
                         }
                     }
+                }
+                if constexpr (PB) {
+                    for (int i = 0; i < MR; ++i) acc[i][0] = _mm256_fmadd_ps(dd[i], _mm256_cvtepi32_ps(isum[i]), acc[i][0]);
                 }
                 if constexpr (F == kQ4_1) {
                     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32)));
@@ -466,8 +516,10 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
             }
             for (int i = 0; i < MR; ++i) {
                 const __m256* a = acc[i];
-                __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
-                                         _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
+                __m256 r = a[0];
+                if constexpr (!PB)
+                    r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                                      _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7])));
                 if constexpr (F == kQ4_1) r = _mm256_add_ps(r, ms[i]);
                 float* yr = y + i * ldy + (g + j) * kGroup + h * 8;
                 if (cols >= (h + 1) * 8) {
@@ -484,7 +536,7 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
 
 #else
 // Plain loops: the same lane sums, in int32, over the same layout; the same float sequence with std::fma.
-template <int F, int MR, int NG>
+template <int F, int MR, int NG, bool PB>
 void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int N) {
     constexpr int QS = qs_bytes(F), SC = sc_bytes(F);
     const int nb = xq.nb, K = xq.K;
@@ -518,14 +570,20 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
                                 lane[4 + v] += ((byte >> 4) - off) * xb[16 + 4 * v + t];
                             }
                     }
-                    for (int l = 0; l < kLanes; ++l) acc[r][l] = std::fma(dd, static_cast<float>(lane[l]), acc[r][l]);
+                    if constexpr (PB) {
+                        int32_t sum = 0;
+                        for (int l = 0; l < kLanes; ++l) sum += lane[l];
+                        acc[r][0] = std::fma(dd, static_cast<float>(sum), acc[r][0]);
+                    } else {
+                        for (int l = 0; l < kLanes; ++l) acc[r][l] = std::fma(dd, static_cast<float>(lane[l]), acc[r][l]);
+                    }
                     if constexpr (F == kQ4_1) ms[r] = std::fma(half_at(s + 32 + 2 * r), sx, ms[r]);
                 }
             }
             float* yr = y + i * ldy + (g + j) * kGroup;
             for (int r = 0; r < cols; ++r) {
                 const float* a = acc[r];
-                float v = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+                float v = PB ? a[0] : ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
                 if constexpr (F == kQ4_1) v += ms[r];
                 yr[r] = v;
             }
@@ -534,36 +592,42 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
 }
 #endif
 
-template <int F, int NG>
-TileFn tile_for(int mr) {
-    if constexpr (kMR >= 4) {
-        if (mr >= 4) return tile<F, 4, NG>;
-    }
-    if constexpr (kMR >= 3) {
-        if (mr == 3) return tile<F, 3, NG>;
-    }
-    if constexpr (kMR >= 2) {
-        if (mr >= 2) return tile<F, 2, NG>;
-    }
-    return tile<F, 1, NG>;
-}
-static_assert(kMR >= 1 && kMR <= 4, "tile_for dispatches 1..4 rows");
+// Rows per tile: rounding per block keeps one float accumulator per row where the exact order keeps 8, so its
+// tiles take more rows per unpacked weight vector.
+template <bool PB>
+constexpr int tile_rows() { return PB ? kMRFast : kMR; }
 
-template <int F>
+template <int F, int NG, bool PB>
+TileFn tile_for(int mr) {
+    constexpr int MR = tile_rows<PB>();
+    if constexpr (MR >= 4) {
+        if (mr >= 4) return tile<F, 4, NG, PB>;
+    }
+    if constexpr (MR >= 3) {
+        if (mr == 3) return tile<F, 3, NG, PB>;
+    }
+    if constexpr (MR >= 2) {
+        if (mr >= 2) return tile<F, 2, NG, PB>;
+    }
+    return tile<F, 1, NG, PB>;
+}
+static_assert(kMR >= 1 && kMR <= 4 && kMRFast >= 1 && kMRFast <= 4, "tile_for dispatches 1..4 rows");
+
+template <int F, bool PB>
 TileFn tile_fn(int mr, int ng) {
     if constexpr (kNG >= 2) {
-        if (ng == 2) return tile_for<F, 2>(mr);
+        if (ng == 2) return tile_for<F, 2, PB>(mr);
     }
-    return tile_for<F, 1>(mr);
+    return tile_for<F, 1, PB>(mr);
 }
 
 // Every row tile of the chunk's `rows` rows against groups g .. g + ng - 1.
-template <int F>
+template <int F, bool PB>
 void run_unit(const XQ& xq, int rows, const uint8_t* w, int64_t gbytes, float* y, int64_t ldy, int g, int ng, int N) {
     const uint8_t* wg = w + g * gbytes;
-    for (int m = 0; m < rows; m += kMR) {
-        const int mr = std::min(kMR, rows - m);
-        tile_fn<F>(mr, ng)(xq, m, wg, gbytes, y + m * ldy, ldy, g, N);
+    for (int m = 0; m < rows; m += tile_rows<PB>()) {
+        const int mr = std::min(tile_rows<PB>(), rows - m);
+        tile_fn<F, PB>(mr, ng)(xq, m, wg, gbytes, y + m * ldy, ldy, g, N);
     }
 }
 
@@ -587,7 +651,7 @@ inline XQ xq_in(uint8_t* buf, int rows, int K) {
               nb};
 }
 
-template <int F>
+template <int F, bool PB>
 void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y, int64_t ldy, int threads) {
     const int nb = K / kBlock, groups = (N + kGroup - 1) / kGroup, units = (groups + kNG - 1) / kNG;
     const int64_t gbytes = group_bytes(F, nb);
@@ -600,7 +664,7 @@ void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, fl
         for (int r = 0; r < M; ++r) quantize_row<F>(x + r * ldx, xq, r);
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int u = 0; u < units; ++u)
-            run_unit<F>(xq, M, w, gbytes, y, ldy, u * kNG, std::min(kNG, groups - u * kNG), N);
+            run_unit<F, PB>(xq, M, w, gbytes, y, ldy, u * kNG, std::min(kNG, groups - u * kNG), N);
         return;
     }
     // Groups handed out guided (half, then halves of what is left...): each output's arithmetic is the same whichever
@@ -619,7 +683,7 @@ void gemm(const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, fl
         // chunk overwrites it)
 #pragma omp for schedule(guided)
         for (int u = 0; u < units; ++u)
-            run_unit<F>(xq, rows, w, gbytes, y + m0 * ldy, ldy, u * kNG, std::min(kNG, groups - u * kNG), N);
+            run_unit<F, PB>(xq, rows, w, gbytes, y + m0 * ldy, ldy, u * kNG, std::min(kNG, groups - u * kNG), N);
     }
 }
 
@@ -746,15 +810,24 @@ void sluice_quant_activations(int fmt, const float* x, int64_t ldx, int M, int K
     }
 }
 
-// x: [M, K] fp32, rows ldx apart; w: the packed layout of an [N, K] weight in format `fmt`
-// (sluice_quant_repack); y: [M, N], rows ldy apart. K must be a multiple of 32 (the caller checks).
+// x: [M, K] fp32, rows ldx apart; w: the packed layout of an [N, K] weight in format `fmt` (sluice_quant_repack;
+// | kRoundPerBlock: rounded per block); y: [M, N], rows ldy apart. K must be a multiple of 32 (the caller checks).
 void sluice_quant_gemm_f32(int fmt, const float* x, int64_t ldx, const uint8_t* w, int M, int K, int N, float* y,
                            int64_t ldy, int num_threads) {
     if (M <= 0 || N <= 0) return;
+    if (fmt & kRoundPerBlock) {
+        switch (fmt & ~kRoundPerBlock) {
+            case kQ8_0: gemm<kQ8_0, true>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
+            case kQ4_0: gemm<kQ4_0, true>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
+            case kQ4_1: gemm<kQ4_1, true>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
+            default: break;
+        }
+        return;
+    }
     switch (fmt) {
-        case kQ8_0: gemm<kQ8_0>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
-        case kQ4_0: gemm<kQ4_0>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
-        case kQ4_1: gemm<kQ4_1>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
+        case kQ8_0: gemm<kQ8_0, false>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
+        case kQ4_0: gemm<kQ4_0, false>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
+        case kQ4_1: gemm<kQ4_1, false>(x, ldx, w, M, K, N, y, ldy, num_threads); break;
         default: break;
     }
 }

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ..config import WARMUP_MODES, EngineConfig, parse_size
+from ..config import NUMERICS, WARMUP_MODES, EngineConfig, parse_size
 from ..quant.formats import CHOICES as QUANT_CHOICES
 from ..quant.formats import KV_CACHE_DTYPES
 
@@ -27,6 +27,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a GGUF's own blocks are kept, other weights quantized at load); auto: none for now; "
                         "fp8/awq/gptq (CUDA, Triton kernels): a checkpoint quantized so (auto serves a "
                         "config.json quantization_config in its format); fp8 also quantizes a dense one at load")
+    p.add_argument("--numerics", default="exact", choices=list(NUMERICS),
+                   help="CPU GGUF block formats' GEMM: exact = llama.cpp's x86 float order bit for bit (the same "
+                        "greedy tokens as llama-server on the same file); fast = one float rounding per block of 32 "
+                        "instead of 8 (as llama.cpp's repacked kernels): 1.4-1.9x the GEMM at batch on AVX-512, "
+                        "outputs differ in the last bits")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache elements: auto (the model's dtype) or fp8 (e4m3 with a per-tensor scale per "
                         "layer for K and V: the checkpoint's k_scale/v_scale, else 1.0; half a bf16 cache's bytes, "

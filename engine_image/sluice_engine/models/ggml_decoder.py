@@ -63,7 +63,7 @@ class GgmlDecoderStack:
             for name, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj),
                                  ("down", m.down_proj)):
                 setattr(row, name, linear.packed.data_ptr())
-                setattr(row, name + "_fmt", linear._code)
+                setattr(row, name + "_fmt", linear.gemm_code)
         self._caches_key = None  # the KV caches the table points at (set on first use, again if reallocated)
 
     @classmethod

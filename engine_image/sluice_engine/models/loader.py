@@ -151,7 +151,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, dtype: torch.dtype,
                max_positions: int, shard: RankShard | None = None, quantization: str = "none",
-               gguf_path: Path | None = None) -> LlamaForCausalLM:
+               gguf_path: Path | None = None, numerics: str = "exact") -> LlamaForCausalLM:
     """This rank's shard of the model of an HF directory, built directly in `dtype` on `device` (no
     fp32 copy of the weights ever exists), in eval mode. With `quantization` a CPU block format (or
     auto), linear layers are then held in GGUF blocks, read from `gguf_path` where it has them
@@ -207,6 +207,11 @@ def load_model(model_dir: Path, mc: ModelConfig, backend, device: torch.device, 
         # The layers left: quantized from their loaded fp32 weights where the format asks for it, and the
         # output layer (with a tied embedding reading its blocks) where the GGUF ships it quantized.
         quantize_linears(model, quantization, blocks, lib)
+        if numerics != "exact":
+            from ..cpu_kernels.quant import set_numerics
+
+            log.info("block-format GEMM: --numerics %s (%d layers round once per block)", numerics,
+                     set_numerics(model, numerics))
     if backend.name in ("cpu", "ggml") and dtype == torch.float32:  # the C++ CPU path: linear layers too
         from ..cpu_kernels.linear import pack_linears
 

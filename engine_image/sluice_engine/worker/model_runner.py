@@ -97,7 +97,7 @@ class ModelRunner:
                 log.warning("head dim %d: the llama.cpp-exact attention takes multiples of 16 up to 256; serving "
                             "with the cpu backend (right to float rounding, not llama.cpp's bit for bit)", mc.head_dim)
         self.model = load_model(model_dir, mc, self.backend, self.device, self.dtype, self.max_model_len, self.shard,
-                                quantization=self.quantization,
+                                quantization=self.quantization, numerics=cfg.numerics,
                                 gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)
         if cfg.kv_cache_dtype == "fp8":
             self._log_kv_scales()
