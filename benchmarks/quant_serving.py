@@ -1,6 +1,7 @@
 """Issue 16's serving comparison, in one sitting: sluice serving the bundled model's shipped Q4_1 GGUF, llama.cpp's
 llama-server on the very same file, and sluice on the fp32 weights (--quantization none), loaded by one
-client (`sluice bench --compare`) with the same prompts at concurrency 1, 8 and 32. The bench table has each
+client (`sluice bench --compare`) with the same prompts at concurrency 1, 8 and 32; and (unless --no-fast) sluice
+on the same Q4_1 blocks with `--numerics fast` (the GEMM rounds once per block: faster, not llama.cpp's bits). The bench table has each
 server's resident memory (VmRSS at the end of each run) beside its throughput and latencies.
 
     bash scripts/get-llama-server.sh                       # once: builds .tools/bin/llama-server
@@ -34,10 +35,12 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--port", type=int, default=18300, help="first of three ports")
+    p.add_argument("--port", type=int, default=18300, help="first of four ports")
     p.add_argument("--llama-server", default=str(ROOT / ".tools/bin/llama-server"))
     p.add_argument("--json", help="the bench's JSON results")
     p.add_argument("--plot-dir")
+    p.add_argument("--no-fast", dest="fast", action="store_false",
+                   help="leave out sluice q4_1 with --numerics fast (one float rounding per block: not llama.cpp's bits)")
     p.add_argument("--log-dir", default="bench-results/quant-serving-logs")
     a = p.parse_args()
 
@@ -61,6 +64,9 @@ def main() -> None:
                         "--no-repack", "--no-webui"], env, "/health"),
         "sluice-fp32": ([*sluice, "--port", str(a.port + 2), "--quantization", "none"], env, "/ready"),
     }
+    if a.fast:
+        servers["sluice-q4_1-fast"] = ([*sluice, "--port", str(a.port + 3), "--quantization", "q4_1", "--numerics",
+                                        "fast"], env, "/ready")
     print(f"CPU: {cpu_name()}, {a.threads} threads per server; GGUF {gguf}")
     bench = ["--max-concurrency", a.concurrency, "--num-requests", str(a.num_requests), "--seed", str(a.seed),
              "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500", "--no-progress"]

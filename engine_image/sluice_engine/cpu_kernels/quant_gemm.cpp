@@ -190,8 +190,16 @@ inline float round_to_half(float f) { return half_to_float(float_to_half(f)); }
 // A chunk of x's rows quantized: q [rows][K] int8, d [rows][nb] (fp16-rounded, as float), aux [rows][nb]:
 // Q4_1: s's bits as a float; Q4_0: -8 sum q; Q8_0: -128 sum q (the integer correction of the block sum,
 // for sluice_quant_activations); corr [rows][nb][8]: Q4_0/Q8_0 that correction per lane (-8 or -128 x the
-// lane's 4 q: what the kernels use), Q4_1 unused.
+// lane's 4 q: what the kernels use; + kCorrBias), Q4_1 unused.
 constexpr int kLanes = 8;  // llama.cpp's lanes per block: 4 consecutive products each
+constexpr int32_t kMagicBits = 0x4B400000;  // 1.5 * 2^23: the AVX-512 kernel's int32 -> float (magic_f, below)
+// The AVX-512 kernel starts each lane's vpdpbusd from its correction plus the magic bits: stored so, a lane's
+// start is one broadcast (adding the bits per lane in the kernel cost Q8_0 1.25-1.3x at 32-512 rows, Zen 4).
+#if defined(SLUICE_QUANT_AVX512)
+constexpr int32_t kCorrBias = kMagicBits;
+#else
+constexpr int32_t kCorrBias = 0;
+#endif
 
 struct XQ {
     int8_t* q;
@@ -228,7 +236,7 @@ inline void finish_block(XQ& xq, int64_t i, const int8_t* q, float d) {
     } else {
         constexpr int32_t c = F == kQ4_0 ? -8 : -128;
         xq.aux[i] = c * sum;
-        for (int l = 0; l < kLanes; ++l) xq.corr[i * kLanes + l] = c * lane[l];
+        for (int l = 0; l < kLanes; ++l) xq.corr[i * kLanes + l] = c * lane[l] + kCorrBias;
     }
 }
 
@@ -302,7 +310,6 @@ inline int group_cols(int g, int N) { return std::min(kGroup, N - g * kGroup); }
 // at most 4 x 255 x 128 plus a correction of 4 x 128 x 128). Why: on Intel's AVX-512 cores vpdpbusd and
 // vcvtdq2ps both issue on port 0 only, so a block's 8 of each (per row and 16 outputs) took 16 cycles there while
 // port 5 idled; vsubps issues on either.
-constexpr int32_t kMagicBits = 0x4B400000;  // 1.5 * 2^23
 inline __m512 magic_f() { return _mm512_castsi512_ps(_mm512_set1_epi32(kMagicBits)); }
 
 // One lane of 16 outputs: its integer sum (from init: the magic bits plus the lane's correction, or plus 0), as a
@@ -354,7 +361,7 @@ void tile(const XQ& xq, int m, const uint8_t* w, int64_t gbytes, float* y, int64
         }
         // lane l's starting integer: the magic bits (lane_fma) plus the format's correction (Q4_1: none)
         auto init = [&](int i, int l) {
-            return F == kQ4_1 ? _mm512_set1_epi32(kMagicBits) : _mm512_set1_epi32(cr[i][b * kLanes + l] + kMagicBits);
+            return F == kQ4_1 ? _mm512_set1_epi32(kMagicBits) : _mm512_set1_epi32(cr[i][b * kLanes + l]);
         };
         // PB: the block's whole integer sum in one register (the lanes' vpdpbusd chained, from the magic bits plus
         // the block's correction), then one conversion and one FMA
