@@ -262,8 +262,10 @@ def _bind_ggml_attention(lib: ctypes.CDLL) -> None:
     lib.sluice_ggml_attention.argtypes = [p, i64, p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32]
     lib.sluice_ggml_attention.restype = None
     # The decoder layers in one call (models/ggml_decoder.py): pointers to its layer table and shape structs.
-    lib.sluice_ggml_decoder_layers.argtypes = [p, i32, p, p, p, i32, p, p, p, p, i64, p, p, i32, i32]
+    lib.sluice_ggml_decoder_layers.argtypes = [p, i32, p, p, p, i32, p, p, p, p, i64, p, p, i32, i32, p, i64]
     lib.sluice_ggml_decoder_layers.restype = None
+    lib.sluice_ggml_decoder_work_floats.argtypes = [p]
+    lib.sluice_ggml_decoder_work_floats.restype = i64
 
 
 def _bind_layer_ops(lib: ctypes.CDLL) -> None:

@@ -41,12 +41,12 @@ void sluice_ggml_attention(float* out, int64_t ldo, const float* q, int64_t ldq,
 
 namespace {
 
-// Per-thread scratch, grown to the largest step seen and kept: a prefill chunk's activations are tens of MB, and
-// allocating them per call would fault their pages in again every time.
-std::vector<float>& scratch(size_t floats) {
+// Per-thread scratch, grown to the largest step seen and kept, for callers that pass none big enough: a prefill
+// chunk's activations are tens of MB, and allocating them per call would fault their pages in again every time.
+float* scratch(size_t floats) {
     thread_local std::vector<float> buf;
     if (buf.size() < floats) buf.resize(floats);
-    return buf;
+    return buf.data();
 }
 
 }  // namespace
@@ -71,20 +71,29 @@ struct SluiceGgmlShape {
     float eps, scale;
 };
 
+// The scratch a step needs per token: h, qkv, attention, gate_up and the SwiGLU activations.
+int64_t sluice_ggml_decoder_work_floats(const SluiceGgmlShape* shape) {
+    const int64_t q = static_cast<int64_t>(shape->heads) * shape->head_dim, kv = static_cast<int64_t>(shape->kv_heads) * shape->head_dim;
+    return shape->hidden + (q + 2 * kv) + q + 3 * static_cast<int64_t>(shape->intermediate);
+}
+
 // x [T, H] (rows H apart): in, the stream (the embedding); out, the last layer's output. residual [T, H]: out, the
 // stream before the returned x.
 // cos/sin: the tokens' rotary rows [T, d / 2] (ggml's table). slots [T]; block_tables [num_seqs, ldt];
-// seq_lens [num_seqs]; query_start [num_seqs + 1]: the step's attention metadata.
+// seq_lens [num_seqs]; query_start [num_seqs + 1]: the step's attention metadata. work: the caller's scratch of
+// work_floats floats (the stack's, sized for the token budget and touched at start, so no step faults its pages
+// in: sluice_ggml_decoder_work_floats per token), or null / too small: a per-thread one, grown as needed.
 void sluice_ggml_decoder_layers(const SluiceGgmlLayer* layers, int num_layers, const SluiceGgmlShape* shape,
                                 float* x, float* residual, int tokens, const float* cos,
                                 const float* sin, const int64_t* slots, const int32_t* block_tables, int64_t ldt,
-                                const int32_t* seq_lens, const int32_t* query_start, int num_seqs, int threads) {
+                                const int32_t* seq_lens, const int32_t* query_start, int num_seqs, int threads,
+                                float* work, int64_t work_floats) {
     if (tokens <= 0 || num_layers <= 0) return;
     const int H = shape->hidden, d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
     const int q = heads * d, kv = kv_heads * d, qkv_n = q + 2 * kv, I = shape->intermediate;
     const int64_t T = tokens;
-    std::vector<float>& buf = scratch(static_cast<size_t>(T) * (H + qkv_n + q + 2 * I + I));
-    float* h = buf.data();
+    const int64_t need = T * sluice_ggml_decoder_work_floats(shape);
+    float* h = work != nullptr && work_floats >= need ? work : scratch(static_cast<size_t>(need));
     float* qkv = h + T * H;
     float* attn = qkv + T * qkv_n;
     float* gate_up = attn + T * q;

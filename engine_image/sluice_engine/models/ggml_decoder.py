@@ -47,7 +47,7 @@ class GgmlDecoderStack:
     what LlamaForCausalLM's layer loop returns. Reads the step's attention metadata and KV caches from the
     forward context, as the layers do."""
 
-    def __init__(self, layers, lib):
+    def __init__(self, layers, lib, max_tokens: int = 0):
         self._layers = layers
         self._lib = lib
         self._call = lib.sluice_ggml_decoder_layers
@@ -65,9 +65,15 @@ class GgmlDecoderStack:
                 setattr(row, name, linear.packed.data_ptr())
                 setattr(row, name + "_fmt", linear.gemm_code)
         self._caches_key = None  # the KV caches the table points at (set on first use, again if reallocated)
+        # The steps' scratch, for the token budget, written once now: its pages are faulted in at start, not by the
+        # first big prefill (~27 KB per token for the bundled model; a first touch costs ~0.1-5 ms/MB).
+        per_token = lib.sluice_ggml_decoder_work_floats(ctypes.byref(self._shape))
+        self._work = torch.zeros(max_tokens * per_token, dtype=torch.float32) if max_tokens > 0 else None
+        if self._work is not None:
+            self._work.fill_(0.0)  # (zeros may be calloc's untouched pages)
 
     @classmethod
-    def build(cls, model, lib) -> GgmlDecoderStack | None:
+    def build(cls, model, lib, max_tokens: int = 0) -> GgmlDecoderStack | None:
         """The stack for `model`'s layers, or None where it does not cover them (see the module docstring)."""
         if lib is None or not hasattr(lib, "sluice_ggml_decoder_layers") or not enabled():
             return None
@@ -86,7 +92,7 @@ class GgmlDecoderStack:
             if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms):
                 return None
         log.info("CPU decoder: %d GGUF layers run as one C++ call per step", len(layers))
-        return cls(layers, lib)
+        return cls(layers, lib, max_tokens)
 
     def _bind_caches(self, caches: list[torch.Tensor], block_size: int) -> None:
         key = (id(caches), len(caches), caches[0].data_ptr() if caches else 0, block_size)
@@ -113,5 +119,6 @@ class GgmlDecoderStack:
         self._call(ctypes.byref(self._table), len(self._layers), ctypes.byref(self._shape), out.data_ptr(),
                    stream.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                    tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), query_start.data_ptr(), meta.num_seqs,
-                   torch.get_num_threads())
+                   torch.get_num_threads(), 0 if self._work is None else self._work.data_ptr(),
+                   0 if self._work is None else self._work.numel())
         return out, stream

@@ -113,7 +113,7 @@ class ModelRunner:
             from ..cpu_kernels import load as load_kernels
             from ..models.ggml_decoder import GgmlDecoderStack
 
-            self.model.fused_layers = GgmlDecoderStack.build(self.model, load_kernels())
+            self.model.fused_layers = GgmlDecoderStack.build(self.model, load_kernels(), cfg.max_num_batched_tokens)
         self._lora_cpu_kernel = False  # LoRA through cpu_kernels/lora.cpp (an fp32 model on CPU, kernels built)
         if cfg.enable_lora and self.device.type == "cpu" and self.dtype == torch.float32:
             from ..lora.cpu_ops import cpu_kernel
