@@ -67,6 +67,8 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     "step-timeout": float,
     "shutdown-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
+    # The CPU GGUF formats' GEMM float order: fast trades llama.cpp's bits for ~1.3x batch throughput.
+    "numerics": ("exact", "fast"),
     "enforce-eager": bool,
     "cuda-graph-max-batch": int,
     "warmup": ("auto", "full", "minimal", "off"),
