@@ -6,9 +6,9 @@ Why: a CPU engine's step is its kernels' parallel regions, back to back (microse
 catches every one), then the step's host work on one thread (scheduling, sampling, outputs: a few ms), while
 the API process streams tokens and the clients run on the same cores. With the default, the other OpenMP
 threads spin through that host work and hold cores the API process needs, so the OS preempts a thread that is
-computing instead, and its partner spins at the next barrier too. Served c32 on the bundled model (AMD EPYC
-Zen 4, 2 threads, docs/BENCHMARKS.md): 2,000 gave 1.09x the default's output tok/s at c32, 1.09x at c8,
-1.04x at c1; 500 and 5,000-20,000 less; passive (0) less than the default.
+computing instead, and its partner spins at the next barrier too. Served on the bundled model (AMD EPYC Zen 4,
+2 threads, docs/BENCHMARKS.md), side by side in both orders: 2,000 gave 1.05-1.06x the default's output tok/s
+at c32 (c8 and c1 within the noise); 500 and 5,000-20,000 less than 2,000; passive less than the default.
 
 libgomp reads these at load, so this must run before torch (which loads libgomp) in the processes concerned:
 `sluice serve` calls it first, and the engine-core and rank processes it starts inherit the environment.
