@@ -68,9 +68,8 @@ class GgmlDecoderStack:
         # The steps' scratch, for the token budget, written once now: its pages are faulted in at start, not by the
         # first big prefill (~27 KB per token for the bundled model; a first touch costs ~0.1-5 ms/MB).
         per_token = lib.sluice_ggml_decoder_work_floats(ctypes.byref(self._shape))
-        self._work = torch.zeros(max_tokens * per_token, dtype=torch.float32) if max_tokens > 0 else None
-        if self._work is not None:
-            self._work.fill_(0.0)  # (zeros may be calloc's untouched pages)
+        # (empty, then written: torch.zeros may hand back calloc's untouched pages)
+        self._work = torch.empty(max_tokens * per_token, dtype=torch.float32).fill_(0.0) if max_tokens > 0 else None
 
     @classmethod
     def build(cls, model, lib, max_tokens: int = 0) -> GgmlDecoderStack | None:
