@@ -128,6 +128,9 @@ class EngineConfig:
     # A JSON file {"adapters": [{"name", "path"}]} re-read while the engine runs: adapters it lists are loaded,
     # adapters it no longer lists are unloaded (lora/modules_file.py; the operator writes it from spec.adapters).
     lora_modules_file: str | None = None
+    # The only directory adapters may be loaded from at run time (POST /v1/load_lora_adapter): the core refuses a
+    # load outside it, or any run-time load without it (lora/paths.py). Start-up adapters are not held to it.
+    lora_root: str | None = None
     # Async scheduling (engine/llm_engine.py): the next step is scheduled and queued while this one runs on the
     # device, its host work (outputs, scheduling) hidden behind the forward. One rank only (tensor/pipeline
     # parallel groups run their steps one at a time, pipelined by stage); steps that verify drafts run alone.

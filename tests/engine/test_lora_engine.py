@@ -272,10 +272,11 @@ def test_the_modules_file_loads_and_unloads_adapters(llm, adapters, tmp_path):
 
 
 def test_the_server_loads_and_unloads_adapters_at_run_time(start_server, adapters, hf_model, llm, tmp_path):
-    """`sluice serve --allow-runtime-lora-updates --api-key` (engine core in its own process): POST
-    /v1/load_lora_adapter serves an adapter as one given at start would be (HF + PEFT's greedy tokens), behind the
-    key; bad calls are a 400 naming the field or a 404; after /v1/unload_lora_adapter the model is gone; the
-    --lora-modules-file is re-read while the server runs."""
+    """`sluice serve --allow-runtime-lora-updates --lora-root --api-key --admin-api-key` (engine core in its own
+    process): POST /v1/load_lora_adapter serves an adapter from under the root as one given at start would be (HF +
+    PEFT's greedy tokens), behind the admin key (the inference key is not enough); bad calls are a 400 naming the
+    field or a 404; after /v1/unload_lora_adapter the model is gone; the --lora-modules-file is re-read while the
+    server runs."""
     import json
     import time
 
@@ -283,13 +284,20 @@ def test_the_server_loads_and_unloads_adapters_at_run_time(start_server, adapter
     from openai import AuthenticationError, NotFoundError, OpenAI
 
     modules = tmp_path / "adapters.json"
+    # The adapters (and tmp_path) are directories under pytest's base temp directory: that is the root.
+    root = adapters["all8"][0].parent
+    assert adapters["qv16"][0].parent == root and tmp_path.is_relative_to(root)
     server = start_server("--enable-lora", "--max-loras", "2", "--max-model-len", "256", "--api-key", "sekret",
-                          "--allow-runtime-lora-updates", "--lora-modules-file", str(modules))
-    key = {"Authorization": "Bearer sekret"}
+                          "--admin-api-key", "admin-sekret", "--allow-runtime-lora-updates", "--lora-root", str(root),
+                          "--lora-modules-file", str(modules))
+    key = {"Authorization": "Bearer admin-sekret"}
     client = OpenAI(base_url=f"{server.url}/v1", api_key="sekret", timeout=300)
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"}).status_code == 401
+    inference_key = {"Authorization": "Bearer sekret"}
+    assert httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"},
+                      headers=inference_key).status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes stay open
 
     def call(route, **body):

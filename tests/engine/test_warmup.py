@@ -125,7 +125,8 @@ def test_a_failing_warmup_fails_the_start(llm, monkeypatch):
         assert dead.wait(30)
         assert http.get("/ready").status_code == 503
         r = http.get("/health")
-        assert r.status_code == 503 and "no C compiler" in r.json()["error"]
+        # A fixed reason: the exception's text is logged, never shown to whoever probes (issue 39).
+        assert r.status_code == 503 and r.json() == {"status": "dead", "error": "engine dead"}
     assert engine.kv.num_free_blocks() == engine.kv.num_blocks  # the borrowed block went back
 
 

@@ -231,11 +231,14 @@ class EngineLoop:
 
     def _lora_call(self, cmd: LoadLoRA | UnloadLoRA) -> LoRAUpdated:
         from ..core.lora_slots import LoRANotFound
+        from ..lora.paths import resolve_under_root
 
         engine = self.engine
         try:
             if isinstance(cmd, LoadLoRA):
-                engine.load_lora(cmd.name, cmd.path)
+                # The server checked the path against --lora-root already; checked again where it is read, so a
+                # load that reaches the core some other way cannot leave the root either.
+                engine.load_lora(cmd.name, resolve_under_root(cmd.path, engine.cfg.lora_root))
                 message = f"LoRA adapter {cmd.name!r} loaded"
             else:
                 left = engine.unload_lora(cmd.name)

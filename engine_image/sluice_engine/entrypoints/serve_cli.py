@@ -95,6 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                       help='a JSON file {"adapters": [{"name": ..., "path": ...}]} re-read while the server runs: '
                            "adapters it lists are loaded, those it stops listing unloaded (the operator writes it "
                            "from spec.adapters)")
+    lora.add_argument("--lora-root", default=None, metavar="DIR",
+                      help="the only directory POST /v1/load_lora_adapter may load adapters from (the path is "
+                           "resolved, symlinks followed, and must lie under it); needed by "
+                           "--allow-runtime-lora-updates. Adapters given at start are not held to it")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and queue the next step while this one runs on the device, hiding the host's "
                         "work behind the forward (one rank; the same tokens either way); default: on for CUDA, "
@@ -146,9 +150,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, let in-flight requests finish for up to this long (new ones get 503)")
     p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"), metavar="KEY",
                    help="every /v1 route needs 'Authorization: Bearer KEY' (default: $SLUICE_API_KEY; none: open)")
+    p.add_argument("--admin-api-key", default=os.environ.get("SLUICE_ADMIN_API_KEY"), metavar="KEY",
+                   help="/v1/load_lora_adapter and /v1/unload_lora_adapter need 'Authorization: Bearer KEY', the "
+                        "--api-key is not enough (default: $SLUICE_ADMIN_API_KEY; needed with --api-key and "
+                        "--allow-runtime-lora-updates)")
     p.add_argument("--allow-runtime-lora-updates", action="store_true",
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload LoRA adapters "
-                        "while the server runs (with --enable-lora; behind --api-key when set)")
+                        "while the server runs (with --enable-lora and --lora-root; behind --admin-api-key)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core (scheduler, model runner) in its own process, fed by messages "
                         "(docs/architecture.md); --no-engine-process runs it in a thread of the API server")
@@ -176,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine.async_engine import AsyncEngine
     from .openai.draining_server import DrainingServer
-    from .openai.server import build_app
+    from .openai.server import build_app, check_lora_update_flags
 
     cfg = engine_config_from_args(args)
     log = logging.getLogger("sluice")
@@ -194,13 +202,15 @@ def run(args: argparse.Namespace) -> int:
                              "an address they reach (the pod's IP), not a wildcard, and --kv-port not 0")
     if args.allow_runtime_lora_updates and not cfg.enable_lora:
         raise ValueError("--allow-runtime-lora-updates needs --enable-lora")
+    check_lora_update_flags(args.allow_runtime_lora_updates, cfg.lora_root, args.api_key, args.admin_api_key)
     if args.engine_process:
         async_engine = AsyncEngine.spawn(cfg, args.log_level)
     else:
         from ..engine.llm_engine import LLMEngine  # torch: only where the engine runs in this process
 
         async_engine = AsyncEngine.build(lambda: LLMEngine(cfg))
-    app = build_app(async_engine, api_key=args.api_key, allow_runtime_lora_updates=args.allow_runtime_lora_updates)
+    app = build_app(async_engine, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                    allow_runtime_lora_updates=args.allow_runtime_lora_updates)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S),
                             async_engine, args.shutdown_timeout)

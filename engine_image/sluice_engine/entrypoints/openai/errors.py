@@ -144,22 +144,45 @@ class BodySizeLimit:
         await err.response()(scope, receive, send)
 
 
-class BearerKey:
-    """ASGI middleware: with --api-key, every /v1 route needs `Authorization: Bearer <key>` (401 in OpenAI's
-    shape otherwise), as vLLM's server does; /health, /ready and /metrics stay open for probes and scrapes."""
+# Routes that change what the server serves (and read its disk): with --admin-api-key they need that key, and
+# the inference key is not enough.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# The API's own description: it maps every route, so it is held to the key like the routes are.
+SCHEMA_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+
+class BearerKey:
+    """ASGI middleware: with --api-key, every /v1 route and the schema pages (/docs, /redoc, /openapi.json) need
+    `Authorization: Bearer <key>` (401 in OpenAI's shape otherwise), as vLLM's server does; with --admin-api-key,
+    the adapter routes (ADMIN_PATHS) need that key instead. /health, /ready and /metrics stay open for probes and
+    scrapes. Keys are compared in constant time."""
+
+    def __init__(self, app, key: str | None, admin_key: str | None = None):
+        self.app = app
+        self.key = key.encode() if key else None
+        self.admin_key = admin_key.encode() if admin_key else None
+
+    def _required(self, path: str) -> tuple[bytes | None, str]:
+        """The key `path` needs (None: open), and what to call it in a refusal."""
+        if path.rstrip("/") in ADMIN_PATHS and self.admin_key is not None:
+            return self.admin_key, "admin API key (--admin-api-key)"
+        if path.startswith("/v1") or path in SCHEMA_PATHS:
+            return self.key, "API key"
+        return None, ""
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key, what = self._required(scope.get("path", ""))
+        if key is None:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key):
             await self.app(scope, receive, send)
             return
-        err = APIError(401, "an API key is required: send it as 'Authorization: Bearer <key>'" if not given
-                       else "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        err = APIError(401, f"an {what} is required: send it as 'Authorization: Bearer <key>'" if not given
+                       else f"invalid {what}", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await err.response()(scope, receive, send)

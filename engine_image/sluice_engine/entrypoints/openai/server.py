@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
 from ...kv_transfer.prefill_hop import PrefillHop
+from ...lora.paths import LoRAPathRefused, resolve_under_root
 from ...metrics import PrometheusExporter
 from .client_watch import ClientWatch
 from .errors import (
@@ -48,17 +49,36 @@ def prefill_hop(cfg, served_model_name: str) -> PrefillHop | None:
                       min_prompt_tokens=cfg.prefill_min_prompt_tokens, timeout=cfg.prefill_timeout)
 
 
-def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
+def check_lora_update_flags(allow_runtime_lora_updates: bool, lora_root: str | None, api_key: str | None,
+                            admin_api_key: str | None) -> None:
+    """The run-time adapter routes read the server's disk: ValueError (naming the flag) unless they are held to a
+    directory and, where the API has a key, to a key of their own."""
+    if admin_api_key and api_key and admin_api_key == api_key:
+        raise ValueError("--admin-api-key must differ from --api-key: with the same key, every client could load "
+                         "adapters")
+    if not allow_runtime_lora_updates:
+        return
+    if not lora_root:
+        raise ValueError("--allow-runtime-lora-updates needs --lora-root DIR: the directory adapters may be loaded "
+                         "from at run time (any path the server can read otherwise)")
+    if api_key and not admin_api_key:
+        raise ValueError("--allow-runtime-lora-updates with --api-key needs --admin-api-key (or "
+                         "$SLUICE_ADMIN_API_KEY): loading an adapter takes a key of its own, not the inference key")
+
+
+def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None, admin_api_key: str | None = None,
               allow_runtime_lora_updates: bool = False) -> FastAPI:
     """The OpenAI server over an engine: an AsyncEngine.spawn(...) one runs it in its own process (what
     `sluice serve` does), an AsyncEngine.build(...) one in the thread that loaded it, a plain LLMEngine in a
-    thread of its own. api_key: every /v1 route needs it as a bearer token (as vLLM's --api-key); the probes
-    and /metrics stay open. allow_runtime_lora_updates: the /v1/load_lora_adapter and /v1/unload_lora_adapter
-    routes load and unload adapters (404 otherwise)."""
+    thread of its own. api_key: every /v1 route and the schema pages (/docs, /redoc, /openapi.json) need it as a
+    bearer token (as vLLM's --api-key); the probes and /metrics stay open. allow_runtime_lora_updates: the
+    /v1/load_lora_adapter and /v1/unload_lora_adapter routes load and unload adapters (404 otherwise), loads only
+    from under the engine's --lora-root; admin_api_key: the key those two routes need instead of api_key."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     engine = async_engine.engine  # None when the engine runs in its own process
     info = async_engine.model_info
     cfg = async_engine.cfg
+    check_lora_update_flags(allow_runtime_lora_updates, cfg.lora_root, api_key, admin_api_key)
     hop = prefill_hop(cfg, info.served_model_name)
     serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len, prefill_hop=hop)
     # Renders the engine's snapshots (docs/metrics.md), and this process's prefill hops.
@@ -79,8 +99,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
     app.state.engine = engine
     app.state.async_engine = async_engine
     app.add_middleware(BodySizeLimit)  # 413 before a huge body is read
-    if api_key:
-        app.add_middleware(BearerKey, key=api_key)
+    if api_key or admin_api_key:
+        app.add_middleware(BearerKey, key=api_key, admin_key=admin_api_key)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 
@@ -140,11 +160,16 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models():
+        # NOTE: vLLM's root is the --model as given: for a hub id (`--model org/name`, what most vLLM users pass)
+        # that is the name the client also sees as the id. Our --model is always a path on the server's disk
+        # (the operator fetches hub models into its cache), which is the server's business, not a client's: the
+        # root is the served name, as a vLLM user of a hub id sees it. An adapter's root is its own name (vLLM's
+        # is its path).
         base = {"id": info.served_model_name, "object": "model", "created": started, "owned_by": "sluice",
-                "root": str(info.model_dir), "parent": None, "max_model_len": info.max_model_len}
+                "root": info.served_model_name, "parent": None, "max_model_len": info.max_model_len}
         # Each LoRA adapter is a model of its own, its parent the base (as vLLM lists them); the set changes as
         # adapters are loaded and unloaded.
-        adapters = [{**base, "id": name, "parent": info.served_model_name}
+        adapters = [{**base, "id": name, "root": name, "parent": info.served_model_name}
                     for name in async_engine.model_info.lora_names]
         return {"object": "list", "data": [base, *adapters]}
 
@@ -157,7 +182,12 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
         check_lora_updates("lora_name")
         try:
-            message = await async_engine.load_lora(body.lora_name, body.lora_path)
+            # Refused before anything reads the path, one message whether it exists or not (lora/paths.py).
+            path = resolve_under_root(body.lora_path, cfg.lora_root)
+        except LoRAPathRefused as e:
+            raise bad_request(str(e), param="lora_path", code="invalid_lora_adapter") from None
+        try:
+            message = await async_engine.load_lora(body.lora_name, path)
         except ValueError as e:  # the core's reason: LoRA off, the name taken, a bad adapter
             raise bad_request(str(e), param=getattr(e, "param", None) or None, code="invalid_lora_adapter") from None
         return Response(f"Success: {message}.", media_type="text/plain")
@@ -171,22 +201,35 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None,
             raise APIError(404, str(e.args[0]), param="lora_name", code="lora_adapter_not_found") from None
         return Response(f"Success: {message}.", media_type="text/plain")
 
+    # The probes are open to anyone who reaches the port: their bodies say a status word and a fixed reason, never
+    # an exception's text (paths, addresses, library internals). The detail is in the log: once per process here,
+    # and on_dead (serve_cli.py) logs it when the engine dies.
+    logged_dead = False
+
+    def dead() -> bool:
+        nonlocal logged_dead
+        if async_engine.dead is None:
+            return False
+        if not logged_dead:
+            logged_dead = True
+            log.error("the engine is dead: %r", async_engine.dead)
+        return True
+
     @app.get("/health")
     async def health():
-        if async_engine.dead is not None:
-            return JSONResponse({"status": "dead", "error": repr(async_engine.dead)}, status_code=503)
+        if dead():
+            return JSONResponse({"status": "dead", "error": "engine dead"}, status_code=503)
         if async_engine.hung_for() is not None:
-            return JSONResponse({"status": "hung", "error": f"a step has run longer than --step-timeout "
-                                 f"({cfg.step_timeout:g} s)"}, status_code=503)
+            return JSONResponse({"status": "hung", "error": "step hung"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready():
         # The model is loaded before the app exists; ready means warmed up and the engine loop alive too.
-        if async_engine.dead is not None:
-            return JSONResponse({"status": "not ready", "error": repr(async_engine.dead)}, status_code=503)
+        if dead():
+            return JSONResponse({"status": "not ready", "error": "engine dead"}, status_code=503)
         if async_engine.hung_for() is not None:
-            return JSONResponse({"status": "not ready", "error": "a step is hung"}, status_code=503)
+            return JSONResponse({"status": "not ready", "error": "step hung"}, status_code=503)
         if async_engine.draining:
             return JSONResponse({"status": "not ready", "error": "shutting down"}, status_code=503)
         if async_engine.warming_up:  # compiling and running the kernels' shapes once (--warmup)
