@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 
@@ -79,7 +80,11 @@ class EngineConfig:
     # Prefill/decode disaggregation (kv_transfer/): decode and both take prompt blocks pushed by prefill engines
     # (requests with kv_transfer_params.push_to) on a TCP receiver at kv_host:kv_port, into the offload tier.
     kv_role: str | None = None  # None | prefill | decode | both
-    kv_host: str = "0.0.0.0"
+    # The receiver's address; None: every address with a key (kv_secret_file), loopback only without one.
+    kv_host: str | None = None
+    # The endpoint's KV key (kv_transfer/keys.py, docs/security.md): seals transfers, keys block names, and is what
+    # a decode engine's hop proves itself with to a prefill engine (kv_transfer_params.hop_token).
+    kv_secret_file: str | None = None
     kv_port: int = 8100
     kv_push_timeout: float = 30.0  # seconds a push to a receiver may take before it counts as failed
     # A decode engine's first hop (kv_transfer/prefill_hop.py): its requests' prompts are prefilled by the engines at
@@ -211,6 +216,26 @@ class EngineConfig:
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"--warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         self.speculative_config()  # validates the speculative flags
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """The pod network is not a trust boundary (docs/security.md): a KV receiver other hosts can reach, and any
+        push between engines, needs the endpoint's key."""
+        if self.kv_role not in (None, "prefill", "decode", "both"):
+            raise ValueError(f"--kv-role must be prefill, decode or both, got {self.kv_role!r}")
+        if self.kv_host is None:
+            self.kv_host = "0.0.0.0" if self.kv_secret_file is not None else "127.0.0.1"
+        if self.kv_secret_file is not None:
+            return
+        if self.kv_role in ("decode", "both") and not is_loopback(self.kv_host):
+            raise ValueError(f"--kv-host {self.kv_host}: a KV receiver other hosts can reach takes blocks only sealed "
+                             "with the endpoint's key: set --kv-secret-file (without one it listens on loopback only)")
+        if self.kv_role == "prefill":
+            raise ValueError("--kv-role prefill pushes prompt blocks only for the endpoint's own decode engines, "
+                             "which prove themselves with the endpoint's key: set --kv-secret-file")
+        if self.prefill_url is not None:
+            raise ValueError("--prefill-url: the hop proves itself to the prefill engines with the endpoint's key "
+                             "and their pushes are sealed with it: set --kv-secret-file")
 
     @property
     def world_size(self) -> int:
@@ -223,3 +248,13 @@ class EngineConfig:
     def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.ngram_min,
                                  self.ngram_max, self.speculative_disable_batch_size, self.draft_model)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is this machine's loopback, unreachable from other hosts."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

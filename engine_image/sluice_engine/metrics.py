@@ -271,6 +271,10 @@ class StatsSnapshot:
     kv_offload_received: int = 0  # blocks other engines pushed here (kv_transfer/)
     # Pushes of finished requests' prompt blocks to other engines (kv_transfer_params.push_to): ok, failed.
     kv_pushes: dict[str, int] = field(default_factory=dict)
+    # A KV receiver's (--kv-role decode|both) refused batches by reason (kv_transfer/tcp.py), every reason present;
+    # empty without a receiver. In-flight bytes: payloads read or being read, not yet taken into the tier.
+    kv_receiver_refusals: dict[str, int] = field(default_factory=dict)
+    kv_receiver_inflight_bytes: int = 0
     prompt_tokens_pending: int = 0  # prompt tokens of waiting and running requests not computed yet
 
     @classmethod
@@ -384,6 +388,12 @@ class _EngineCollector:
             yield counters("sluice_kv_pushes", "Pushes of finished requests' prompt KV blocks to another engine "
                            "(kv_transfer_params.push_to), by result.", "result",
                            {r: snap.kv_pushes.get(r, 0) for r in ("ok", "failed")})
+        if snap.kv_receiver_refusals:
+            yield counters("sluice_kv_receiver_refusals", "Batches of KV blocks this engine's receiver refused, by "
+                           "reason: unauthenticated (no or another KV key), malformed, layout, busy (connections or "
+                           "in-flight bytes at their cap), timeout, disconnected.", "reason", snap.kv_receiver_refusals)
+            yield gauge("sluice_kv_receiver_inflight_bytes", "Payload bytes of KV batches being received or not yet "
+                        "taken into the offload tier (capped at the tier's size).", snap.kv_receiver_inflight_bytes)
         yield counters("sluice_request_success", "Finished requests by reason.", "finished_reason",
                        {r: snap.finished.get(r, 0) for r in FINISHED_REASONS})
         yield counters("sluice_request_abandoned", "Requests aborted because their client left, by how far "

@@ -3,7 +3,8 @@ client: a prefill engine pushes a request's prompt KV blocks to a decode engine 
 decode engine's `--kv-role decode` receiver) and answers (one token) once the push has ended; the decode engine,
 asked next, serves the
 full request from those blocks (its usage counts them as cached tokens) with the tokens and logprobs of one
-engine computing it all (the colocated reference). fp32 (`--quantization none`): see test_kv_offload.py for why."""
+engine computing it all (the colocated reference). Every engine of the endpoint holds its KV key (issue 39): pushes
+are sealed with it, and push_to is honoured only with a hop token made with it. fp32 (`--quantization none`): see test_kv_offload.py for why."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from openai import BadRequestError, OpenAI
 from parity_prompts import PROMPTS as PARITY_PROMPTS
 from servers import free_port
 
+from sluice_engine.kv_transfer.keys import KVKey
+
 pytestmark = pytest.mark.slow
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -19,25 +22,38 @@ PROMPTS = [" ".join(WORDS[(i + j) % len(WORDS)] + str(j % 5) for j in range(110)
 
 
 COMMON = ("--quantization", "none", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+SECRET = "5e" * 32
 
 
 @pytest.fixture(scope="module")
-def pools(start_server):
+def key_args(tmp_path_factory) -> tuple[str, ...]:
+    path = tmp_path_factory.mktemp("kv") / "kv-secret"
+    path.write_text(SECRET + "\n")
+    return ("--kv-secret-file", str(path))
+
+
+def kv_params(push_to: str) -> dict:
+    """What a decode engine's hop sends: push_to and its token, made with the endpoint's key."""
+    return {"kv_transfer_params": {"push_to": push_to, "hop_token": KVKey(SECRET.encode()).hop_token(push_to)}}
+
+
+@pytest.fixture(scope="module")
+def pools(start_server, key_args):
     kv_port = free_port()
-    decode = start_server(*COMMON, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
+    decode = start_server(*COMMON, *key_args, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
                           "--kv-offload-bytes", "256MiB")
     # Chunked prefill on the prefill side (a 64-token budget): the blocks it pushes were computed in chunks.
-    prefill = start_server(*COMMON, "--kv-role", "prefill", "--max-num-batched-tokens", "64")
+    prefill = start_server(*COMMON, *key_args, "--kv-role", "prefill", "--max-num-batched-tokens", "64")
     alone = start_server(*COMMON)
     return prefill, decode, alone, kv_port
 
 
 @pytest.fixture(scope="module")
-def routed(start_server, pools):
+def routed(start_server, pools, key_args):
     """A decode engine that sends every prompt to the prefill engine first (--prefill-url): what the operator
     renders, and what clients (or the gateway) talk to."""
     prefill = pools[0]
-    return start_server(*COMMON, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(free_port()),
+    return start_server(*COMMON, *key_args, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(free_port()),
                         "--kv-offload-bytes", "256MiB", "--prefill-url", prefill.url,
                         "--prefill-min-prompt-tokens", "0")
 
@@ -63,7 +79,7 @@ def test_a_request_prefilled_on_one_engine_is_decoded_on_another_as_if_computed_
     for k, prompt in enumerate(PROMPTS):
         first = _client(prefill).completions.create(
             model=prefill.model, prompt=prompt, max_tokens=1, temperature=0,
-            extra_body={"kv_transfer_params": {"push_to": f"127.0.0.1:{kv_port}"}})
+            extra_body=kv_params(f"127.0.0.1:{kv_port}"))
         blocks = first.usage.prompt_tokens // 16
         # The answer of a pushing request comes once its push has ended: the blocks are at the decode engine now.
         assert prefill.metrics()["sluice_kv_pushes_total"] == k + 1
@@ -86,13 +102,21 @@ def test_a_push_to_a_dead_receiver_fails_alone_and_a_bad_target_is_a_400(pools):
     dead = free_port()
     out = _client(prefill).completions.create(model=prefill.model, prompt=PROMPTS[0] + " again", max_tokens=2,
                                               temperature=0,
-                                              extra_body={"kv_transfer_params": {"push_to": f"127.0.0.1:{dead}"}})
+                                              extra_body=kv_params(f"127.0.0.1:{dead}"))
     assert out.choices[0].finish_reason == "length"  # the request itself is served
     assert prefill.metrics()["sluice_kv_pushes_total"] == len(PROMPTS) + 1  # ended (failed) before the answer
     with pytest.raises(BadRequestError) as e:
         _client(prefill).completions.create(model=prefill.model, prompt="hi", max_tokens=1,
                                             extra_body={"kv_transfer_params": {"push_to": "no-port"}})
     assert "kv_transfer_params" in str(e.value)
+    # A client's push_to (no hop token, or one for another target): refused by name, nothing pushed.
+    for params in ({"push_to": f"127.0.0.1:{dead}"},
+                   {**kv_params(f"127.0.0.1:{dead}")["kv_transfer_params"], "push_to": "127.0.0.1:1"}):
+        with pytest.raises(BadRequestError) as e:
+            _client(prefill).completions.create(model=prefill.model, prompt=PROMPTS[0], max_tokens=1,
+                                                extra_body={"kv_transfer_params": params})
+        assert "kv_transfer_params.push_to" in str(e.value) and "hop_token" in str(e.value)
+    assert prefill.metrics()["sluice_kv_pushes_total"] == len(PROMPTS) + 1
 
 
 # -- through the decode engine's prefill hop (--prefill-url), as clients of a disaggregated endpoint see it ------

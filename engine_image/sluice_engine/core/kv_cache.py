@@ -76,13 +76,13 @@ def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _root(request: Request) -> int | None:
-    """The parent of a request's first block: the KV of a prefix computed under a LoRA adapter is that adapter's
-    (it changes k and v), never a hit for another adapter or for the base model."""
+def _root(request: Request, names_root: int | None) -> int | None:
+    """The parent of a request's first block: `names_root` (keyed by the endpoint's KV key, so names cannot be
+    computed without it: kv_transfer/keys.py; None without a key), and for a prefix computed under a LoRA adapter
+    that adapter's (it changes k and v), never a hit for another adapter or for the base model."""
     if request.lora is None:
-        return None
-    return int.from_bytes(hashlib.blake2b(f"lora\0{request.lora.id}".encode(), digest_size=8).digest(), "little",
-                          signed=True)
+        return names_root
+    return hash_block(names_root, [request.lora.id, -1])
 
 
 class BlockPool:
@@ -160,10 +160,12 @@ class KVCacheManager:
     """Block tables per request on top of the block pool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 offload_blocks: int = 0):
+                 offload_blocks: int = 0, names_root: int | None = None):
         """offload_blocks: the offload tier's size in blocks (--kv-offload-bytes; 0: no tier). It keeps the
-        prefix cache's evicted blocks, so it needs prefix caching."""
+        prefix cache's evicted blocks, so it needs prefix caching. names_root: the parent of every prompt's first
+        block name (the endpoint's KV key's: kv_transfer/keys.py), None without a key."""
         self.block_size = block_size
+        self.names_root = names_root
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.offload = OffloadIndex(offload_blocks) if offload_blocks and enable_prefix_caching else None
@@ -192,7 +194,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else _root(request), tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else _root(request, self.names_root), tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import Counter, deque
@@ -33,12 +32,14 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from ..core.kv_cache import KVCacheManager, hash_block
+from ..core.kv_cache import KVCacheManager
 from ..core.lora_slots import LoRABusy, LoRAError, LoRANotFound, LoRARef, LoRASlotTable
 from ..core.request import FinishReason, LogitsProcessor, Request
 from ..core.sched_output import SchedulerOutput
 from ..core.scheduler import Scheduler
 from ..executor.executor import Executor
+from ..kv_transfer.connector import KVConnector
+from ..kv_transfer.keys import load_key
 from ..metrics import HISTOGRAMS, EngineMetrics, StatsSnapshot
 from ..model_fetch import resolve_model
 from ..sample.sampler import Sampler, TokenLogprobs
@@ -106,15 +107,8 @@ class LLMEngine:
         # The step thread owns the device work, the model's loading and warm-up included: on CPU torch's OpenMP
         # workers serve the thread that first ran parallel work (engine/owner_thread.py).
         self._steps = StepThread() if self.async_scheduling else None
-        self._kv_inbox: queue.Queue = queue.Queue()  # blocks from other engines (take_blocks), for the tier
-        self.kv_pushes: Counter = Counter()  # prompt-block pushes to other engines: ok, failed
-        self._kv_events = threading.Event()  # a push finished: the metrics changed (kv_idle_work)
-        # A request that pushes its prompt's blocks (kv_transfer_params.push_to) answers once the push has ended,
-        # so whoever sends it on to the decode engine next finds the blocks there: its last output waits here.
-        self._pushing: set[str] = set()
-        self._held: dict[str, RequestOutput] = {}
-        self._pushed: queue.Queue[str] = queue.Queue()
-        self.kv_receiver = None  # with --kv-role decode|both: where other engines push blocks (kv_transfer/)
+        # The endpoint's KV key (--kv-secret-file): it names prompt blocks and seals transfers (kv_transfer/).
+        kv_key = load_key(cfg.kv_secret_file)
         # Every rank of the layout (this process is rank 0): model shards, KV cache shards, and the
         # draft model beside rank 0's shard, its KV cache out of the same memory budget.
         self.executor = self._on_device(Executor, cfg, self.model_dir, resolve_draft(self.spec_config, self.tokenizer))
@@ -127,7 +121,8 @@ class LLMEngine:
             )
         self.max_model_len = min(self.runner.max_model_len, capacity)
         self.kv = KVCacheManager(self.executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                 offload_blocks=self.executor.num_offload_blocks)
+                                 offload_blocks=self.executor.num_offload_blocks,
+                                 names_root=kv_key.names_root() if kv_key is not None else None)
         # One virtual engine per pipeline stage: disjoint micro-batches keep every stage busy.
         self.lora_slots = LoRASlotTable(cfg.max_loras) if cfg.enable_lora else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -166,15 +161,14 @@ class LLMEngine:
                                     self.runner.model_config.vocab_size, self.eos_token_ids)
         for name, path in lora_modules:
             self.load_lora(name, path)
-        if cfg.kv_role in ("decode", "both"):  # other engines push prompt blocks here (kv_transfer/)
-            if self.kv.offload is None:
-                self.executor.shutdown()
-                raise ValueError(f"--kv-role {cfg.kv_role} takes blocks from prefill engines into the KV offload "
-                                 "tier: set --kv-offload-bytes (and keep prefix caching on)")
-            from ..kv_transfer.tcp import KVReceiver
-
-            self.kv_receiver = KVReceiver(cfg.kv_host, cfg.kv_port, self.take_blocks)
-            log.info("KV receiver (--kv-role %s) on %s:%d", cfg.kv_role, cfg.kv_host, self.kv_receiver.port)
+        # Prompt blocks to and from other engines (kv_transfer/connector.py): pushes of finished requests' prompts,
+        # and with --kv-role decode|both a receiver of other engines' pushes.
+        try:
+            self.kv_connector = KVConnector(cfg, self.kv, self.runner, self.served_model_name, kv_key,
+                                            self._on_device)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         log.info("engine ready: model %s as %r, max_model_len %d, prefix caching %s, async scheduling %s",
                  self.model_dir, self.served_model_name, self.max_model_len,
                  "on" if cfg.enable_prefix_caching else "off", "on" if self.async_scheduling else "off")
@@ -302,46 +296,7 @@ class LLMEngine:
         if req.lora is not None and req.lora in self._unloading:
             self._drop_unloaded()
         if req.kv_push_to is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self._push_prefix(req)
-
-    def _push_prefix(self, req: Request) -> None:
-        """Send the finished request's prompt blocks (cached here, as it just ended) to req.kv_push_to, from a
-        thread: the engine loop never waits on the network. A failed push is logged and counted; the receiving
-        engine then computes the prompt itself."""
-        batch = self.export_prefix(req.prompt_token_ids)
-        if not batch.names:
-            return
-        host, _, port = req.kv_push_to.rpartition(":")
-        host = host.strip("[]")
-
-        def push() -> None:
-            from ..kv_transfer.tcp import push_blocks
-
-            try:
-                push_blocks(host, int(port), batch, timeout=self.cfg.kv_push_timeout)
-                self.kv_pushes["ok"] += 1
-            except (OSError, ValueError) as e:
-                self.kv_pushes["failed"] += 1
-                log.warning("KV push of request %s to %s failed: %s", req.request_id, req.kv_push_to, e)
-            self._kv_events.set()
-            self._pushed.put(req.request_id)  # its held answer goes out (_take_released)
-
-        self._pushing.add(req.request_id)
-        threading.Thread(target=push, name="kv-push", daemon=True).start()
-
-    def _take_released(self, wait: float = 0.0) -> list[RequestOutput]:
-        """The held answers of requests whose pushes have ended (acknowledged or failed)."""
-        out = []
-        while True:
-            try:
-                rid = self._pushed.get(timeout=wait) if wait and not out else self._pushed.get_nowait()
-            except queue.Empty:
-                break
-            self._pushing.discard(rid)
-            held = self._held.pop(rid, None)
-            if held is not None:
-                out.append(held)
-        return out
+            self.kv_connector.start_push(req.request_id, req.prompt_token_ids, req.kv_push_to)
 
     # -- LoRA adapters -------------------------------------------------------------------------
     def load_lora(self, name: str, path: str) -> LoRARef:
@@ -411,7 +366,7 @@ class LLMEngine:
             spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
             histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
             slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus,
-            **self._lora_stats(), **self._kv_offload_stats(), kv_pushes=dict(self.kv_pushes))
+            **self._lora_stats(), **self._kv_offload_stats(), **self.kv_connector.stats())
 
     def _kv_offload_stats(self) -> dict:
         ix, tier = self.kv.offload, self.runner.kv_tier
@@ -433,77 +388,12 @@ class LLMEngine:
                     lora_prompt_tokens=dict(m.lora_prompt_tokens), lora_generation_tokens=dict(m.lora_generation_tokens),
                     lora_requests=dict(m.lora_requests), lora_goodput=dict(m.lora_goodput))
 
-    # -- KV blocks to and from other engines (kv_transfer/) --------------------------------------------
-    def kv_layout(self):
-        """The cache layout blocks must have to be taken here (kv_transfer/wire.py)."""
-        from ..kv_transfer.wire import KVLayout
-
-        r, sh = self.runner, self.runner.shard
-        return KVLayout(self.served_model_name, str(r.kv_cache_dtype).removeprefix("torch."), self.cfg.block_size,
-                        sh.num_layers, sh.num_kv_heads, self.runner.model_config.head_dim)
-
-    def export_prefix(self, prompt_token_ids: list[int]):
-        """The blocks of a prompt that this engine's device cache holds, from its first block on (a prefix
-        computed here, e.g. by a request that just ended), with their names: a BlockBatch for another engine.
-        One rank only for now; base-model prompts (a LoRA adapter's blocks are named per process)."""
-        from ..kv_transfer.wire import BlockBatch
-
-        if self.cfg.world_size > 1:
-            raise ValueError("KV export runs with one rank only (tensor/pipeline parallel: not yet)")
-        bs, names, blocks, parent = self.cfg.block_size, [], [], None
-        for i in range(len(prompt_token_ids) // bs):
-            parent = hash_block(parent, prompt_token_ids[i * bs : (i + 1) * bs])
-            block = self.kv.pool.lookup(parent)
-            if block is None:
-                break
-            names.append(parent)
-            blocks.append(block.block_id)
-        data = self._on_device(self.runner.read_blocks, blocks)
-        return BlockBatch(self.kv_layout(), names, data)
-
-    def take_blocks(self, batch) -> int:
-        """Blocks from another engine, for the offload tier: checked against this engine's layout (ValueError
-        naming what differs), then queued; the engine thread takes them in before its next schedule. Any thread
-        may call it (the KV receiver's). Returns how many blocks were queued."""
-        if self.kv.offload is None:
-            raise ValueError("this engine has no KV offload tier to take blocks into (--kv-offload-bytes)")
-        if (why := self.kv_layout().mismatch(batch.layout)) is not None:
-            raise ValueError(why)
-        self._kv_inbox.put(batch)
-        return len(batch.names)
-
     def kv_idle_work(self) -> bool:
-        """The engine loop's, between steps (idle too): take in the blocks other engines sent, and say whether
-        anything the metrics show changed since the last call (blocks taken, pushes finished)."""
-        changed = self._kv_events.is_set()
-        if changed:
-            self._kv_events.clear()
-        if self._kv_inbox.qsize():
-            self._take_inbox()
-            changed = True
-        return changed
-
-    def _take_inbox(self) -> None:
-        """Blocks other engines sent (take_blocks): named in the tier's index, their data written into the slots
-        (on the device thread, after any step in flight, before the next)."""
-        while True:
-            try:
-                batch = self._kv_inbox.get_nowait()
-            except queue.Empty:
-                return
-            slots, rows = [], []
-            for i, name in enumerate(batch.names):
-                if self.kv.pool.lookup(name) is not None:
-                    continue  # on the device already
-                slot = self.kv.offload.insert(name)
-                if slot is not None:
-                    slots.append(slot)
-                    rows.append(i)
-            if slots:
-                self._on_device(self.runner.kv_tier.write, slots, batch.data[rows])
+        """The engine loop's, between steps: blocks other engines sent, taken in; True when metrics changed."""
+        return self.kv_connector.idle_work()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._in_flight) or bool(self._held)
+        return self.scheduler.has_work() or bool(self._in_flight) or self.kv_connector.has_held()
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -525,12 +415,12 @@ class LLMEngine:
         return texts
 
     def _step_tokens(self) -> list[RequestOutput]:
-        released = self._take_released() if self._pushing else []
+        released = self.kv_connector.released()
         while len(self._in_flight) < self._max_in_flight and self._start_step():
             pass
         if not self._in_flight:
-            if not released and self._held:  # only answers waiting on their pushes: wait a little, not spin
-                released = self._take_released(wait=0.005)
+            if not released and self.kv_connector.has_held():  # only answers waiting on pushes: wait, not spin
+                released = self.kv_connector.released(wait=0.005)
             return released
         step = self._in_flight.popleft()
         try:
@@ -576,8 +466,7 @@ class LLMEngine:
         scheduling: of the one virtual engine, whose step in flight may be one)."""
         if self._in_flight and self.async_scheduling and not self._may_run_ahead():
             return False
-        if self._kv_inbox.qsize():
-            self._take_inbox()
+        self.kv_connector.take_inbox()
         if self.before_schedule is not None:
             self.before_schedule()
         busy = set() if self.async_scheduling else {st.virtual_engine for st in self._in_flight}
@@ -681,8 +570,7 @@ class LLMEngine:
         self.executor.keepalive()
 
     def shutdown(self) -> None:
-        if self.kv_receiver is not None:
-            self.kv_receiver.close()
+        self.kv_connector.shutdown()
         self.executor.shutdown()
 
     def _propose_drafts(self, ve: int = 0) -> None:
@@ -774,8 +662,7 @@ class LLMEngine:
         if finish is not None:
             self._open.discard(req.request_id)
             self._prompt_logprobs_sent.discard(req.request_id)
-            if req.request_id in self._pushing:  # its answer waits for its push (_take_released)
-                self._held[req.request_id] = out
+            if self.kv_connector.hold(req.request_id, out):  # its answer waits for its push to end
                 return None
         return out
 

@@ -53,7 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "engines on a TCP receiver (--kv-host/--kv-port) into the offload tier (needs "
                         "--kv-offload-bytes); any engine pushes a request's prompt blocks when it finishes if the "
                         "request has kv_transfer_params.push_to")
-    p.add_argument("--kv-host", default="0.0.0.0", help="address of the KV receiver (--kv-role decode|both)")
+    p.add_argument("--kv-host", default=None, help="address of the KV receiver (--kv-role decode|both); default: "
+                   "every address with --kv-secret-file, loopback only without it (a key is required elsewhere)")
+    p.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                   help="the endpoint's KV key (at least 32 bytes; the operator mounts one Secret into both pools): "
+                        "seals KV transfers, keys block names, and proves a decode engine's prefill hop "
+                        "(docs/security.md); required by --kv-role prefill, --prefill-url and a non-loopback "
+                        "--kv-host")
     p.add_argument("--kv-port", type=int, default=8100, help="port of the KV receiver (--kv-role decode|both)")
     p.add_argument("--prefill-url", default=None, metavar="URL",
                    help="with --kv-role decode|both: send each request's prompts to the prefill engines at this "

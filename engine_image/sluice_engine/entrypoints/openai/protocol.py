@@ -50,10 +50,14 @@ class StreamOptions(_Base):
 
 class KVTransferParams(_Base):
     """Sluice extra (prefill/decode disaggregation, docs/architecture.md "KV beyond one engine"): where this
-    request's prompt blocks go once it finishes here: the KV receiver of the decode engine that continues it."""
+    request's prompt blocks go once it finishes here: the KV receiver of the decode engine that continues it. Sent
+    by that engine's prefill hop only, with its hop token (docs/security.md)."""
 
     push_to: str = Field(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$", max_length=300,
                          description="host:port of a decode engine's KV receiver (sluice serve --kv-role decode)")
+    hop_token: str | None = Field(None, max_length=200,
+                                  description="the decode engine's proof, made with the endpoint's KV key, that it "
+                                              "names push_to (kv_transfer/keys.py); without it push_to is refused")
 
 
 class _SamplingFields(_Base):

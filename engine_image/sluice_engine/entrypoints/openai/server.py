@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShuttingDownError
+from ...kv_transfer.keys import KVKey, load_key
 from ...kv_transfer.prefill_hop import PrefillHop
 from ...lora.paths import LoRAPathRefused, resolve_under_root
 from ...metrics import PrometheusExporter
@@ -40,13 +41,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.api")
 
 
-def prefill_hop(cfg, served_model_name: str) -> PrefillHop | None:
-    """A decode engine's first hop to the prefill engines (--prefill-url), or None."""
+def prefill_hop(cfg, served_model_name: str, kv_key: KVKey | None, api_key: str | None) -> PrefillHop | None:
+    """A decode engine's first hop to the prefill engines (--prefill-url), or None. It proves itself with the
+    endpoint's KV key and sends the API key the prefill engines share with this one (both pools run one spec)."""
     if getattr(cfg, "prefill_url", None) is None:
         return None
+    assert kv_key is not None  # EngineConfig refuses --prefill-url without --kv-secret-file
     host = f"[{cfg.kv_host}]" if ":" in cfg.kv_host else cfg.kv_host
-    return PrefillHop(cfg.prefill_url, f"{host}:{cfg.kv_port}", served_model_name, block_size=cfg.block_size,
-                      min_prompt_tokens=cfg.prefill_min_prompt_tokens, timeout=cfg.prefill_timeout)
+    return PrefillHop(cfg.prefill_url, f"{host}:{cfg.kv_port}", served_model_name, kv_key, api_key=api_key,
+                      block_size=cfg.block_size, min_prompt_tokens=cfg.prefill_min_prompt_tokens,
+                      timeout=cfg.prefill_timeout)
 
 
 def check_lora_update_flags(allow_runtime_lora_updates: bool, lora_root: str | None, api_key: str | None,
@@ -79,8 +83,9 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None, ad
     info = async_engine.model_info
     cfg = async_engine.cfg
     check_lora_update_flags(allow_runtime_lora_updates, cfg.lora_root, api_key, admin_api_key)
-    hop = prefill_hop(cfg, info.served_model_name)
-    serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len, prefill_hop=hop)
+    kv_key = load_key(getattr(cfg, "kv_secret_file", None))  # the endpoint's KV key (kv_transfer/keys.py)
+    hop = prefill_hop(cfg, info.served_model_name, kv_key, api_key)
+    serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len, prefill_hop=hop, kv_key=kv_key)
     # Renders the engine's snapshots (docs/metrics.md), and this process's prefill hops.
     metrics = PrometheusExporter(engine, async_engine, prefill_hops=hop.counts if hop is not None else None)
     started = int(time.time())

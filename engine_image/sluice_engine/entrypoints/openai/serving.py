@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ...engine.async_engine import AsyncEngine, ServerShuttingDownError
 from ...engine.model_info import RequestRejected
 from ...engine.output import RequestOutput
+from ...kv_transfer.keys import KVKey
 from ...kv_transfer.prefill_hop import PrefillHop
 from ...sample.token_logprobs import TokenLogprobs
 from ...sampling_params import MAX_TOP_K, InvalidParam, SamplingParams
@@ -53,9 +54,10 @@ class _Choice:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_name: str, max_queue_len: int,
-                 prefill_hop: PrefillHop | None = None):
+                 prefill_hop: PrefillHop | None = None, kv_key: KVKey | None = None):
         self.engine = engine
         self.prefill_hop = prefill_hop  # a decode engine's first hop (--prefill-url), else None
+        self.kv_key = kv_key  # the endpoint's KV key (--kv-secret-file): checks kv_transfer_params.hop_token
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
         self.max_queue_len = max_queue_len
@@ -92,6 +94,23 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra candidates is not "
                               "supported", param="best_of")
+        self.check_push_to(req)
+
+    def check_push_to(self, req) -> None:
+        """kv_transfer_params.push_to makes this engine connect to the address it names and send KV there: honoured
+        only from the endpoint's own decode engines, whose hop proves it with the endpoint's key (a token over that
+        address: kv_transfer/keys.py). Anyone else gets a 400 and no connection is made (docs/security.md)."""
+        kvp = req.kv_transfer_params
+        if kvp is None:
+            return
+        if self.kv_key is None:
+            raise bad_request("kv_transfer_params.push_to is honoured only by the prefill engines of a disaggregated "
+                              "endpoint (started with --kv-secret-file), for their own decode engines",
+                              param="kv_transfer_params.push_to")
+        if not self.kv_key.check_hop_token(kvp.push_to, kvp.hop_token):
+            raise bad_request("kv_transfer_params.push_to is honoured only for the endpoint's own decode engines: "
+                              "kv_transfer_params.hop_token is missing, expired or not this endpoint's",
+                              param="kv_transfer_params.push_to")
 
     def check_capacity(self, n_requests: int) -> None:
         if n_requests > self.max_queue_len:
