@@ -144,8 +144,12 @@ def main() -> None:
 
     # Disaggregated: prefill on core 0, decode on core 1.
     pport, dport, kvport = free_port(), free_port(), free_port()
-    servers = [start("prefill", 0, pport, ["--kv-role", "prefill"], logs),
-               start("decode", 1, dport, ["--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kvport),
+    # The endpoint's KV key, as the operator mounts it into both pools: transfers are sealed with it (issue 39).
+    key_file = Path(logs) / "kv-secret"
+    key_file.write_text(os.urandom(32).hex())
+    key = ["--kv-secret-file", str(key_file)]
+    servers = [start("prefill", 0, pport, ["--kv-role", "prefill", *key], logs),
+               start("decode", 1, dport, [*key, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kvport),
                                            "--kv-offload-bytes", "1GiB", "--prefill-url", f"http://127.0.0.1:{pport}",
                                            "--prefill-min-prompt-tokens", str(a.prefill_min_prompt_tokens)], logs)]
     try:
