@@ -240,16 +240,20 @@ def sidecars(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[str, Any
     """The two fetch sidecars (native: init containers that keep running), while LoRA is on."""
     if not lora_enabled(ep.spec):
         return []
-    scratch = SCRATCH_CACHE_DIR if model_cache.uses_shared_cache(ep) else CACHE_DIR
-    mounts = [model_cache.cache_mount(ep), dict(model_cache.TMP_MOUNT),
+    # Their own /tmp (HOME, HF_HOME), not the engine's (model_cache.FETCH_HOME_MOUNT). With a shared cache the
+    # adapters land in the engine's scratch directory: only that directory of the engine's /tmp is mounted.
+    mounts = [model_cache.cache_mount(ep), dict(model_cache.FETCH_HOME_MOUNT),
               {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    if model_cache.uses_shared_cache(ep):
+        mounts.insert(2, {"name": "tmp", "mountPath": SCRATCH_CACHE_DIR,
+                          "subPath": SCRATCH_CACHE_DIR.removeprefix("/tmp/")})
     hf: dict[str, Any] = {
         "name": FETCH_ADAPTERS_CONTAINER,
         "image": ep.spec.engine.image or cfg.engine_image,
         "restartPolicy": "Always",
         "command": ["python", f"{CONFIG_DIR}/{FETCH_SCRIPT_KEY}"],
         "env": [{"name": "SLUICE_ADAPTER_LIST", "value": f"{CONFIG_DIR}/{FETCH_LIST_KEY}"},
-                {"name": "HF_HOME", "value": f"{scratch}/huggingface"},
+                {"name": "HF_HOME", "value": "/tmp/huggingface"},
                 {"name": "HOME", "value": "/tmp"}],
         "volumeMounts": mounts,
     }

@@ -45,10 +45,14 @@ CHILD_KINDS = (
     Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", optional=True),
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors", optional=True),
     Kind("monitoring.coreos.com/v1", "PrometheusRule", "prometheusrules", optional=True),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
 )
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 ENDPOINT_KIND = Kind(API_VERSION, "InferenceEndpoint", PLURAL)
 POD_KIND = Kind("v1", "Pod", "pods")  # read only: the status reads scheduling and model load from them
+# Created once, never read, applied, listed or deleted (the KV key of a disaggregated endpoint, disaggregation.py):
+# the operator may only create Secrets; the garbage collector deletes it with its endpoint.
+SECRET_KIND = Kind("v1", "Secret", "secrets")
 
 
 def collection_path(api_version: str, plural: str, namespace: str) -> str:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .apply import FIELD_MANAGER, ApiError, KubeApi, kind_of
+from .apply import FIELD_MANAGER, ApiError, Kind, KubeApi, kind_of
 
 Object = dict[str, Any]
 HANDOVER_MANAGER = f"{FIELD_MANAGER}-replicas-handover"
@@ -109,6 +109,22 @@ async def apply_children(api: KubeApi, uid: str | None, manifests: list[Object],
             out.problems.append(Problem(APPLY_FAILED, manifest["kind"], meta["name"],
                                         f"{manifest['kind']} {meta['name']}: {e.message}"))
     return out
+
+
+async def create_once(api: KubeApi, kind: Kind, manifest: Object,
+                      logger: logging.Logger | logging.LoggerAdapter) -> Problem | None:
+    """Create `manifest` unless an object of its name exists (409: kept as it is, never read or changed); a
+    refusal is reported like a failed apply."""
+    meta = manifest["metadata"]
+    try:
+        await api.create(kind, manifest)
+        logger.info("created %s %s", manifest["kind"], meta["name"])
+    except ApiError as e:
+        if e.status == 409:
+            return None
+        logger.warning("could not create %s %s: %s", manifest["kind"], meta["name"], e)
+        return Problem(APPLY_FAILED, manifest["kind"], meta["name"], f"{manifest['kind']} {meta['name']}: {e.message}")
+    return None
 
 
 async def _hand_over(api: KubeApi, handover: Object, logger: logging.Logger | logging.LoggerAdapter) -> None:

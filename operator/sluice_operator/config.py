@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import __version__
 
@@ -25,6 +26,20 @@ PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 GATEWAY_HOST = "sluice-gateway.sluice-system.svc"
 GATEWAY_HTTP_PORT = 8080  # the OpenAI proxy and /metrics
 GATEWAY_SCALER_PORT = 9090  # KEDA's external scaler (gRPC)
+# Where hostPath model caches and volumes may be by default (policy.py). A root init container hands a hostPath
+# cache directory to the engine's user: without a limit an endpoint could make /etc the engine's.
+HOST_PATH_PREFIXES = ("/var/lib/sluice", "/mnt/sluice")
+# Who the per-endpoint NetworkPolicies (network_policy.py) admit to the engines' API port: the pods of the
+# chart's default install (release `sluice` in `sluice-system`) and the Prometheus operator's in `monitoring`.
+RELEASE_NAMESPACE = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sluice-system"}}}
+GATEWAY_PEERS = ({**RELEASE_NAMESPACE, "podSelector": {"matchLabels": {
+    "app.kubernetes.io/name": "sluice", "app.kubernetes.io/instance": "sluice",
+    "app.kubernetes.io/component": "gateway"}}},)
+OPERATOR_PEERS = ({**RELEASE_NAMESPACE, "podSelector": {"matchLabels": {
+    "app.kubernetes.io/name": "sluice", "app.kubernetes.io/instance": "sluice",
+    "app.kubernetes.io/component": "operator"}}},)
+PROMETHEUS_PEERS = ({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +83,23 @@ class OperatorConfig:
     # allow anything; the operator's own images (above) are always allowed.
     allowed_image_prefixes: tuple[str, ...] = ()  # spec.engine.image must start with one of these
     host_path_allowed: bool = True  # hostPath volumes (model cache, pod.volumes) at all
-    host_path_prefixes: tuple[str, ...] = ()  # ... and only at or under one of these directories
+    host_path_prefixes: tuple[str, ...] = HOST_PATH_PREFIXES  # ... and only at or under these (empty: anywhere)
     pod_secret_refs_allowed: bool = True  # pod.env secretKeyRef and secret volumes at all
     allowed_secrets: tuple[str, ...] = ()  # every Secret an endpoint names must be one of these
+    # A NetworkPolicy per endpoint (network_policy.py): its engines' API port admits only these peers
+    # (NetworkPolicyPeers) and the extra rules; the KV and rendezvous ports only the endpoint's own pods.
+    network_policy: bool = True
+    network_policy_gateway: tuple[dict, ...] = GATEWAY_PEERS  # the gateway's pods; empty: no gateway
+    network_policy_operator: tuple[dict, ...] = OPERATOR_PEERS  # the operator's (GET /v1/models)
+    network_policy_prometheus: tuple[dict, ...] = PROMETHEUS_PEERS  # scrapes /metrics on the API port
+    network_policy_extra_ingress: tuple[dict, ...] = ()  # NetworkPolicyIngressRules added as they are
+    network_policy_except: tuple[str, ...] = ()  # endpoint names that get no NetworkPolicy (opt-out)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Defaults, overridden by the SLUICE_* variables that are set (an empty one counts for the gateway)."""
         env = os.environ if env is None else env
-        changes: dict[str, str | bool | dict[str, str] | tuple[str, ...]] = {}
+        changes: dict[str, str | bool | dict[str, str] | tuple[Any, ...]] = {}
         for name, var in ENV.items():
             value = env.get(var)
             if value is None or (value == "" and not name.startswith("gateway_")):
@@ -86,6 +109,8 @@ class OperatorConfig:
                 changes[name] = _flag(var, value)
             elif name in MAP_FIELDS:
                 changes[name] = _string_map(var, value)
+            elif name in JSON_LIST_FIELDS:
+                changes[name] = _object_list(var, value)
             elif name in LIST_FIELDS:
                 changes[name] = tuple(item.strip() for item in value.split(",") if item.strip())
             else:
@@ -104,6 +129,19 @@ def _string_map(var: str, value: str) -> dict[str, str]:
     if not isinstance(doc, dict):
         raise ValueError(f"{var} must be a JSON object of strings, got {type(doc).__name__}")
     return doc
+
+
+def _object_list(var: str, value: str) -> tuple[dict[str, Any], ...]:
+    """A JSON list of objects (the chart writes `toJson` of a values list); "" is an empty one."""
+    if not value:
+        return ()
+    try:
+        doc = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{var} must be a JSON list of objects: {e}") from None
+    if not isinstance(doc, list) or not all(isinstance(item, dict) for item in doc):
+        raise ValueError(f"{var} must be a JSON list of objects, got {value[:80]!r}")
+    return tuple(doc)
 
 
 def _flag(var: str, value: str) -> bool:
@@ -131,10 +169,19 @@ ENV = {
     "host_path_prefixes": "SLUICE_HOST_PATH_PREFIXES",
     "pod_secret_refs_allowed": "SLUICE_POD_SECRET_REFS_ALLOWED",
     "allowed_secrets": "SLUICE_ALLOWED_SECRETS",
+    "network_policy": "SLUICE_NETWORK_POLICY",
+    "network_policy_gateway": "SLUICE_NETWORK_POLICY_GATEWAY",
+    "network_policy_operator": "SLUICE_NETWORK_POLICY_OPERATOR",
+    "network_policy_prometheus": "SLUICE_NETWORK_POLICY_PROMETHEUS",
+    "network_policy_extra_ingress": "SLUICE_NETWORK_POLICY_EXTRA_INGRESS",
+    "network_policy_except": "SLUICE_NETWORK_POLICY_EXCEPT",
 }
-BOOL_FIELDS = frozenset({"endpoint_rules", "host_path_allowed", "pod_secret_refs_allowed"})
+BOOL_FIELDS = frozenset({"endpoint_rules", "host_path_allowed", "pod_secret_refs_allowed", "network_policy"})
 MAP_FIELDS = frozenset({"monitoring_labels", "monitoring_annotations"})
-LIST_FIELDS = frozenset({"allowed_image_prefixes", "host_path_prefixes", "allowed_secrets"})  # comma-separated
+LIST_FIELDS = frozenset({"allowed_image_prefixes", "host_path_prefixes", "allowed_secrets",
+                         "network_policy_except"})  # comma-separated
+JSON_LIST_FIELDS = frozenset({"network_policy_gateway", "network_policy_operator", "network_policy_prometheus",
+                              "network_policy_extra_ingress"})
 # Kubernetes' syntax: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
 QUALIFIED_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")

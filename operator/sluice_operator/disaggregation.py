@@ -11,17 +11,29 @@
   computed, decode on the requests it carries.
 Both pools share the ConfigMap, model, engine and accelerator of the spec; spec.py refuses pools whose KV block
 sizes differ, and engines of more than one rank (their transfers are not built).
+
+KV transfers are authenticated with a per-endpoint key: the Secret `<name>-kv` (key `kv-secret`, 64 hex
+characters), mounted read-only by both pools and named by `--kv-secret-file` (the engine refuses a KV receiver on
+a non-loopback address without it). NOTE(design): the key is random, made once, not derived. reconcile stays
+pure by only naming the Secret; the loop (handlers.py) creates it when absent, owned by the endpoint so the
+garbage collector removes it with the endpoint. Deriving it with an HMAC of an operator-held master key would
+make it reproducible, but the operator would then hold one key that opens every endpoint's transfers, the
+manifest (and `sluice render`) would carry the secret, and applying it would need get and patch on Secrets,
+i.e. reading every Secret of the namespace. Creating once needs only `create` on Secrets: the operator can
+never read a Secret back, this one included. The Secret is immutable; an edit to the key is a delete (the next
+pass makes a new one) and a rollout of both pools.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from .autoscaling import ENDPOINT_METRIC_LABEL, scaled_object_of
 from .config import OperatorConfig
 from .engine_flags import render_args
-from .meta import PREFILL, SERVING
+from .meta import PREFILL, SERVING, object_meta
 from .spec import KV_PORT, DecodePool, InferenceEndpoint, PrefillPool
 
 POD_IP_ENV = "POD_IP"
@@ -29,6 +41,10 @@ PROMPT_TOKENS_METRIC = "sluice_num_prompt_tokens_waiting"
 RUNNING_METRIC = "sluice_num_requests_running"
 WAITING_METRIC = "sluice_num_requests_waiting"
 ROLE_METRIC_LABEL = "sluice_dev_role"  # the ServiceMonitor's copy of the role label onto every series
+KV_SECRET_KEY = "kv-secret"
+KV_SECRET_VOLUME = "kv-secret"
+KV_SECRET_DIR = "/etc/sluice-kv"
+KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"  # the engines' --kv-secret-file
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,8 @@ class PoolParts:
     resources: dict[str, Any] | None = None
     env: tuple[dict[str, Any], ...] = ()
     ports: tuple[dict[str, Any], ...] = ()
+    volumes: tuple[dict[str, Any], ...] = ()  # of the pod, and their mounts in the engine container
+    mounts: tuple[dict[str, Any], ...] = ()
 
 
 def prefill_name(ep: InferenceEndpoint) -> str:
@@ -50,19 +68,42 @@ def prefill_url(ep: InferenceEndpoint, cfg: OperatorConfig) -> str:
     return f"http://{prefill_name(ep)}.{ep.namespace}.svc.{cfg.cluster_domain}"
 
 
-def prefill_parts(pool: PrefillPool) -> PoolParts:
-    return PoolParts(args=(*render_args(pool.args), "--kv-role", "prefill"), resources=pool.resources)
+def kv_secret_name(ep: InferenceEndpoint) -> str:
+    return f"{ep.name}-kv"
+
+
+def kv_secret(ep: InferenceEndpoint, key: str | None = None) -> dict[str, Any]:
+    """The endpoint's KV transfer key as a Secret, owned by the endpoint. `key`: 64 hex characters; None: a fresh
+    random one (the loop creates it once, never applies it again)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+            "metadata": object_meta(ep, kv_secret_name(ep), "kv"),
+            "stringData": {KV_SECRET_KEY: key if key is not None else secrets.token_hex(32)}}
+
+
+def _kv_secret_mount(ep: InferenceEndpoint) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]:
+    """--kv-secret-file, the Secret's volume (only its key; readable by the engine through fsGroup) and its read-only mount."""
+    volume = {"name": KV_SECRET_VOLUME, "secret": {"secretName": kv_secret_name(ep), "defaultMode": 0o440,
+                                                    "items": [{"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}]}}
+    mount = {"name": KV_SECRET_VOLUME, "mountPath": KV_SECRET_DIR, "readOnly": True}
+    return ("--kv-secret-file", KV_SECRET_FILE), volume, mount
+
+
+def prefill_parts(ep: InferenceEndpoint, pool: PrefillPool) -> PoolParts:
+    flag, volume, mount = _kv_secret_mount(ep)
+    return PoolParts(args=(*render_args(pool.args), "--kv-role", "prefill", *flag), resources=pool.resources,
+                     volumes=(volume,), mounts=(mount,))
 
 
 def decode_parts(ep: InferenceEndpoint, pool: DecodePool, cfg: OperatorConfig) -> PoolParts:
     # The receiver listens on the pod's IP: the address the prefill engines push to (an engine refuses a wildcard
     # with --prefill-url, as the push target must be reachable). The kubelet expands $(POD_IP) from the env.
+    flag, volume, mount = _kv_secret_mount(ep)
     args = (*render_args(pool.args), "--kv-role", "decode", "--kv-host", f"$({POD_IP_ENV})", "--kv-port", str(KV_PORT),
             "--kv-offload-bytes", pool.kv_offload_bytes, "--prefill-url", prefill_url(ep, cfg),
-            "--prefill-min-prompt-tokens", str(pool.min_prompt_tokens))
+            "--prefill-min-prompt-tokens", str(pool.min_prompt_tokens), *flag)
     env = ({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},)
     ports = ({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},)
-    return PoolParts(args=args, resources=pool.resources, env=env, ports=ports)
+    return PoolParts(args=args, resources=pool.resources, env=env, ports=ports, volumes=(volume,), mounts=(mount,))
 
 
 def _series(ep: InferenceEndpoint, metric: str, role: str) -> str:

@@ -45,6 +45,7 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "kv-port": "spec.disaggregation (always 8100 in a pod, the container port named kv)",
     "prefill-url": "spec.disaggregation (the prefill pool's Service)",
     "prefill-min-prompt-tokens": "spec.disaggregation.decode.minPromptTokens",
+    "kv-secret-file": "spec.disaggregation (the endpoint's KV Secret <name>-kv, made by the operator)",
     # A key on the command line is in the pod spec for anyone who may read pods: the engine reads it from its
     # environment instead.
     "api-key": "(pod.env SLUICE_API_KEY, valueFrom a Secret)",

@@ -30,10 +30,10 @@ from typing import Any
 import kopf
 
 from . import cache_sync, drift, engine_probe
-from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, ApiError, KubeApi, kind_of
-from .children import WORKLOAD_KINDS, Problem, apply_children, owned_by
+from .apply import CHILD_KINDS, ENDPOINT_KIND, POD_KIND, SECRET_KIND, ApiError, KubeApi, kind_of
+from .children import WORKLOAD_KINDS, Problem, apply_children, create_once, owned_by
 from .config import OperatorConfig
-from .disaggregation import prefill_name
+from .disaggregation import kv_secret, prefill_name
 from .meta import ENDPOINT_LABEL, ROLE_LABEL, SERVING, standby_name
 from .model_cache import MODEL_CACHE_LABEL
 from .operator_metrics import OperatorMetrics
@@ -163,7 +163,11 @@ class Loop:
                         await cache_sync.ensure(api, manifest, cache, logger)
                     else:
                         own.append(manifest)
+                # The pools' KV key, before the pods that mount it: random, made once (disaggregation.py).
+                secret = await create_once(api, SECRET_KIND, kv_secret(ep), logger) \
+                    if ep.spec.disaggregation is not None else None
                 applied = await apply_children(api, ep.metadata.uid, own, logger)
+                applied.problems += [secret] if secret is not None else []
                 self._missing[key], self._problems[key] = frozenset(applied.missing), tuple(applied.problems)
                 await cache_sync.release_unused(api, ep, manifests, logger)
             else:

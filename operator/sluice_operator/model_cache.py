@@ -53,6 +53,16 @@ OWN_CACHE_CONTAINER = "own-model-cache"
 WAIT_PERIOD_S = 5
 FETCH_BACKOFF_LIMIT = 4  # Job retries of a failed download (network, Hub rate limits) before it is Failed
 TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}  # every container: the root filesystem is read-only
+# NOTE(security): the containers that hold model credentials (the model's fetch, the adapters' fetch sidecars)
+# have their own /tmp, which is their HOME (and HF_HOME's parent): an emptyDir the engine container does not
+# mount. Were it the engine's /tmp, a compromised engine could plant ~/.aws/config (a credential_process the AWS
+# CLI runs), a Python user site or a Hub token there, for a container holding the credentials to pick up.
+FETCH_HOME_VOLUME = "fetch-home"
+FETCH_HOME_MOUNT = {"name": FETCH_HOME_VOLUME, "mountPath": "/tmp"}
+
+
+def fetch_home_volume() -> dict[str, Any]:
+    return {"name": FETCH_HOME_VOLUME, "emptyDir": {}}
 KEDA_PAUSED_REPLICAS = "autoscaling.keda.sh/paused-replicas"
 
 
@@ -115,7 +125,7 @@ def fetch_job(ep: InferenceEndpoint, fetch: dict[str, Any], pod_security: dict[s
         "securityContext": pod_security,
         "containers": [fetch],
         "volumes": [{"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": meta["name"]}},
-                    {"name": "tmp", "emptyDir": {}}],
+                    fetch_home_volume()],
     }
     if ep.spec.pod.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in ep.spec.pod.image_pull_secrets]

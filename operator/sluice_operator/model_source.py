@@ -122,7 +122,7 @@ def fetch_container(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[s
     endpoint's ConfigMap may outlive)."""
     model, target = ep.spec.model, model_dir(ep)
     cache = {"name": model_cache.CACHE_VOLUME, "mountPath": CACHE_DIR}
-    tmp = {"name": "tmp", "mountPath": "/tmp"}
+    tmp = dict(model_cache.FETCH_HOME_MOUNT)  # its own /tmp and HOME, not the engine's (model_cache.py)
     if model.scheme == "hf":
         fetch: dict[str, Any] = {
             "name": FETCH_CONTAINER,
@@ -133,7 +133,7 @@ def fetch_container(ep: InferenceEndpoint, cfg: OperatorConfig, security: dict[s
                 {"name": "SLUICE_MODEL_REPO", "value": model.location},
                 {"name": "SLUICE_MODEL_REVISION", "value": model.revision or ""},
                 {"name": "SLUICE_MODEL_DIR", "value": target},
-                {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+                {"name": "HF_HOME", "value": "/tmp/huggingface"},
                 {"name": "HOME", "value": "/tmp"},
             ],
             "volumeMounts": [cache, tmp],

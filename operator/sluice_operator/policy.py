@@ -93,9 +93,11 @@ def violations(ep: InferenceEndpoint, cfg: OperatorConfig) -> list[Violation]:
             out.append(Violation(field, "hostPath volumes are not allowed by the operator's policy (chart value "
                                  "policy.hostPath.allowed); use an emptyDir or pvc cache"))
         elif cfg.host_path_prefixes and not path_allowed(path, cfg.host_path_prefixes):
+            # A hostPath model cache is handed to the engine's user by a root init container: a system directory
+            # there would be the engine's to write.
             out.append(Violation(field, f"hostPath {path!r} is outside the directories the operator's policy "
                                  f"allows: {', '.join(cfg.host_path_prefixes)} (chart value "
-                                 "policy.hostPath.pathPrefixes)"))
+                                 "policy.hostPath.pathPrefixes); use a directory under one of them"))
     for field, name in _pod_secrets(ep):
         if not cfg.pod_secret_refs_allowed:
             out.append(Violation(field, f"Secret {name!r}: the operator's policy allows no Secret in the engine "

@@ -28,6 +28,7 @@ from .meta import (
 from .model_cache import KEDA_PAUSED_REPLICAS
 from .model_source import FETCH_HF_SCRIPT, OBJECTIVES_KEY, shared_cache_manifests
 from .monitoring import prometheus_rule
+from .network_policy import network_policies
 from .spec import InferenceEndpoint
 from .workload import CONTAINER_SECURITY, POD_SECURITY, component_of, serve_args, workload
 
@@ -142,7 +143,8 @@ def service_monitor(ep: InferenceEndpoint, cfg: OperatorConfig | None = None) ->
 def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
               awaiting_model: bool = False) -> list[dict[str, Any]]:
     """Every object the endpoint owns or shares (its shared model cache), in apply order (config before the
-    pods that mount it).
+    pods that mount it). Not the KV Secret of a disaggregated endpoint, which the pods name: it holds a random
+    key, created once by the loop (disaggregation.kv_secret).
 
     `awaiting_model`: the shared model cache is still downloading and nothing serves yet (cache_sync.py
     decides): the workloads are held at zero replicas and KEDA is paused, so no pod waits on a GPU and no
@@ -165,10 +167,12 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
                        replicas=0 if awaiting_model else ep.spec.fixed_replicas,
                        config_map=cm["metadata"]["name"],
                        config_hash=_hash([config_hash, decode.args]) if decode else config_hash, pool=decode)
-    out = [*shared_cache_manifests(ep, cfg, CONTAINER_SECURITY, POD_SECURITY), cm, serving]
+    # The NetworkPolicies before the workloads: the pods start behind them.
+    out = [*shared_cache_manifests(ep, cfg, CONTAINER_SECURITY, POD_SECURITY), cm,
+           *network_policies(ep, cfg, layout), serving]
     prefill = None
     if split:
-        parts = prefill_parts(split.prefill)
+        parts = prefill_parts(ep, split.prefill)
         prefill = workload(ep, layout, cfg, name=prefill_name(ep), role=PREFILL,
                            replicas=0 if awaiting_model else split.prefill.fixed_replicas,
                            config_map=cm["metadata"]["name"], config_hash=_hash([config_hash, parts.args]),

@@ -460,9 +460,10 @@ class LocalObjectReference(_Object):
 OPERATOR_LABEL_PREFIX = "sluice.dev/"  # the endpoint, role and serves labels; the config-hash annotation
 OPERATOR_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
                    "app.kubernetes.io/managed-by")
-OPERATOR_VOLUMES = ("model-cache", "tmp", "dshm", "model", "config")
+OPERATOR_VOLUMES = ("model-cache", "tmp", "dshm", "model", "config", "fetch-home", "kv-secret")
 OPERATOR_VOLUME_PREFIX = "adapter-"  # a pvc:// adapter's claim, when the pods mount it for nothing else
-OPERATOR_MOUNT_PATHS = ("/models-cache", "/tmp", "/dev/shm", "/models", "/etc/sluice", "/adapter-claims")
+OPERATOR_MOUNT_PATHS = ("/models-cache", "/tmp", "/dev/shm", "/models", "/etc/sluice", "/etc/sluice-kv",
+                        "/adapter-claims")
 MAX_POD_VOLUMES = 16
 def _cel_list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{i}'" for i in items) + "]"

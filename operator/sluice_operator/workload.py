@@ -15,7 +15,7 @@ from .config import OperatorConfig
 from .engine_flags import render_args
 from .layout import Layout, ceil_div
 from .meta import ENDPOINT_LABEL, PREFILL, ROLE_LABEL, SERVES_LABEL, SERVING, labels, object_meta
-from .model_cache import OWN_CACHE_CONTAINER
+from .model_cache import FETCH_HOME_VOLUME, OWN_CACHE_CONTAINER, fetch_home_volume
 from .model_source import CONFIG_DIR, OBJECTIVES_KEY, OBJECTIVES_PATH, model_mount
 from .pod_customization import customize_pod
 from .spec import InferenceEndpoint, lora_enabled
@@ -156,12 +156,12 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     # engine sees new objectives without a restart.
     mounts = [mount.cache_mount, {"name": "tmp", "mountPath": "/tmp"},
               {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *mount.engine_mounts,
-              *adapters.claim_mounts(ep)]
+              *adapters.claim_mounts(ep), *copy.deepcopy(list(pool.mounts if pool is not None else ()))]
     config_items = [{"key": OBJECTIVES_KEY, "path": OBJECTIVES_KEY}, *mount.config_items,
                     *adapters.config_items(ep)]
     volumes = [{"name": "tmp", "emptyDir": {}}, mount.cache_volume,
                {"name": "config", "configMap": {"name": config_map, "items": config_items}}, *mount.volumes,
-               *adapters.claim_volumes(ep)]
+               *adapters.claim_volumes(ep), *copy.deepcopy(list(pool.volumes if pool is not None else ()))]
     if gpu or layout.distributed:
         # NCCL, torch's CUDA IPC and the rank processes need more shared memory than the container's 64 MiB.
         # A tmpfs: what is written counts against the pod's memory; sizeLimit caps it.
@@ -204,6 +204,8 @@ def pod_template(ep: InferenceEndpoint, layout: Layout, cfg: OperatorConfig, *, 
     init[first:first] = adapters.sidecars(ep, cfg, CONTAINER_SECURITY)
     if init:
         pod_spec["initContainers"] = init
+    if any(m["name"] == FETCH_HOME_VOLUME for c in init for m in c.get("volumeMounts", [])):
+        volumes.append(fetch_home_volume())  # the fetch containers' own /tmp (model_cache.FETCH_HOME_MOUNT)
     node_selector = dict(pod.node_selector)
     if spec.accelerator.product:
         node_selector[spec.accelerator.product_label] = spec.accelerator.product

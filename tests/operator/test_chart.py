@@ -39,6 +39,7 @@ CHILD_RESOURCES = {
     "TriggerAuthentication": ("keda.sh", "triggerauthentications"),
     "ServiceMonitor": ("monitoring.coreos.com", "servicemonitors"),
     "PrometheusRule": ("monitoring.coreos.com", "prometheusrules"),
+    "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
 }
 # What the operator does to every child (apply.py): server-side apply is a patch (and a create, the first
 # time); get reads its status; list and delete are the prune pass's (e.g. the ScaledObject when scaling is
@@ -256,6 +257,8 @@ def test_rbac_covers_every_child(rendered: dict[str, list[dict[str, Any]]], mode
         assert allowed(rules, "sluice.dev", "inferenceendpoints/finalizers") == {"update"}
         assert allowed(rules, "", "events") == {"create"}
         assert allowed(rules, "", "pods") == {"list"}
+        # The KV key of a disaggregated endpoint: created once, never read back (disaggregation.py).
+        assert allowed(rules, "", "secrets") == {"create"}
     if scope == "namespace":  # nothing outside the served namespaces (but rbac.discovery's cluster-wide reads)
         elsewhere = {r for rule in granted(docs, sa, "elsewhere") for r in rule["resources"]}
         assert elsewhere <= {"customresourcedefinitions", "namespaces"}, elsewhere
@@ -305,7 +308,8 @@ def test_rbac_is_least_privilege(rendered: dict[str, list[dict[str, Any]]], mode
         for rule in role["rules"]:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], f"{role['kind']} {role['metadata']['name']}: wildcard {key}"
-            assert "secrets" not in rule["resources"]
+            if "secrets" in rule["resources"]:  # create only: the operator can never read a Secret
+                assert rule == {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}, rule
             if "pods" in rule["resources"]:  # the status reads the serving pods; nothing more
                 assert set(rule["verbs"]) <= {"get", "list", "watch"} and rule["apiGroups"] == [""]
             assert not ({"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"]))
@@ -621,43 +625,141 @@ def test_network_policies(rendered: dict[str, list[dict[str, Any]]], mode: str) 
         assert any("monitoring" in json_of(p) for p in rules["http"]["from"])  # Prometheus scrapes /metrics
     else:
         assert "from" not in rules["http"]  # clients from anywhere
-    # The engines: one policy per served namespace.
-    engines = component(docs, "NetworkPolicy", "engines")
-    expected = {"namespace": served, "all": []}[scope] if mode != "gateway-secrets" else ["team-a", "team-b"]
-    assert sorted(p["metadata"]["namespace"] for p in engines) == sorted(expected)
-    pods = engine_pod_templates()
-    assert len(pods) >= 4
-    for policy in engines:
-        spec = policy["spec"]
-        assert spec["policyTypes"] == ["Ingress"]
-        for labels, _ in pods:  # every engine pod the operator runs is covered...
-            assert selects(spec["podSelector"], labels) != (mode == "gateway-secrets" and
-                                                            labels["sluice.dev/endpoint"] == "public")
-        opted_out = {**pods[0][0], "sluice.dev/endpoint": "public"}  # ...except the endpoints opted out
-        assert selects(spec["podSelector"], opted_out) == (mode != "gateway-secrets")
-        # ... and admits the gateway (its pods, in the release namespace) and Prometheus on the API port,
-        gateway_rule, prometheus_rule, group_rule = spec["ingress"][:3]
-        (peer,) = gateway_rule["from"]
-        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NS}}
-        assert selects(peer["podSelector"], gateway_labels)
-        assert gateway_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-        assert prometheus_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-        assert "monitoring" in json_of(prometheus_rule["from"])
-        # ... and the pods of a distributed replica among themselves (any port),
-        assert "ports" not in group_rule and all(selects(group_rule["from"][0]["podSelector"], lb)
-                                                 for lb, _ in pods if lb["sluice.dev/endpoint"] != "public")
-        # ... and the operator on the API port (/v1/models: the LoRA adapters each replica has loaded), and
-        # nobody else.
-        operator_rule = spec["ingress"][3]
-        (peer,) = operator_rule["from"]
-        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NS}}
-        (op_dep,) = component(docs, "Deployment", "operator")
-        assert selects(peer["podSelector"], op_dep["spec"]["template"]["metadata"]["labels"])
-        assert not selects(peer["podSelector"], gateway_labels)
-        assert operator_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-        assert len(spec["ingress"]) == 4
-    # Engine containers name their API port "http", which the policies open.
-    assert all("http" in ports for labels, ports in pods if labels.get("sluice.dev/serves") == "true")
+    # The engines: no namespace-wide policy from the chart (it would add to the operator's per-endpoint ones and
+    # open what they close); the operator's settings say whom the per-endpoint ones admit.
+    assert not component(docs, "NetworkPolicy", "engines")
+    assert [p["metadata"]["name"] for p in policies] == [gw_policy["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_endpoint_network_policies_admit_per_port_peers(rendered: dict[str, list[dict[str, Any]]],
+                                                             mode: str) -> None:
+    """Issue 39: the NetworkPolicies the operator renders with the settings this chart gives it, for every
+    example, port by port: the API port from the chart's gateway and operator pods (in the release namespace)
+    and Prometheus, the KV port from the endpoint's own prefill pods, a group's ports from its own group."""
+    from sluice_operator.config import OperatorConfig
+    from sluice_operator.reconcile import reconcile
+    from sluice_operator.spec import SpecError, parse_endpoint
+
+    docs = rendered[mode]
+    (op_dep,) = component(docs, "Deployment", "operator")
+    cfg = OperatorConfig.from_env(env_of(op_dep["spec"]["template"]["spec"]["containers"][0]))
+    off = mode == "no-network-policy"
+    assert cfg.network_policy is not off
+    op_pod = {"labels": op_dep["spec"]["template"]["metadata"]["labels"], "namespace": RELEASE_NS}
+    gateways = component(docs, "Deployment", "gateway")
+    gw_pod = {"labels": gateways[0]["spec"]["template"]["metadata"]["labels"], "namespace": RELEASE_NS} \
+        if gateways else None
+    prometheus = {"labels": {"app.kubernetes.io/name": "prometheus"}, "namespace": "monitoring"}
+    stranger = {"labels": {"app": "anything"}, "namespace": "elsewhere"}
+    for example in EXAMPLES:
+        ep = parse_endpoint(yaml.safe_load(example.read_text()))
+        try:
+            manifests = reconcile(ep, cfg)
+        except SpecError:  # scale to zero without a gateway (mode no-gateway)
+            assert mode == "no-gateway"
+            continue
+        policies = of_kind(manifests, "NetworkPolicy")
+        if off:
+            assert not policies
+            continue
+        for policy in policies:
+            kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
+        for pod in pods_of(manifests, ep):
+            def admits(peer: dict[str, Any], port: str, pod: dict[str, Any] = pod,
+                       policies: list[dict[str, Any]] = policies, namespace: str = ep.namespace) -> bool:
+                return admitted(policies, pod, peer, port, namespace)
+
+            assert any(selects(p["spec"]["podSelector"], pod["labels"]) for p in policies), "a pod left open"
+            # Without a gateway clients call the Services: the API port is open then, and nothing else is.
+            assert admits(stranger, "http") == (gw_pod is None)
+            assert not admits(stranger, "kv") and not admits(stranger, "dist")
+            assert admits(prometheus, "http") and not admits(prometheus, "kv")
+            assert admits(op_pod, "http") and not admits(op_pod, "dist")
+            if gw_pod is not None:
+                assert admits(gw_pod, "http") and not admits(gw_pod, "kv") and not admits(gw_pod, "dist")
+                # The gateway's labels in another namespace are somebody else's pods.
+                assert not admits({**gw_pod, "namespace": ep.namespace}, "http")
+            same_endpoint = [q for q in pods_of(manifests, ep) if q is not pod]
+            for other in same_endpoint:
+                peer = {"labels": other["labels"], "namespace": ep.namespace}
+                # KV: only the endpoint's prefill pods, only to the decode pods that declare the port.
+                assert admits(peer, "kv") == ("kv" in pod["ports"] and other["role"] == "prefill")
+                # The prefill hop: the decode pods to the prefill pods' API port.
+                if pod["role"] == "prefill" and gw_pod is not None:
+                    assert admits(peer, "http") == (other["role"] == "serving")
+                # A group's ports: its own group only.
+                if "group" in pod:
+                    assert admits(peer, "dist") == (other.get("group") == pod["group"])
+            # A pod of another endpoint with the same role is a stranger on every port but what the chart opened.
+            twin = {"labels": {**pod["labels"], "sluice.dev/endpoint": "other"}, "namespace": ep.namespace}
+            assert not admits(twin, "kv") and not admits(twin, "dist")
+    # networkPolicy.engines.exceptEndpoints: the endpoints opted out get none.
+    public = yaml.safe_load((ROOT / "examples" / "cpu-smollm2.yaml").read_text())
+    public["metadata"]["name"] = "public"
+    assert bool(of_kind(reconcile(parse_endpoint(public), cfg), "NetworkPolicy")) == (mode not in (
+        "gateway-secrets", "no-network-policy"))
+
+
+def pods_of(manifests: list[dict[str, Any]], ep: Any) -> list[dict[str, Any]]:
+    """The pods the endpoint's workloads make: their labels (with LWS's group labels: the first and the last
+    group each LeaderWorkerSet may have, surge included), role and named ports."""
+    from sluice_operator.network_policy import lws_groups
+
+    groups = dict(lws_groups(ep))
+    out = []
+    for w in manifests:
+        if w["kind"] == "Deployment":
+            templates = [(w["spec"]["template"], None)]
+        elif w["kind"] == "LeaderWorkerSet":
+            lwt = w["spec"]["leaderWorkerTemplate"]
+            templates = [(t, g) for g in sorted({0, groups[w["metadata"]["name"]] - 1})
+                         for t in (lwt["leaderTemplate"], lwt["workerTemplate"])]
+        else:
+            continue
+        for t, group in templates:
+            labels = dict(t["metadata"]["labels"])
+            pod = {"labels": labels, "role": labels["sluice.dev/role"],
+                   "ports": {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}}
+            if group is not None:
+                labels["leaderworkerset.sigs.k8s.io/name"] = w["metadata"]["name"]
+                labels["leaderworkerset.sigs.k8s.io/group-index"] = str(group)
+                pod["group"] = (w["metadata"]["name"], group)
+                pod["ports"] |= {"dist"}  # gloo and NCCL: ports of their own choosing, on every pod of a group
+            out.append(pod)
+    return out
+
+
+def admitted(policies: list[dict[str, Any]], pod: dict[str, Any], peer: dict[str, Any], port: str,
+             namespace: str) -> bool:
+    """NetworkPolicy semantics (ingress): a pod no policy selects admits everything; else the union of the rules
+    of the policies that select it. A named port matches only where the pod declares it ("dist" stands for the
+    ports gloo and NCCL pick)."""
+    selecting = [p for p in policies if selects(p["spec"]["podSelector"], pod["labels"])]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(p["port"] == port and port in pod["ports"] for p in ports):
+                continue
+            if ports is None and port not in pod["ports"] | {"dist"}:
+                continue
+            if "from" not in rule or any(peer_matches(f, peer, namespace) for f in rule["from"]):
+                return True
+    return False
+
+
+def peer_matches(peer_rule: dict[str, Any], peer: dict[str, Any], namespace: str) -> bool:
+    if "ipBlock" in peer_rule:
+        return False
+    if "namespaceSelector" in peer_rule:
+        ns_labels = {"kubernetes.io/metadata.name": peer["namespace"]}
+        if not selects(peer_rule["namespaceSelector"], ns_labels):
+            return False
+    elif peer["namespace"] != namespace:
+        return False
+    return selects(peer_rule.get("podSelector", {}), peer["labels"])
 
 
 def json_of(value: Any) -> str:

@@ -218,7 +218,40 @@ def test_shared_cache_adapters_go_to_the_pods_scratch() -> None:
     sidecar = next(c for c in dep["spec"]["template"]["spec"]["initContainers"] if c["name"] == "fetch-adapters")
     cache = next(m for m in sidecar["volumeMounts"] if m["name"] == "model-cache")
     assert cache["readOnly"] is True
-    assert {"name": "HF_HOME", "value": "/tmp/sluice-cache/huggingface"} in sidecar["env"]
+    # Its own /tmp (HOME, HF_HOME); only the engine's scratch directory of the engine's /tmp is shared.
+    assert {"name": "HF_HOME", "value": "/tmp/huggingface"} in sidecar["env"]
+    mounts = {m["mountPath"]: m for m in sidecar["volumeMounts"]}
+    assert mounts["/tmp"]["name"] == "fetch-home"
+    assert mounts["/tmp/sluice-cache"] == {"name": "tmp", "mountPath": "/tmp/sluice-cache", "subPath": "sluice-cache"}
+    engine = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "SLUICE_CACHE_DIR", "value": "/tmp/sluice-cache"} in engine["env"]
+
+
+@pytest.mark.parametrize("model", [{"uri": "hf://org/base"}, {"uri": "s3://bucket/base/"},
+                                   {"uri": "hf://org/base", "cache": {"type": "shared", "size": "10Gi"}},
+                                   {"uri": "pvc://models/base"}])
+def test_credential_holders_have_a_home_the_engine_cannot_write(model: dict) -> None:
+    """Issue 39: a container that holds the model credentials has its HOME (and HF_HOME) on a volume of its own.
+    Were it the engine's /tmp, the engine could plant ~/.aws/config (credential_process) or a Python user site for
+    that container to run."""
+    doc = doc_with(model={**model, "credentialsSecretRef": {"name": "creds"}}, adapters=[SQL])
+    _, dep = rendered(doc)
+    pod = dep["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["fetch-home"] == {"name": "fetch-home", "emptyDir": {}}
+    engine_volumes = {m["name"] for c in pod["containers"] for m in c["volumeMounts"]}
+    assert "fetch-home" not in engine_volumes
+    holders = [c for c in pod["initContainers"] if c.get("envFrom")]
+    assert {c["name"] for c in holders} >= {"fetch-adapters", "fetch-adapters-s3"}
+    for c in holders:
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        home = env["HOME"]
+        (own,) = [m for m in c["volumeMounts"] if m["mountPath"] == home]
+        assert own["name"] == "fetch-home", c["name"]
+        if "HF_HOME" in env:
+            assert env["HF_HOME"].startswith(home + "/"), c["name"]
+        # Nothing of the engine's /tmp but its scratch cache directory.
+        assert all(m.get("subPath") == "sluice-cache" for m in c["volumeMounts"] if m["name"] == "tmp"), c["name"]
 
 
 def test_local_directories_never_leave_the_adapters_root() -> None:

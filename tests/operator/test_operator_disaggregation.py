@@ -157,6 +157,50 @@ def test_the_same_block_size_set_in_both_pools_is_admitted(schema) -> None:
         assert _flag(_container(_by(out, "Deployment", name))["args"], "--block-size") == "32"
 
 
+# -- the KV key (issue 39) ----------------------------------------------------------------------------------
+def test_both_pools_read_the_endpoints_kv_secret() -> None:
+    """Both pools mount the Secret `<name>-kv` read-only and name its key with --kv-secret-file: the engine
+    refuses a KV receiver on the pod's IP without it, and a push without the key is refused."""
+    from sluice_operator.disaggregation import KV_SECRET_FILE, kv_secret_name
+
+    ep = parse_endpoint(EXAMPLE)
+    out = reconcile(ep)
+    assert kv_secret_name(ep) == f"{NAME}-kv"
+    assert "Secret" not in {m["kind"] for m in out}  # made once by the loop, never rendered (a random key)
+    for name in (NAME, f"{NAME}-prefill"):
+        pod = _by(out, "Deployment", name)["spec"]["template"]["spec"]
+        c = _container(_by(out, "Deployment", name))
+        assert _flag(c["args"], "--kv-secret-file") == KV_SECRET_FILE == "/etc/sluice-kv/kv-secret"
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "kv-secret"]
+        assert volume["secret"] == {"secretName": f"{NAME}-kv", "defaultMode": 0o440,
+                                    "items": [{"key": "kv-secret", "path": "kv-secret"}]}
+        assert {"name": "kv-secret", "mountPath": "/etc/sluice-kv", "readOnly": True} in c["volumeMounts"]
+        # Nothing else of the pod mounts it (the fetch containers hold other credentials).
+        assert all(m["name"] != "kv-secret" for i in pod.get("initContainers", []) for m in i["volumeMounts"])
+    assert reconcile(ep) == out  # pure: the key is not in what reconcile renders, so nothing changes per pass
+
+
+def test_the_kv_secret_is_a_fresh_random_key_owned_by_the_endpoint() -> None:
+    import re
+
+    import kubernetes_validate
+
+    from sluice_operator.disaggregation import kv_secret
+
+    doc = copy.deepcopy(EXAMPLE)
+    doc["metadata"]["uid"] = "4f9a51c6-8f0e-4a44-9c1e-2b8d3c1d0e11"
+    ep = parse_endpoint(doc)
+    first, second = kv_secret(ep), kv_secret(ep)
+    for version in ("1.30", kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(first, version, strict=True)
+    key = first["stringData"]["kv-secret"]
+    assert re.fullmatch(r"[0-9a-f]{64}", key) and key != second["stringData"]["kv-secret"]
+    assert first["immutable"] is True and first["metadata"]["name"] == f"{NAME}-kv"
+    (owner,) = first["metadata"]["ownerReferences"]
+    assert (owner["uid"], owner["controller"]) == (doc["metadata"]["uid"], True)  # the garbage collector's
+    assert kv_secret(ep, "ab" * 32)["stringData"] == {"kv-secret": "ab" * 32}
+
+
 # -- the loop on kmock -------------------------------------------------------------------------------------
 kmock = pytest.importorskip("kmock")
 from kopf_harness import (  # noqa: E402 - needs kmock
@@ -176,6 +220,7 @@ from kopf_harness import (  # noqa: E402 - needs kmock
 from kube_emulator import ApiServer  # noqa: E402
 
 SO = "keda.sh/v1alpha1/scaledobjects"
+SECRET = "v1/secrets"
 
 
 async def _ready(k8s: Any, name: str, ready: int) -> None:
@@ -205,6 +250,14 @@ async def test_a_disaggregated_endpoint_reconciles_with_both_pools_in_its_status
         st = await eventually(lambda: must(status_of(k8s, NAME)["replicas"].get("prefillReady") == 1)
                               and status_of(k8s, NAME))
         assert "prefill" not in condition(st, "Ready")["message"]
+        # The KV key: created once, owned by the endpoint; later passes keep it, a deleted one is made anew.
+        secret = live(k8s, SECRET, f"{NAME}-kv")
+        assert secret is not None and secret["metadata"]["ownerReferences"][0]["name"] == NAME
+        key = secret["stringData"]["kv-secret"]
+        await api(k8s, "PATCH", f"/apis/sluice.dev/v1alpha1/namespaces/default/inferenceendpoints/{NAME}",
+                  {"spec": {"startupGraceSeconds": 700}}, "application/merge-patch+json")
+        await eventually(lambda: must(live(k8s, DEPLOY, NAME)["spec"]["progressDeadlineSeconds"] == 700 + 600))
+        assert live(k8s, SECRET, f"{NAME}-kv")["stringData"]["kv-secret"] == key
 
 
 @pytest.mark.kmock(cls=ApiServer)

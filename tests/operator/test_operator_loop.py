@@ -325,5 +325,5 @@ def test_status_keeps_transition_time_while_unchanged() -> None:
 
 def test_children_are_what_reconcile_renders() -> None:
     kinds = [m["kind"] for m in reconcile(_ep())]
-    assert kinds == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "ServiceMonitor",
-                     "PrometheusRule"]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "Deployment", "Service", "PodDisruptionBudget", "ScaledObject",
+                     "ServiceMonitor", "PrometheusRule"]

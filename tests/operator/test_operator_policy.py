@@ -49,10 +49,35 @@ def test_settings_come_from_the_environment() -> None:
     assert cfg.allowed_image_prefixes == ("registry.corp/ml/", "ghcr.io/acme")
     assert (cfg.host_path_allowed, cfg.host_path_prefixes) == (False, ("/var/lib/sluice",))
     assert (cfg.pod_secret_refs_allowed, cfg.allowed_secrets) == (False, ("hf-token",))
-    # Empty lists (the chart's defaults) allow anything: the defaults are the permissive policy.
+    # Empty lists (the chart's defaults) allow any image and Secret (hostPaths: see the next test).
     assert OperatorConfig.from_env({"SLUICE_ALLOWED_IMAGE_PREFIXES": "", "SLUICE_ALLOWED_SECRETS": ""}) == OperatorConfig()
     with pytest.raises(ValueError, match="SLUICE_HOST_PATH_ALLOWED must be true or false"):
         OperatorConfig.from_env({"SLUICE_HOST_PATH_ALLOWED": "sometimes"})
+
+
+@pytest.mark.parametrize(("path", "ok"), [
+    ("/var/lib/sluice/cache", True), ("/mnt/sluice", True), ("/mnt/sluice/nvme0/models", True),
+    ("/etc", False), ("/etc/kubernetes", False), ("/var/lib/kubelet", False), ("/mnt", False),
+    ("/var/lib/sluice-evil", False), ("/root", False), ("/usr/local/bin", False),
+])
+def test_default_host_path_prefixes_refuse_system_directories(path: str, ok: bool) -> None:
+    """Issue 39: a root init container chowns a hostPath cache directory to the engine's user, so the default
+    policy admits only directories meant for Sluice's caches, and the refusal names the field and the setting."""
+    ep = endpoint(model={"uri": "hf://org/model", "cache": {"type": "hostPath", "path": path}})
+    found = violations(ep, OperatorConfig())
+    assert bool(found) is not ok
+    if not ok:
+        (v,) = found
+        assert v.field == "spec.model.cache.path"
+        assert f"{path!r}" in v.message and "/var/lib/sluice, /mnt/sluice" in v.message
+        assert "policy.hostPath.pathPrefixes" in v.message
+        with pytest.raises(PolicyViolation, match=r"spec\.model\.cache\.path: hostPath"):
+            render_text(json.dumps({**BASE, "spec": {**BASE["spec"], "model": {
+                "uri": "hf://org/model", "cache": {"type": "hostPath", "path": path}}}}))
+    # The chart passes its default; an empty setting keeps it (an admin opens everything with "/").
+    assert OperatorConfig.from_env({"SLUICE_HOST_PATH_PREFIXES": ""}).host_path_prefixes == ("/var/lib/sluice",
+                                                                                             "/mnt/sluice")
+    assert violations(ep, OperatorConfig.from_env({"SLUICE_HOST_PATH_PREFIXES": "/"})) == []
 
 
 def test_default_policy_allows_every_example() -> None:

@@ -24,7 +24,7 @@ CUSTOM_KINDS = {  # kind -> (reference CRD file, version)
     "ServiceMonitor": ("monitoring.coreos.com_servicemonitors.yaml", "v1"),
     "PrometheusRule": ("monitoring.coreos.com_prometheusrules.yaml", "v1"),
 }
-BUILTIN_KINDS = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
+BUILTIN_KINDS = {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
 
 
 def rendered(name: str, **spec_changes: Any) -> tuple[Any, list[dict[str, Any]]]:
@@ -471,7 +471,7 @@ def test_reconcile_is_pure():
     ep = parse_endpoint(load_yaml(next(p for p in EXAMPLES if p.name == "cpu-smollm2.yaml")))
     before = ep.model_dump()
     first = reconcile(ep)
-    first[1]["spec"]["template"]["spec"]["containers"][0]["args"].append("--mutated")
+    one(first, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"].append("--mutated")
     assert reconcile(ep) != first and ep.model_dump() == before
 
 

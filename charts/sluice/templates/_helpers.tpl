@@ -111,6 +111,8 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
   nothing is ever replaced with a PUT (no update).
 - Events: created (kopf's about handler progress; the operator's on phase transitions).
 - Pods: listed only, the serving pods' scheduling and model load become status conditions.
+- Secrets: created only (a disaggregated endpoint's KV key, disaggregation.py); never read, listed or watched.
+- NetworkPolicies: like the other children (network_policy.py).
 */}}
 {{- define "sluice.namespacedRules" -}}
 - apiGroups: [sluice.dev]
@@ -140,6 +142,14 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
   verbs: [get, list, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, create, patch, delete]
+# The KV key of a disaggregated endpoint: created once, never read back (no get, list or watch: the operator
+# cannot read any Secret); the garbage collector deletes it with its endpoint.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
@@ -180,31 +190,36 @@ EndpointSlices of their Services (the backends, by role), and the Services thems
 {{- end -}}
 
 {{/*
-The engine pods the operator runs (serving and standby, leaders and workers: every pod it creates), less
-networkPolicy.engines.exceptEndpoints.
+Who the operator's per-endpoint NetworkPolicies admit to the engines' API port (operator/sluice_operator/
+network_policy.py), as JSON lists of NetworkPolicyPeers: the gateway's pods and the operator's, in the release
+namespace.
 */}}
-{{- define "sluice.engineSelector" -}}
-matchLabels:
-  app.kubernetes.io/managed-by: sluice-operator
-matchExpressions:
-  - key: sluice.dev/endpoint
-    operator: Exists
-  {{- with .Values.networkPolicy.engines.exceptEndpoints }}
-  - key: sluice.dev/endpoint
-    operator: NotIn
-    values:
-      {{- toYaml . | nindent 6 }}
-  {{- end }}
+{{- define "sluice.networkPolicy.gatewayPeers" -}}
+{{- if .Values.gateway.enabled -}}
+{{- toJson (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "sluice.gateway.selectorLabels" . | fromYaml)))) -}}
+{{- else -}}
+[]
+{{- end -}}
 {{- end -}}
 
-{{/* The chart's objects about the engine pods (their NetworkPolicies). */}}
-{{- define "sluice.engines.labels" -}}
-app.kubernetes.io/name: {{ include "sluice.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/component: engines
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- define "sluice.networkPolicy.operatorPeers" -}}
+{{- toJson (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "sluice.selectorLabels" . | fromYaml)))) -}}
+{{- end -}}
+
+{{/*
+The engines' extra ingress rules: networkPolicy.engines.extraIngress, and, without a gateway, the API port from
+networkPolicy.gateway.clients (empty: from anyone), since clients then call the endpoints' Services directly.
+*/}}
+{{- define "sluice.networkPolicy.extraIngress" -}}
+{{- $rules := .Values.networkPolicy.engines.extraIngress | default list -}}
+{{- if not .Values.gateway.enabled -}}
+{{- $direct := dict "ports" (list (dict "port" "http" "protocol" "TCP")) -}}
+{{- with .Values.networkPolicy.gateway.clients -}}
+{{- $_ := set $direct "from" . -}}
+{{- end -}}
+{{- $rules = append $rules $direct -}}
+{{- end -}}
+{{- toJson $rules -}}
 {{- end -}}
 
 {{/* The Secret of KEDA's client certificate for the gateway's scaler; empty: none (plaintext gRPC). */}}
