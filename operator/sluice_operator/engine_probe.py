@@ -5,10 +5,11 @@ loads an adapter when its files are complete, and refuses a bad one, on its own 
 knows. Asked only for endpoints with spec.adapters, only of ready serving pods, at most PROBE_CONCURRENCY at a
 time, each within PROBE_TIMEOUT_S; a pod that does not answer is reported as such, never an error of the pass.
 
-Reaching the pods: their IP and the engine's `http` port, from the live pod. The chart's NetworkPolicy admits
-the operator's pods to that port. An engine with an API key (env SLUICE_API_KEY of its container: /v1 routes
-need it) is asked with the key when the pod spec holds its value; a key from a Secret leaves the answer
-unknown, saying so: the operator reads no Secret (its RBAC grants none, by design).
+Reaching the pods: their IP and the engine's `http` port, from the live pod. The endpoint's NetworkPolicy
+(network_policy.py) admits the operator's pods to that port. An engine with an API key (env SLUICE_API_KEY of its
+container: /v1 routes need it) is asked with the key when the pod spec holds its value; a key from a Secret leaves
+the answer unknown, saying so: the operator reads no Secret (its RBAC grants only the creation of one, the KV key
+of a disaggregated endpoint, by design).
 """
 
 from __future__ import annotations

@@ -196,3 +196,23 @@ def test_gpu_request_lands_on_a_gpu_node(cluster: Cluster) -> None:
         assert node["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
     finally:
         cluster.kubectl("delete", "deployment/gpu", "-n", "default", "--wait=false")
+
+
+# -- issue 39: what keeps an endpoint's pods to themselves ---------------------------------------------------
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_network_policies_and_the_kv_secret_are_admitted(crd: Cluster, path: Path) -> None:
+    """The real API server takes every NetworkPolicy the operator renders (named ports, peers with namespace
+    and pod selectors, the LWS group labels) and a disaggregated endpoint's KV Secret, as kubectl's strict field
+    validation sends them."""
+    from sluice_operator.disaggregation import kv_secret
+    from sluice_operator.reconcile import reconcile
+
+    ep = parse_endpoint(load_yaml(path))
+    crd.kubectl("create", "namespace", ep.namespace, check=False)
+    docs = [m for m in reconcile(ep) if m["kind"] == "NetworkPolicy"]
+    assert docs
+    if ep.spec.disaggregation is not None:
+        docs.append(kv_secret(ep))
+    for doc in docs:
+        proc = dry_run_create(crd, doc)
+        assert proc.returncode == 0, f"{doc['kind']} {doc['metadata']['name']}: {proc.stderr}"

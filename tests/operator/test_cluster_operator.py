@@ -14,7 +14,8 @@ reach Ready. Where LWS could not be built those examples stay Pending and the LW
 No KEDA controller runs here (not built yet): ScaledObjects are admitted and stored, and scaling is what KEDA's
 HPA would do, through the Deployment's scale subresource.
 
-In file order: every example reconciles with no 403, the multi-node groups as LWS makes them, LWS's webhooks
+In file order: every example reconciles with no 403, the KV Secret and NetworkPolicies (issue 39) and a hostPath
+cache the default policy refuses, the multi-node groups as LWS makes them, LWS's webhooks
 admitting what the operator renders, the printer columns and the scale subresource, a spec edit rolls the
 pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, the gateway under
 its own ServiceAccount finding the serving pods, and last the leader hand-over between two operator processes
@@ -23,6 +24,7 @@ on the real Lease.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -304,6 +306,58 @@ def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> No
     nodes = {p["spec"]["nodeName"] for p in _serving_pods(stack, "llama-8b", "inference")}
     assert nodes and all(stack.cluster.json("get", "node", n)["metadata"]["labels"]["nvidia.com/gpu.product"]
                          == "NVIDIA-L40S" for n in nodes), nodes
+
+
+# -- issue 39: the KV key and the NetworkPolicies, as the operator makes them under the chart's RBAC --------------
+def test_the_kv_secret_and_the_network_policies_are_made_under_the_charts_rbac(stack: Stack) -> None:
+    """The disaggregated example (applied above) has its KV Secret, created by the operator with the chart's
+    create-only right on Secrets, owned by the endpoint and mounted by both pools, whose pods the API server
+    admitted; every endpoint has its NetworkPolicies, the group ones for each multi-node group index; the chart
+    renders no namespace-wide engine policy."""
+    doc = load_yaml(ROOT / "examples" / "cpu-disaggregated.yaml")
+    name, ns = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
+    ep = _wait_phase(stack, name, ns, {"Ready"})
+    secret = stack.cluster.get("secret", f"{name}-kv", "-n", ns)
+    assert secret is not None, stack.logs()
+    assert secret["immutable"] is True and secret["type"] == "Opaque"
+    key = base64.b64decode(secret["data"]["kv-secret"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert owner["uid"] == ep["metadata"]["uid"] and owner["controller"]
+    pods = stack.cluster.json("get", "pods", "-n", ns, "-l", f"{ENDPOINT_LABEL}={name}")["items"]
+    assert {p["metadata"]["labels"][ROLE_LABEL] for p in pods} == {"serving", "prefill"}
+    for pod in pods:
+        assert any(v.get("secret", {}).get("secretName") == f"{name}-kv" for v in pod["spec"]["volumes"])
+        assert "--kv-secret-file" in _engine(pod)["args"]
+    for pool in (name, f"{name}-prefill"):
+        policy = stack.cluster.get("networkpolicy", pool, "-n", ns)
+        assert policy is not None and policy["metadata"]["ownerReferences"][0]["uid"] == ep["metadata"]["uid"]
+    # A pass over the endpoint later keeps the key (the operator never writes it again).
+    stack.cluster.kubectl("annotate", "inferenceendpoint", name, "-n", ns, "touched=yes", "--overwrite")
+    time.sleep(5)
+    again = stack.cluster.get("secret", f"{name}-kv", "-n", ns)
+    assert again["data"] == secret["data"] and again["metadata"]["uid"] == secret["metadata"]["uid"]
+    for n in EXAMPLE_NAMESPACES:
+        labels = [p["metadata"].get("labels", {}) for p in
+                  stack.cluster.json("get", "networkpolicies", "-n", n)["items"]]
+        assert all(lb.get("app.kubernetes.io/component") != "engines" for lb in labels), labels
+    assert not _forbidden(stack.logs()), _forbidden(stack.logs())
+
+
+def test_a_host_path_cache_outside_the_default_prefixes_is_refused(stack: Stack) -> None:
+    """The chart's default policy: a hostPath cache at /etc (which a root init container would hand to the engine's
+    user) is refused whole, naming the field; nothing is applied."""
+    doc = _small("etc-cache", model={**_small("x")["spec"]["model"], "cache": {"type": "hostPath", "path": "/etc"}})
+    name, ns = _apply_endpoint(stack, doc)
+    try:
+        ep = _wait_phase(stack, name, ns, {"Failed"})
+        ready = _condition(ep, "Ready")
+        assert ready["reason"] == "PolicyViolation", ready
+        assert "spec.model.cache.path: hostPath '/etc'" in ready["message"]
+        assert "policy.hostPath.pathPrefixes" in ready["message"]
+        assert stack.cluster.get("configmap", f"{name}-engine", "-n", ns) is None
+    finally:
+        stack.cluster.kubectl("delete", "inferenceendpoint", name, "-n", ns, "--wait=false")
 
 
 # -- LeaderWorkerSet: the multi-node groups ---------------------------------------------------------------------
