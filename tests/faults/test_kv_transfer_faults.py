@@ -1,26 +1,41 @@
-"""Fault cases of moving KV between engines (issue 28, kv_transfer/), real servers on 127.0.0.1: a decode
+"""Fault cases of moving KV between engines (issues 28 and 39, kv_transfer/), real servers on 127.0.0.1: a decode
 engine's receiver that dies mid-transfer fails the push alone (the prefill engine's request was answered, the
 push is counted failed, the engine settles and serves on); a sender that dies mid-batch leaves the decode engine
-nothing half-taken, settled, and taking the next batch. Nothing hangs."""
+nothing half-taken, settled, and taking the next batch. Nothing hangs. And as an attacker with network reach
+meets them (issue 39; tests/faults/test_kv_transfer_attacks.py)."""
 
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 
 import httpx
 import pytest
+import torch
 from servers import free_port
+
+from sluice_engine.kv_transfer.channel import Channel
+from sluice_engine.kv_transfer.keys import KVKey
+from sluice_engine.kv_transfer.wire import BlockBatch, KVLayout
 
 pytestmark = pytest.mark.slow
 
 PROMPT = " ".join(f"word{j % 11}" for j in range(80))
+SECRET = "c0" * 32
+KEY = KVKey(SECRET.encode())
+LAYOUT = KVLayout("smollm2", "float32", 16, 30, 3, 64)
 
 
-def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe, assert_settled):
-    prefill = start_server("--max-model-len", "512", "--kv-role", "prefill")
+@pytest.fixture(scope="module")
+def key_args(tmp_path_factory) -> tuple[str, ...]:
+    path = tmp_path_factory.mktemp("kv") / "kv-secret"
+    path.write_text(SECRET)
+    return ("--kv-secret-file", str(path))
+
+
+def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe, assert_settled, key_args):
+    prefill = start_server("--max-model-len", "512", "--kv-role", "prefill", *key_args)
     before = probe(prefill)
     # A receiver that reads the start of a batch and dies (its pod killed mid-transfer).
     lsock = socket.create_server(("127.0.0.1", 0))
@@ -35,34 +50,44 @@ def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe,
     threading.Thread(target=die_mid_batch, daemon=True).start()
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=120, json={
         "model": prefill.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"push_to": f"127.0.0.1:{port}"}})
+        "kv_transfer_params": {"push_to": f"127.0.0.1:{port}", "hop_token": KEY.hop_token(f"127.0.0.1:{port}")}})
     assert r.status_code == 200, r.text  # the request itself is served, once its push has failed
     text = httpx.get(f"{prefill.url}/metrics", timeout=10).text
     assert 'result="failed"} 1.0' in text
     assert_settled(prefill, before)
 
 
-def test_a_sender_dying_mid_batch_leaves_the_decode_engine_settled(start_server, probe, assert_settled):
+def test_a_sender_dying_mid_batch_leaves_the_decode_engine_settled(start_server, probe, assert_settled, key_args):
     kv_port = free_port()
     decode = start_server("--max-model-len", "512", "--kv-role", "decode", "--kv-host", "127.0.0.1",
-                          "--kv-port", str(kv_port), "--kv-offload-bytes", "64MiB")
+                          "--kv-port", str(kv_port), "--kv-offload-bytes", "64MiB", *key_args)
     before = probe(decode)
-    header = (b'{"layout": {"model": "smollm2", "dtype": "float16", "block_size": 16, "num_layers": 30, '
-              b'"num_kv_heads": 3, "head_dim": 64}, "names": [11, 12, 13], "nbytes": 1105920}')
+    batch = BlockBatch(LAYOUT, [11, 12, 13], torch.zeros(3, *LAYOUT.block_shape()))
     with socket.create_connection(("127.0.0.1", kv_port), timeout=10) as sock:
-        sock.sendall(struct.pack(">Q", len(header)) + header + b"\0" * 4096)  # then gone
-    time.sleep(0.5)
-    assert decode.metrics().get("sluice_kv_offload_blocks_used", 0) == 0  # nothing half-taken
+        ch = Channel(sock, KEY, sender=True, deadline=time.monotonic() + 10)
+        ch.connect()
+        ch.send(batch.header())
+        assert b"ready" in ch.recv(4096)
+        ch.send(b"\0" * 4096)  # a first payload frame of the wrong size, then gone
+    for _ in range(50):
+        if decode.metrics().get("sluice_kv_receiver_refusals_total", 0):
+            break
+        time.sleep(0.1)
+    m = decode.metrics()
+    assert m["sluice_kv_receiver_refusals_total"] == 1
+    assert m.get("sluice_kv_offload_blocks_used", 0) == 0 and m["sluice_kv_receiver_inflight_bytes"] == 0
     assert_settled(decode, before)
-    # A batch that is not even a batch: refused with a reason, the connection closed, the receiver serves on.
+    # A batch that is not even a batch: refused, the connection closed, the receiver serves on.
     with socket.create_connection(("127.0.0.1", kv_port), timeout=10) as sock:
-        sock.sendall(struct.pack(">Q", 5) + b"nope!")
-        n = struct.unpack(">I", sock.recv(4))[0]
-        assert b"bad batch" in sock.recv(n)
+        sock.recv(22)
+        sock.sendall(b"nope!" * 10)
+        while sock.recv(4096):  # at most a refusal, then closed
+            pass
     assert_settled(decode, before)
 
 
-def test_a_prefill_engine_dying_or_hanging_mid_hop_means_computing_here(start_server, probe, assert_settled):
+def test_a_prefill_engine_dying_or_hanging_mid_hop_means_computing_here(start_server, probe, assert_settled,
+                                                                      key_args):
     """A decode engine's prefill hop (--prefill-url) to a prefill engine that dies after reading the request, and
     then to one that never answers (past --prefill-timeout): each request is served, computed here, the hop
     counted failed; nothing hangs."""
@@ -87,7 +112,7 @@ def test_a_prefill_engine_dying_or_hanging_mid_hop_means_computing_here(start_se
     decode = start_server("--max-model-len", "512", "--kv-role", "decode", "--kv-host", "127.0.0.1",
                           "--kv-port", str(free_port()), "--kv-offload-bytes", "64MiB", "--prefill-url",
                           f"http://127.0.0.1:{lsock.getsockname()[1]}", "--prefill-min-prompt-tokens", "0",
-                          "--prefill-timeout", "2")
+                          "--prefill-timeout", "2", *key_args)
     before = probe(decode)
     try:
         for hang in (False, True):
@@ -108,7 +133,7 @@ def test_a_prefill_engine_dying_or_hanging_mid_hop_means_computing_here(start_se
             c.close()
 
 
-def test_a_decode_engine_dying_mid_hop_fails_its_request_cleanly(start_server):
+def test_a_decode_engine_dying_mid_hop_fails_its_request_cleanly(start_server, key_args):
     """The client's request is at a decode engine whose prefill hop is in flight when the decode engine dies (its
     pod killed): the client gets an error at once, not a hang."""
     lsock = socket.create_server(("127.0.0.1", 0))
@@ -127,7 +152,8 @@ def test_a_decode_engine_dying_mid_hop_fails_its_request_cleanly(start_server):
     threading.Thread(target=fake_prefill, daemon=True).start()
     decode = start_server("--max-model-len", "512", "--kv-role", "decode", "--kv-host", "127.0.0.1",
                           "--kv-port", str(free_port()), "--kv-offload-bytes", "64MiB", "--prefill-url",
-                          f"http://127.0.0.1:{lsock.getsockname()[1]}", "--prefill-min-prompt-tokens", "0")
+                          f"http://127.0.0.1:{lsock.getsockname()[1]}", "--prefill-min-prompt-tokens", "0",
+                          *key_args)
     outcome: dict[str, object] = {}
 
     def client() -> None:

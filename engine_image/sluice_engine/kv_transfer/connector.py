@@ -55,7 +55,8 @@ class KVConnector:
             tier_bytes = kv.offload.num_slots * self.layout.block_bytes()
             self.receiver = KVReceiver(cfg.kv_host, cfg.kv_port, self.layout, self.receive, key,
                                        max_blocks=kv.offload.num_slots, max_inflight_bytes=tier_bytes,
-                                       max_connections=MAX_CONNECTIONS, timeout=cfg.kv_push_timeout)
+                                       max_connections=MAX_CONNECTIONS, timeout=cfg.kv_push_timeout,
+                                       on_refusal=self._events.set)
             log.info("KV receiver (--kv-role %s) on %s:%d, %s", cfg.kv_role, cfg.kv_host, self.receiver.port,
                      "sealed with the endpoint's key" if key is not None else "no key: loopback only")
 

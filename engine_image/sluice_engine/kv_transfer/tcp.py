@@ -88,11 +88,12 @@ class _Budget:
 class KVReceiver:
     """Listens on (host, port) for batches of `layout`; `on_batch(batch)` takes a received batch and returns how many
     blocks it took (it must call batch.release() once it has taken the batch in), or raises ValueError naming why
-    it refuses it (sent back to the sender). `key`: None only on a loopback address."""
+    it refuses it (sent back to the sender). `key`: None only on a loopback address. on_refusal: told after each
+    refusal (the engine republishes its metrics)."""
 
     def __init__(self, host: str, port: int, layout: KVLayout, on_batch: Callable[[BlockBatch], int],
                  key: KVKey | None, *, max_blocks: int, max_inflight_bytes: int, max_connections: int = 16,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, on_refusal: Callable[[], None] | None = None):
         if key is None and not is_loopback(host):
             raise ValueError(f"--kv-host {host}: a KV receiver reachable from other hosts needs --kv-secret-file "
                              "(without a key it listens on loopback only)")
@@ -100,6 +101,7 @@ class KVReceiver:
         self.max_blocks = max(0, min(max_blocks, max_inflight_bytes // layout.block_bytes()))
         self._budget = _Budget(max_inflight_bytes)
         self._on_batch = on_batch
+        self._on_refusal = on_refusal
         self.received = 0
         self.refusals: Counter = Counter()
         self._logged: set[tuple[str, str]] = set()
@@ -195,6 +197,8 @@ class KVReceiver:
             first = (peer, reason) not in self._logged and len(self._logged) < 4096
             if first:
                 self._logged.add((peer, reason))
+        if self._on_refusal is not None:
+            self._on_refusal()
         if first:  # once per peer and reason: a flood does not flood the log
             log.warning("KV receiver: refused a batch from %s (%s): %s; further refusals of this peer for this "
                         "reason are counted only", peer, reason, why)
