@@ -1,8 +1,11 @@
 """Operator-wide settings: what no single endpoint decides (images, where Prometheus and the gateway are).
 
 Defaults are the release images at this version and the chart's default install (release `sluice` in
-namespace `sluice-system`), with a policy that allows what any endpoint asks for (policy.py tightens it). The chart passes its values to the operator as the SLUICE_* environment
-variables in `ENV`; `sluice render` reads the same variables, so it previews what that operator applies.
+namespace `sluice-system`), with a policy that allows any image and Secret but hostPaths only under
+HOST_PATH_PREFIXES (policy.py), and NetworkPolicies that admit that install's gateway and operator and the
+Prometheus operator's pods (network_policy.py). The chart passes its values to the operator as the SLUICE_*
+environment variables in `ENV`; `sluice render` reads the same variables, so it previews what that operator
+applies.
 """
 
 from __future__ import annotations

@@ -406,6 +406,14 @@ def test_multi_node_groups_run_as_lws_makes_them(stack: Stack, example: str) -> 
         assert args[args.index("--master-addr") + 1] == "$(LWS_LEADER_ADDRESS)", args
         assert args[args.index("--node-rank") + 1] == ("0" if index == 0 else "$(LWS_WORKER_INDEX)"), args
     assert len({p["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/group-key"] for p in pods}) == 1, pods
+    # The group's NetworkPolicy (issue 39) selects exactly these pods, by the labels LWS gave them, and admits
+    # them (every port) and no other pod of the endpoint; the endpoint's own policy selects them too.
+    policy = stack.cluster.get("networkpolicy", f"{name}-group-0", "-n", ns)
+    assert policy is not None
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert all(all(p["metadata"]["labels"].get(k) == v for k, v in selector.items()) for p in pods), selector
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+    assert selector[LWS_GROUP_INDEX] == "0" and selector[LWS_NAME] == name
     # LWS_LEADER_ADDRESS resolves under the group's headless Service, named after the leader pod, which
     # publishes the pods before they are Ready (the rendezvous comes first): its EndpointSlice holds the
     # leader's hostname and address, what cluster DNS answers for <leader>.<Service>.<namespace>.
