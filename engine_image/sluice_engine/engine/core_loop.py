@@ -9,6 +9,7 @@ fails is that request's error alone, a loop that dies fails every open request a
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -38,6 +39,10 @@ from .step_clock import IDLE_TICK_S, StepClock
 log = logging.getLogger("sluice.engine")
 
 OBJECTIVES_POLL_S = 1.0
+# How often an idle loop that holds adds aside (their grammars compiling) looks whether one is ready. NOTE: a
+# poll, not a wake-up: an idle loop waits in inbox.get(), and the ZMQ inbox (core_process.py) has no way to be
+# woken from a compile thread. Only while an add is held and nothing runs; 5 ms beside a compile of 10 ms-10 s.
+HELD_POLL_S = 0.005
 
 
 @dataclass(slots=True)
@@ -46,6 +51,17 @@ class LocalAdd:
 
     add: AddRequest
     logits_processors: list[LogitsProcessor] | None
+
+
+@dataclass(slots=True)
+class HeldAdd:
+    """An add whose grammar the core is still compiling: held aside, not in the scheduler, until the compile is
+    done (then added), its deadline passes (then refused: too complex) or its client leaves (then dropped)."""
+
+    add: AddRequest
+    logits_processors: list[LogitsProcessor] | None
+    compiled: concurrent.futures.Future
+    deadline: float  # time.monotonic()
 
 
 class Inbox(Protocol):
@@ -85,8 +101,9 @@ class EngineLoop:
             from ..lora.modules_file import LoRAModulesSync
 
             self._lora_sync = LoRAModulesSync(lora_modules_file)
-        # Compiles an AddRequest's grammar (a spec from another process): built on first use.
+        # Compiles an AddRequest's grammar (a spec from another process) on its own threads: built on first use.
         self._structured = None
+        self._held: dict[str, HeldAdd] = {}  # request id -> its add, while its grammar compiles
         engine.before_schedule = self._take_commands
         engine.after_schedule = self._publish_now
         executor = getattr(engine, "executor", None)
@@ -112,7 +129,7 @@ class EngineLoop:
                 changed = self._poll_objectives()
                 changed |= engine.kv_idle_work()  # blocks other engines sent; pushes finished (their metrics)
                 busy = engine.has_unfinished()
-                errors, taken = self._drain(None if busy else IDLE_TICK_S)
+                errors, taken = self._drain(None if busy else HELD_POLL_S if self._held else IDLE_TICK_S)
                 if self._stop:
                     break
                 if not engine.has_unfinished():
@@ -193,10 +210,12 @@ class EngineLoop:
         self.outbox.send([], self.snapshot())
 
     def _drain(self, timeout: float | None) -> tuple[list[tuple[str, BaseException]], int]:
-        """Apply the commands waiting (the first waited for up to `timeout` s): the adds refused, and how many
-        commands were applied."""
+        """Add the held adds whose grammar is ready, then apply the commands waiting (the first waited for up to
+        `timeout` s, unless a held add was just taken): the adds refused, and how many were applied or taken."""
         errors: list[tuple[str, BaseException]] = []
-        taken = 0
+        taken = self._take_held(errors) if self._held else 0
+        if taken:
+            timeout = None
         while True:
             cmd = self.inbox.get(timeout)
             timeout = None
@@ -207,6 +226,9 @@ class EngineLoop:
                 self._stop = True
                 return errors, taken
             if isinstance(cmd, AbortRequest):
+                if self._held.pop(cmd.request_id, None) is not None:
+                    self.adds_taken += 1  # it never reaches the engine: the API stops counting it in transit
+                    continue
                 self.engine.abort_request(cmd.request_id, client_left_at=cmd.client_left_at)
                 continue
             if isinstance(cmd, FinishRequest):
@@ -216,18 +238,91 @@ class EngineLoop:
                 self.outbox.lora_updated(self._lora_call(cmd))
                 continue
             add, procs = (cmd.add, cmd.logits_processors) if isinstance(cmd, LocalAdd) else (cmd, None)
-            self.adds_taken += 1
+            if add.grammar is not None:
+                try:
+                    compiled = self._compile(add.grammar)
+                except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
+                    self.adds_taken += 1
+                    errors.append((add.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
+                    continue
+                if not compiled.done():
+                    # Held aside until its grammar is ready: the scheduler never waits on a compile. It counts as
+                    # in transit (the API's queue depth) until it is added, refused or dropped.
+                    self._held[add.request_id] = HeldAdd(add, procs, compiled, time.monotonic() + self._structured.timeout)
+                    continue
+                procs = self._with_constraint(add, procs, compiled, errors)
+                if procs is None:
+                    self.adds_taken += 1
+                    continue
+            self._add(add, procs, errors)
+
+    def _add(self, add: AddRequest, procs: list[LogitsProcessor] | None,
+             errors: list[tuple[str, BaseException]]) -> None:
+        self.adds_taken += 1
+        try:
+            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, procs,
+                                    arrival_time=add.arrival_time, lora_name=add.lora_name,
+                                    kv_push_to=add.kv_push_to)
+        except ValueError as e:
+            errors.append((add.request_id, e))
+        except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
+            log.warning("request %s could not be added: %r", add.request_id, e)
+            errors.append((add.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
+
+    # -- grammars (an add from another process carries its spec) --------------------------------
+    # NOTE: the core compiles the spec again, on its own threads, instead of receiving the API's compiled grammar
+    # serialized: xgrammar 0.2.9's CompiledGrammar.serialize_json holds the token-mask cache as JSON, 2.3 MB for
+    # a schema that compiles in 0.4 s and 12 MB (deserialized in ~300 ms, on the loop's GIL) for one of 3.5 s,
+    # and even a 4 ms regex takes ~8 ms to deserialize. A compile on a thread costs the loop nothing (xgrammar
+    # releases the GIL), and a spec seen before is a cache hit: most requests are never held at all.
+    def _compile(self, spec) -> concurrent.futures.Future:
+        if self._structured is None:
+            from ..structured import StructuredOutputs
+
+            info = self.engine.model_info
+            self._structured = StructuredOutputs(self.engine.tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._structured.compile_future(spec)
+
+    def _with_constraint(self, add: AddRequest, procs: list[LogitsProcessor] | None,
+                         compiled: concurrent.futures.Future,
+                         errors: list[tuple[str, BaseException]]) -> list[LogitsProcessor] | None:
+        """procs and the add's grammar constraint (its compile done); None if the grammar failed (refused)."""
+        e = compiled.exception()
+        if e is None:
             try:
-                if add.grammar is not None:
-                    procs = [*(procs or []), self._constraint(add.grammar)]
-                self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, procs,
-                                        arrival_time=add.arrival_time, lora_name=add.lora_name,
-                                        kv_push_to=add.kv_push_to)
-            except ValueError as e:
-                errors.append((add.request_id, e))
-            except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's
-                log.warning("request %s could not be added: %r", add.request_id, e)
-                errors.append((add.request_id, RequestFailedError(f"request failed in the engine: {e!r}")))
+                return [*(procs or []), self._structured.constraint(compiled.result())]
+            except Exception as err:  # noqa: BLE001 - this request's own failure, never the loop's
+                e = err
+        if not isinstance(e, ValueError):  # GrammarError names its field: a 400; anything else is the engine's
+            log.warning("request %s: its grammar failed in the engine: %r", add.request_id, e)
+            e = RequestFailedError(f"request failed in the engine: {e!r}")
+        errors.append((add.request_id, e))
+        return None
+
+    def _take_held(self, errors: list[tuple[str, BaseException]]) -> int:
+        """Add the held adds whose grammar is ready; refuse those past their deadline: how many left the hold."""
+        from ..structured import GrammarError
+
+        now = time.monotonic()
+        left = 0
+        for rid, held in list(self._held.items()):
+            if held.compiled.done():
+                del self._held[rid]
+                procs = self._with_constraint(held.add, held.logits_processors, held.compiled, errors)
+                if procs is None:
+                    self.adds_taken += 1
+                else:
+                    self._add(held.add, procs, errors)
+                left += 1
+            elif now >= held.deadline:  # it keeps compiling (a thread cannot be stopped): a retry waits on it
+                del self._held[rid]
+                self.adds_taken += 1
+                param = held.add.grammar.param
+                # The API waited as long at most for the same compile: the core gives its own as long.
+                errors.append((rid, GrammarError(f"{param} is too complex: it did not compile within "
+                                                 f"{self._structured.timeout:g} s", param=param)))
+                left += 1
+        return left
 
     def _lora_call(self, cmd: LoadLoRA | UnloadLoRA) -> LoRAUpdated:
         from ..core.lora_slots import LoRANotFound
@@ -254,14 +349,6 @@ class EngineLoop:
         log.info("%s", message)
         return LoRAUpdated(cmd.call_id, sorted(engine.loras), message=message)
 
-    def _constraint(self, spec):
-        if self._structured is None:
-            from ..structured import StructuredOutputs
-
-            info = self.engine.model_info
-            self._structured = StructuredOutputs(self.engine.tokenizer, info.vocab_size, info.eos_token_ids)
-        return self._structured.constraint(self._structured.compiled_now(spec))
-
     # -- failure -------------------------------------------------------------------------------
     def fail(self, e: BaseException) -> None:
         """The engine cannot serve any more (its loop died, or a rank of its group was lost): every open
@@ -271,7 +358,8 @@ class EngineLoop:
                 return
             self.dead = e
         engine = self.engine
-        engine.stats.finished["error"] += len(engine.scheduler.requests)  # every request in flight fails
+        # Every request in flight fails, the held ones too.
+        engine.stats.finished["error"] += len(engine.scheduler.requests) + len(self._held)
         try:
             self.outbox.send([], self.snapshot())  # the loop is stopped or stopping: this is the last snapshot
         except Exception:  # noqa: BLE001 - the failure itself must still be told

@@ -17,7 +17,7 @@ import msgspec
 
 from ..metrics import Histogram, StatsSnapshot
 from ..sampling_params import InvalidParam, SamplingParams
-from ..structured.grammar import GrammarSpec
+from ..structured.grammar import GrammarError, GrammarSpec
 from .model_info import ModelInfo, RequestRejected
 from .output import RequestOutput
 
@@ -74,7 +74,7 @@ class AddRefused(msgspec.Struct, array_like=True):
     """An add the core would not take: `kind` names the exception class the API raises again."""
 
     request_id: str
-    kind: str  # rejected | invalid_param | invalid | failed
+    kind: str  # rejected | invalid_param | grammar | invalid | failed
     message: str
     param: str | None = None
     code: str | None = None
@@ -163,6 +163,8 @@ def refusal(request_id: str, e: BaseException) -> AddRefused:
         return AddRefused(request_id, "rejected", str(e), e.param, e.code)
     if isinstance(e, InvalidParam):
         return AddRefused(request_id, "invalid_param", str(e), e.param)
+    if isinstance(e, GrammarError):  # the core's compile failed or ran past its deadline: a 400 naming the field
+        return AddRefused(request_id, "grammar", str(e), e.param)
     if isinstance(e, ValueError):
         return AddRefused(request_id, "invalid", str(e), getattr(e, "param", None))
     return AddRefused(request_id, "failed", f"request failed in the engine: {e!r}")
@@ -174,6 +176,8 @@ def refusal_error(r: AddRefused) -> Exception:
         return RequestRejected(r.param or "prompt", r.message, r.code or "invalid_value")
     if r.kind == "invalid_param":
         return InvalidParam(r.param or "", r.message)
+    if r.kind == "grammar":
+        return GrammarError(r.message, param=r.param)
     if r.kind == "invalid":
         return ValueError(r.message)
     return RequestFailedError(r.message)

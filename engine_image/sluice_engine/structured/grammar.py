@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -34,6 +35,15 @@ GRAMMAR_CACHE_SIZE = 256
 COMPILE_TIMEOUT_S = 10.0
 COMPILE_THREADS = 4
 MAX_PENDING_COMPILES = 32
+# NOTE: compiles run at the lowest CPU priority (nice 19, per thread; the xgrammar workers a compile starts inherit
+# it): on a CPU box every tenant's decode comes before one request's compile, which takes what the cores leave.
+# Measured on a busy 2-core AMD EPYC: beside a running decode at nice 0, 8 compile threads made its steps take
+# seconds; at nice 19 the steps kept their median and the compile (0.8 s alone) took 15.7 s (then a 400 if past
+# the timeout: that request's error alone). With cores to spare (a GPU server) it changes nothing. Importing
+# xgrammar and indexing the vocabulary (once per server) keep the normal priority: a starved first grammar
+# would time out.
+COMPILE_NICE = 19
+_compile_thread = threading.local()  # .background: a compile thread of ours (not a caller's own thread)
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
@@ -135,7 +145,8 @@ class StructuredOutputs:
         self._waiters: dict[concurrent.futures.Future, int] = {}
         self.timeout = COMPILE_TIMEOUT_S
         self.max_pending = MAX_PENDING_COMPILES
-        self._executor = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="sluice-grammar")
+        self._executor = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="sluice-grammar",
+                                            initializer=_mark_compile_thread)
         self._lock = threading.Lock()
         self._compiler = None
         self._stop_row = None  # bitmask row allowing only the stop tokens (a terminated grammar)
@@ -178,6 +189,7 @@ class StructuredOutputs:
 
     def compile_sync(self, spec: GrammarSpec):
         compiler = self._get_compiler()
+        _background_priority()
         try:
             if spec.kind == "json_schema":
                 # Compact JSON (no free whitespace): a small model cannot stall in an endless run of
@@ -201,21 +213,24 @@ class StructuredOutputs:
             self._stop_row = GrammarConstraint.stop_row(self.vocab_size, self.stop_token_ids)
         return GrammarConstraint(compiled, self._stop_row)
 
-    def compiled_now(self, spec: GrammarSpec):
-        """The compiled grammar, compiled here and now if it is not cached: the engine core's, for a spec the
-        API process has already compiled once (so it is known to compile, and quickly)."""
+    def compile_future(self, spec: GrammarSpec) -> concurrent.futures.Future:
+        """The engine core's: spec's compilation as a future, started on the compile threads unless the cache
+        has it (done or still running). Never waits, so the engine loop never compiles: the core holds the
+        request aside until the future is done (engine/core_loop.py). A failed compile is not kept."""
         key = (spec.kind, spec.source)
         fut = self._cache.get(key)
-        if fut is not None and fut.done() and fut.exception() is None:
+        if fut is not None and not (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             self._cache.move_to_end(key)
-            return fut.result()
-        compiled = self.compile_sync(spec)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(compiled)
-        self._cache[key] = done
+            return fut
+        fut = self._executor.submit(self.compile_sync, spec)
+        self._cache[key] = fut
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return compiled
+        return fut
+
+    def compiled_now(self, spec: GrammarSpec):
+        """The compiled grammar, waiting for it (cached): for scripts and tests, never the engine loop."""
+        return self.compile_future(spec).result()
 
     def _get_compiler(self):
         with self._lock:
@@ -233,7 +248,8 @@ class StructuredOutputs:
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
     """A request's grammar as the API compiled it: the spec (what crosses to an engine-core process, which
-    compiles it again, cached) and the compiled grammar (what an engine in this process constrains with)."""
+    compiles it again, cached, off its loop) and the compiled grammar (what an engine in this process
+    constrains with)."""
 
     spec: GrammarSpec
     compiled: Any
@@ -241,6 +257,21 @@ class CompiledGrammar:
 
     def constraint(self) -> GrammarConstraint:
         return self.structured.constraint(self.compiled)
+
+
+def _mark_compile_thread() -> None:
+    _compile_thread.background = True
+
+
+def _background_priority() -> None:
+    """A compile thread of ours drops to COMPILE_NICE (for good: a thread cannot raise its priority again)."""
+    if not getattr(_compile_thread, "background", False) or getattr(_compile_thread, "niced", False):
+        return
+    _compile_thread.niced = True
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)  # Linux: this thread alone
+    except (AttributeError, OSError):  # not Linux, or not allowed: compiles run at the process's priority
+        log.debug("grammar compile threads run at normal priority", exc_info=True)
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
