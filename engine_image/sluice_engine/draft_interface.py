@@ -1,10 +1,13 @@
-"""The proposer interface of speculative decoding, torch-free: what the engine asks (a DraftQuery per
-decoding request) and what a proposer answers. See proposer.py for the policy of when to ask."""
+"""The proposer interface of speculative decoding, torch-free and below every layer (pyproject's import-linter
+layers): what the engine asks (a DraftQuery per decoding request), what a proposer answers, and what the memory
+planner needs of a draft model. The worker layer (warm-up, memory planning) uses these without importing
+spec_decode/, which sits above it (its draft model runs on the worker's buffers). See spec_decode/proposer.py for
+the policy of when to ask."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)
@@ -23,3 +26,13 @@ class DraftProposer(Protocol):
 
     def release(self, request_id: str) -> None:
         """The request finished: drop whatever the proposer keeps for it."""
+
+
+class DraftModel(Protocol):
+    """A draft model as the memory planner sees it (spec_decode/draft_model.py DraftModelProposer)."""
+
+    model: Any
+    kv_bytes_per_token: int
+
+    def profile_step_peak(self, num_seqs: int) -> int:
+        """The activation peak of one draft step over `num_seqs` sequences, in bytes."""

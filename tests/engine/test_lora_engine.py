@@ -53,10 +53,14 @@ def hf_greedy(model, tokenizer, prompt: str) -> tuple[list[int], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir, adapters):
+def llm(model_dir, adapters, tmp_path_factory):
     mods = [f"{n}={d}" for n, (d, _) in adapters.items()]
+    # With an endpoint KV key (issue 39): block names, the adapters' included, are keyed by it; exactness and the
+    # prefix cache's per-adapter separation hold all the same.
+    key = tmp_path_factory.mktemp("kv") / "kv-secret"
+    key.write_text("9f" * 32)
     llm = LLM(str(model_dir), max_model_len=256, enable_lora=True, lora_modules=mods, max_loras=2,
-              max_lora_rank=16, kv_cache_memory=64 << 20)
+              max_lora_rank=16, kv_cache_memory=64 << 20, kv_secret_file=str(key))
     yield llm
     llm.engine.shutdown()
 

@@ -138,3 +138,26 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+class PromptLeaders:
+    """n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the first of them, the
+    leader, has computed it) instead of each prefilling it. The key holds the adapter: its KV is the adapter's."""
+
+    def __init__(self) -> None:
+        self._by_prompt: dict[tuple, Request] = {}
+
+    def follow(self, req: Request) -> None:
+        """A new request: it forks from the running leader of its prompt, or leads it."""
+        key = (req.lora and req.lora.id, *req.prompt_token_ids)
+        leader = self._by_prompt.get(key)
+        if leader is not None and not leader.is_finished and req.params.prompt_logprobs is None:
+            req.fork_source = leader
+        else:
+            self._by_prompt[key] = req
+
+    def release(self, req: Request) -> None:
+        """A finished request no longer leads its prompt."""
+        key = (req.lora and req.lora.id, *req.prompt_token_ids)
+        if self._by_prompt.get(key) is req:
+            del self._by_prompt[key]

@@ -19,43 +19,47 @@ drafts need the last token).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import EngineConfig
 from ..core.kv_cache import KVCacheManager
-from ..core.lora_slots import LoRABusy, LoRAError, LoRANotFound, LoRARef, LoRASlotTable
-from ..core.request import FinishReason, LogitsProcessor, Request
+from ..core.lora_slots import LoRARef, LoRASlotTable
+from ..core.request import FinishReason, LogitsProcessor, PromptLeaders, Request
 from ..core.sched_output import SchedulerOutput
 from ..core.scheduler import Scheduler
 from ..executor.executor import Executor
 from ..kv_transfer.connector import KVConnector
 from ..kv_transfer.keys import load_key
-from ..metrics import HISTOGRAMS, EngineMetrics, StatsSnapshot
+from ..metrics import EngineMetrics, StatsSnapshot
 from ..model_fetch import resolve_model
-from ..sample.sampler import Sampler, TokenLogprobs
-from ..sample.step_sampler import LaunchedSample, StepResult, launch_step_sample
+from ..sample.sampler import Sampler
+from ..sample.step_sampler import LaunchedSample, StepResult
 from ..sampling_params import InvalidParam, SamplingParams
-from ..spec_decode import DraftQuery, build_proposer, resolve_draft
+from ..spec_decode import build_proposer, resolve_draft
 from ..step_timeline import StepTimeline, span
 from ..structured.constraint import warm_up_bitmask
 from ..tokenizer import Tokenizer
 from ..worker.warmup import WarmupReport, WarmupTarget, warm_up
 from ..worker.warmup import limits as warmup_limits
 from ..worker.warmup import resolve_mode as resolve_warmup_mode
+from .drafts import may_run_ahead, propose_drafts
+from .engine_stats import EngineStats
+from .lora_adapters import LoRAAdapters, check_lora_config
 from .model_info import ModelInfo, check_prompt
-from .output import RequestOutput
+from .output import RequestOutput, failed_output
 from .output_processor import OutputProcessor
-from .step_thread import StepThread
+from .request_tokens import apply_tokens
+from .step_sampling import launch_sample, run_device_step
+from .step_thread import StepThread, wants_async_scheduling
 
 log = logging.getLogger("sluice.engine")
 
@@ -73,23 +77,6 @@ class _InFlightStep:
     applied: threading.Event | None = None
 
 
-@dataclass(slots=True)
-class EngineStats:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: Counter = field(default_factory=Counter)
-    steps: int = 0
-    # Requests whose client left, by how far they had got then (queued / prefill / decode), and
-    # those of them scheduled after their client had left: work done for nobody.
-    abandoned: Counter = field(default_factory=Counter)
-    scheduled_after_client_left: int = 0
-    # Speculative decoding: drafts verified, drafts accepted, and acceptances by draft position.
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_drafted_per_pos: list[int] = field(default_factory=list)
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-
-
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -100,10 +87,10 @@ class LLMEngine:
             raise ValueError("--draft-model does not run with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 yet; use --speculative-method ngram")
         self.spec_config = cfg.speculative_config()
-        lora_modules = _check_lora_config(cfg, self.served_model_name)
+        lora_modules = check_lora_config(cfg, self.served_model_name)
         # Async scheduling needs the sampled tokens on the device of the rank that starts the next step: rank 0
         # alone samples, so with more ranks steps run one at a time (pipeline stages still overlap).
-        self.async_scheduling = _wants_async_scheduling(cfg) and cfg.world_size == 1
+        self.async_scheduling = wants_async_scheduling(cfg) and cfg.world_size == 1
         # The step thread owns the device work, the model's loading and warm-up included: on CPU torch's OpenMP
         # workers serve the thread that first ran parallel work (engine/owner_thread.py).
         self._steps = StepThread() if self.async_scheduling else None
@@ -150,15 +137,13 @@ class LLMEngine:
         # off (detokenize = False): the API process makes the text there (engine/output_processor.py).
         self.detokenize = True
         self.output_processor = OutputProcessor(self.tokenizer, self.finish_request)
-        self._prompt_leaders: dict[tuple[int, ...], Request] = {}
+        self._prompt_leaders = PromptLeaders()
         self.timeline: StepTimeline | None = None  # set_timeline(): where each step's time goes (benchmarks)
-        # LoRA adapters served now, by name; those unloaded while requests still run on them (dropped once the
-        # last of those ends); and the next registration's id.
-        self.loras: dict[str, LoRARef] = {}
-        self._unloading: dict[LoRARef, None] = {}
-        self._lora_ids = itertools.count(1)
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
                                     self.runner.model_config.vocab_size, self.eos_token_ids)
+        # LoRA adapters served by name (engine/lora_adapters.py), those of --lora-modules from the start.
+        self.adapters = LoRAAdapters(self.lora_slots, self.scheduler, self.runner.lora, self.served_model_name,
+                                     self._publish_loras)
         for name, path in lora_modules:
             self.load_lora(name, path)
         # Prompt blocks to and from other engines (kv_transfer/connector.py): pushes of finished requests' prompts,
@@ -210,12 +195,7 @@ class LLMEngine:
         self.check_prompt(prompt_token_ids, params)
         if request_id in self._open:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
-        lora = None
-        if lora_name is not None:
-            lora = self.loras.get(lora_name)
-            if lora is None:
-                known = ", ".join(sorted(self.loras)) or "none (start with --enable-lora --lora-modules)"
-                raise InvalidParam("model", f"no LoRA adapter {lora_name!r}; adapters: {known}")
+        lora = self.adapters.find(lora_name)
         if kv_push_to is not None and (lora is not None or self.cfg.world_size > 1):
             raise InvalidParam("kv_transfer_params", "KV transfer runs for base-model requests on one rank only "
                                "(not yet with LoRA adapters or tensor/pipeline parallelism)")
@@ -232,14 +212,7 @@ class LLMEngine:
                 req.generator.manual_seed(params.seed)
             except (RuntimeError, OverflowError, ValueError) as e:
                 raise InvalidParam("seed", f"seed {params.seed} is not usable ({e})") from None
-        # n > 1 siblings and identical concurrent prompts share the prompt's KV (forked once the
-        # first of them has computed it) instead of each prefilling it.
-        key = (lora and lora.id, *req.prompt_token_ids)  # the prompt's KV is the adapter's
-        leader = self._prompt_leaders.get(key)
-        if leader is not None and not leader.is_finished and params.prompt_logprobs is None:
-            req.fork_source = leader
-        else:
-            self._prompt_leaders[key] = req
+        self._prompt_leaders.follow(req)
         if self.detokenize:
             self.output_processor.add(request_id, req.prompt_token_ids, params)
         self._open.add(request_id)
@@ -250,7 +223,7 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             if client_left_at is not None:
-                self._count_abandoned(req, client_left_at)
+                self.stats.count_abandoned(req, client_left_at)
             self.scheduler.finish(req, FinishReason.ABORT)
             self.stats.finished[FinishReason.ABORT.value] += 1
             self._on_finished(req)
@@ -274,119 +247,33 @@ class LLMEngine:
         self._prompt_logprobs_sent.discard(request_id)
         self.output_processor.drop(request_id)
 
-    def _count_abandoned(self, req: Request, left_at: float) -> None:
-        scheduled = req.first_scheduled_time
-        if scheduled is None or scheduled > left_at:
-            phase = "queued"
-            if scheduled is not None:  # scheduled between the client leaving and this abort
-                self.stats.scheduled_after_client_left += 1
-        elif req.num_output_tokens == 0:
-            phase = "prefill"
-        else:
-            phase = "decode"
-        self.stats.abandoned[phase] += 1
-
     def _on_finished(self, req: Request) -> None:
         """The request is finished: drop what the engine keeps for it besides its output."""
         if self.proposer is not None:
             self.proposer.release(req.request_id)
-        key = (req.lora and req.lora.id, *req.prompt_token_ids)
-        if self._prompt_leaders.get(key) is req:
-            del self._prompt_leaders[key]
-        if req.lora is not None and req.lora in self._unloading:
-            self._drop_unloaded()
+        self._prompt_leaders.release(req)
+        self.adapters.settle(req.lora)
         if req.kv_push_to is not None and req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.kv_connector.start_push(req.request_id, req.prompt_token_ids, req.kv_push_to)
 
-    # -- LoRA adapters -------------------------------------------------------------------------
+    def stats_snapshot(self) -> StatsSnapshot:
+        """The engine's counters and gauges now, as plain copied values (engine_stats.py)."""
+        return self.stats.snapshot(self.metrics, self.scheduler, self.kv, self.runner,
+                                   **self.adapters.stats(self.metrics), **self.kv_connector.stats())
+
+    # -- LoRA adapters (engine/lora_adapters.py) --------------------------------------------------
+    @property
+    def loras(self) -> dict[str, LoRARef]:
+        return self.adapters.served
+
     def load_lora(self, name: str, path: str) -> LoRARef:
-        """Serve the PEFT adapter in `path` as model `name` from now on. LoRAError (a ValueError) names what is
-        wrong: LoRA off, the name taken, an adapter that does not fit the model."""
-        if self.lora_slots is None:
-            raise LoRAError("LoRA adapters need --enable-lora", param=None)
-        if not name or name == self.served_model_name:
-            raise LoRAError(f"adapter name {name!r} is the base model's served name" if name
-                            else "lora_name is empty")
-        if name in self.loras:
-            raise LoRAError(f"LoRA adapter {name!r} is already loaded (from {self.loras[name].path}); unload it "
-                            "first")
-        finishing = [ref for ref in self._unloading if ref.name == name]
-        if finishing:
-            raise LoRABusy(f"LoRA adapter {name!r} was unloaded and requests still run on it: load it again once "
-                            "they finish")
-        ref = LoRARef(name, next(self._lora_ids), str(path))
-        self.runner.lora.register(ref)  # reads and checks it (AdapterError is a ValueError)
-        self.loras[name] = ref
-        self._publish_loras()
-        return ref
+        return self.adapters.load(name, path)
 
     def unload_lora(self, name: str) -> int:
-        """Stop serving adapter `name`: new requests on it are refused from now on; those already on it run to
-        their end, and it leaves its slot and the host once the last has (the count returned)."""
-        ref = self.loras.pop(name, None)
-        if ref is None:
-            raise LoRANotFound(f"no LoRA adapter {name!r} is loaded"
-                               + (f"; adapters: {', '.join(sorted(self.loras))}" if self.loras else ""))
-        self._unloading[ref] = None
-        self._publish_loras()
-        return self._drop_unloaded().get(ref, 0)
+        return self.adapters.unload(name)
 
-    def _drop_unloaded(self) -> dict[LoRARef, int]:
-        """Drop the unloaded adapters no unfinished request uses; how many still use each of the others."""
-        users = Counter(r.lora for r in self.scheduler.requests.values() if r.lora in self._unloading
-                        and not r.is_finished)
-        for ref in [ref for ref in self._unloading if not users[ref]]:
-            del self._unloading[ref]
-            self.scheduler.forget_lora(ref)
-            self.runner.lora.forget(ref)  # rank 0's copy now; the other ranks' with the next step
-            log.info("LoRA adapter %r unloaded", ref.name)
-        return users
-
-    def _publish_loras(self) -> None:
-        self.model_info = dataclasses.replace(self.model_info, lora_names=tuple(sorted(self.loras)))
-
-    def stats_snapshot(self) -> StatsSnapshot:
-        """The engine's counters and gauges now, as plain copied values (metrics.py): the engine thread's
-        to call; /metrics renders the latest one published."""
-        m, stats, kv, graphs = self.metrics, self.stats, self.kv, self.runner.graph_state
-        return StatsSnapshot(
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            prompt_tokens_pending=self.scheduler.prompt_tokens_pending,
-            kv_usage=kv.usage(), kv_num_blocks=kv.num_blocks, graphs_captured=graphs.captured,
-            graphs_state=graphs.state, graphs_reason=graphs.reason, prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions, finished=dict(stats.finished),
-            abandoned=dict(stats.abandoned), scheduled_after_client_left=stats.scheduled_after_client_left,
-            requests_slo_checked=m.requests_slo_checked, requests_goodput=m.requests_goodput,
-            requests_met_ttft=m.requests_met_ttft, requests_met_tpot=m.requests_met_tpot,
-            busy_prefill_seconds=m.busy_prefill_seconds, busy_decode_seconds=m.busy_decode_seconds,
-            # Every draft has a position 0, so drafts verified = drafts at position 0.
-            spec_num_drafts=stats.spec_drafted_per_pos[0] if stats.spec_drafted_per_pos else 0,
-            spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
-            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos),
-            histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
-            slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus,
-            **self._lora_stats(), **self._kv_offload_stats(), **self.kv_connector.stats())
-
-    def _kv_offload_stats(self) -> dict:
-        ix, tier = self.kv.offload, self.runner.kv_tier
-        if ix is None or tier is None:
-            return {}
-        return dict(kv_offload_blocks=ix.num_slots, kv_offload_used=len(ix), kv_offload_stored=ix.stored,
-                    kv_offload_loaded=ix.loaded, kv_offload_hits=self.kv.offload_hits,
-                    kv_offload_dropped=ix.dropped, kv_offload_block_bytes=tier.bytes_per_slot,
-                    kv_offload_store_seconds=tier.store_seconds, kv_offload_load_seconds=tier.load_seconds,
-                    kv_offload_received=ix.received)
-
-    def _lora_stats(self) -> dict:
-        if self.lora_slots is None:
-            return {}
-        m, sched = self.metrics, self.scheduler
-        return dict(max_lora=self.lora_slots.max_loras,
-                    lora_running=tuple(sorted(self.lora_slots.running_adapters)),  # each pins a slot
-                    lora_waiting=tuple(sorted({r.lora.name for r in sched.waiting if r.lora is not None})),
-                    lora_prompt_tokens=dict(m.lora_prompt_tokens), lora_generation_tokens=dict(m.lora_generation_tokens),
-                    lora_requests=dict(m.lora_requests), lora_goodput=dict(m.lora_goodput))
+    def _publish_loras(self, names: tuple[str, ...]) -> None:
+        self.model_info = dataclasses.replace(self.model_info, lora_names=names)
 
     def kv_idle_work(self) -> bool:
         """The engine loop's, between steps: blocks other engines sent, taken in; True when metrics changed."""
@@ -409,7 +296,11 @@ class LLMEngine:
                 text = self.output_processor.process(out)
             except Exception as e:  # noqa: BLE001 - detokenizing, stop strings: this request's failure
                 req = self.scheduler.requests.get(out.request_id)
-                text = self._fail(req, e) if req is not None else _failed_output(out, e)
+                if req is None:  # finished in the core already: its text failed to build
+                    log.warning("request %s failed: %r", out.request_id, e)
+                    text = failed_output(out.request_id, out.num_prompt_tokens, out.num_output_tokens, e)
+                else:
+                    text = self._fail(req, e)
             if text is not None:
                 texts.append(text)
         return texts
@@ -438,7 +329,7 @@ class LLMEngine:
         else:
             logits = self.executor.collect()
             with span(self.timeline, "sample"):
-                launched, failed = self._launch_sample(logits, sched, requests)
+                launched, failed = launch_sample(self.sampler, logits, sched, requests)
         with span(self.timeline, "outputs"):
             return self._apply_outputs(step, launched, failed)
 
@@ -464,7 +355,8 @@ class LLMEngine:
     def _start_step(self) -> bool:
         """Schedule and submit a step of the next virtual engine that has work and no step in flight (with async
         scheduling: of the one virtual engine, whose step in flight may be one)."""
-        if self._in_flight and self.async_scheduling and not self._may_run_ahead():
+        if (self._in_flight and self.async_scheduling
+                and not may_run_ahead(self.proposer, self.scheduler, self.spec_config.disable_batch_size)):
             return False
         self.kv_connector.take_inbox()
         if self.before_schedule is not None:
@@ -477,7 +369,8 @@ class LLMEngine:
                 continue
             started = time.monotonic()
             if self.proposer is not None:
-                self._propose_drafts(ve)
+                propose_drafts(self.proposer, self.scheduler, self.spec_config.disable_batch_size,
+                               self.max_model_len, ve)
             with span(self.timeline, "schedule"):
                 sched = self.scheduler.schedule(ve)
             if sched.is_empty:
@@ -491,67 +384,13 @@ class LLMEngine:
             if self._steps is not None:
                 before = self._in_flight[-1].applied if self._in_flight else None
                 step.applied = threading.Event()
-                step.device_work = self._steps.submit(self._run_step, sched, requests, before)
+                step.device_work = self._steps.submit(run_device_step, self.executor, self.sampler, self.runner,
+                                                      sched, requests, before)
             else:
                 self.executor.submit(sched)
             self._in_flight.append(step)
             return True
         return False
-
-    def _may_run_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the one in flight is back: not when a request could get
-        drafts (they are guessed from its last token, which is not known yet)."""
-        if self.proposer is None:
-            return True
-        running = self.scheduler.running
-        if len(running) > self.spec_config.disable_batch_size:
-            return True
-        return not any(r.params.speculative and not r.logits_processors and not r.params.needs_penalties
-                       for r in running)
-
-    def _run_step(self, sched: SchedulerOutput, requests: list[Request], before: threading.Event | None):
-        """In the step thread: the step's forward, then, once the outputs of the step before are applied, its
-        sampling. The sampled tokens stay on the device for the next step's placeholders."""
-        tl = self.timeline
-        if tl is not None:
-            tl.job_started()
-        logits = self.executor.execute_model(sched)
-        if before is not None:
-            with span(tl, "device_wait"):
-                before.wait()
-        # A request the step before ended (a stop token, its length) is not sampled: its grammar may have
-        # nothing left to allow.
-        live = [i for i, r in enumerate(requests) if not r.is_finished]
-        if len(live) < len(requests):
-            sched, requests, logits = _select(sched, requests, logits, live)
-        with span(self.timeline, "sample"):
-            launched, failed = self._launch_sample(logits, sched, requests)
-        self.runner.placeholder_source = launched[0].sampled_tokens if len(launched) == 1 else _merged(launched)
-        if tl is not None:
-            tl.job_ended()
-        return launched, failed
-
-    def _launch_sample(self, logits, sched, requests: list[Request]) -> tuple[list[LaunchedSample],
-                                                                             list[tuple[Request, Exception]]]:
-        """Queue the whole batch's sampling; if that raises, each request's on its own, so only the requests
-        whose own state makes sampling fail (a logits processor that raises, say) fail."""
-        if not requests:
-            return [], []
-        try:
-            return [launch_step_sample(self.sampler, logits, sched, requests)], []
-        except Exception:  # noqa: BLE001 - attributed below, request by request
-            log.warning("sampling the batch failed; sampling its %d requests one by one", len(requests))
-        rows, firsts = sched.logits_layout()
-        launched: list[LaunchedSample] = []
-        failed: list[tuple[Request, Exception]] = []
-        for s, req, first in zip(sched.scheduled, requests, firsts, strict=True):
-            one = type(sched)([s])
-            k = s.logits_rows()
-            try:
-                launched.append(launch_step_sample(self.sampler, logits[first : first + k], one, [req]))
-            except Exception as e:  # noqa: BLE001 - this request's failure
-                failed.append((req, e))
-        return launched, failed
 
     def _fail(self, req: Request, e: Exception) -> RequestOutput:
         """Finish one request with an error; the engine goes on for everyone else."""
@@ -561,9 +400,7 @@ class LLMEngine:
             self._on_finished(req)
             self.stats.finished[FinishReason.ERROR.value] += 1
         self._close(req.request_id)
-        return RequestOutput(req.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
-                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                             error=f"{type(e).__name__}: {e}")
+        return failed_output(req.request_id, req.num_prompt_tokens, req.num_output_tokens, e)
 
     def keepalive(self) -> None:
         """Idle: keep the other ranks' wait for the next step alive (a no-op with one rank)."""
@@ -573,90 +410,33 @@ class LLMEngine:
         self.kv_connector.shutdown()
         self.executor.shutdown()
 
-    def _propose_drafts(self, ve: int = 0) -> None:
-        """The draft-proposal hook: guess the next tokens of each decoding request (speculative
-        decoding). The scheduler computes them after the last known token; the sampler verifies."""
-        assert self.proposer is not None
-        running = [r for r in self.scheduler.running if r.virtual_engine == ve]
-        if len(running) > self.spec_config.disable_batch_size:
-            return  # a large batch already uses the compute that speculation would fill
-        queries: list[DraftQuery] = []
-        asking: list[Request] = []
-        for req in running:
-            p = req.params
-            # Penalties and plain logits processors depend on the tokens before each position; drafts
-            # would need them applied position by position, which the verifier does not do (yet).
-            # Token constraints (grammars) do: the verifier masks each row by the state after the
-            # drafts before it.
-            if (not p.speculative or req.num_computed_tokens != req.num_tokens - 1 or req.num_in_flight_tokens
-                    or req.logits_processors or p.needs_penalties):
-                continue
-            # Room for the drafts plus the one token every step produces anyway.
-            room = min(p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            if room > 0:
-                queries.append(DraftQuery(req.request_id, req.all_token_ids, room))
-                asking.append(req)
-        if not queries:
-            return
-        for req, drafts in zip(asking, self.proposer.propose_batch(queries), strict=True):
-            for c in req.constraints:  # a draft the grammar forbids would surely be rejected
-                del drafts[c.valid_prefix(drafts):]
-            self.scheduler.set_drafts(req, drafts)
-
     def _process(self, res: StepResult) -> RequestOutput | None:
-        """Apply one request's step result: its tokens, and whether an end-of-sequence or stop token or the
-        length limit ends it. Tokens only: the text (and stop strings) are the output processor's."""
+        """Apply one request's step result (engine/request_tokens.py): its tokens, and whether they end it."""
         req = res.request
         num_drafts = self.scheduler.update_from_output(req, res.num_scheduled, res.num_rejected, res.sampled)
         if num_drafts:
-            self._count_spec(num_drafts, len(res.token_ids) - 1)
+            self.stats.count_spec(num_drafts, len(res.token_ids) - 1)
         if res.prompt_logprobs:
             req.prompt_logprobs.extend(res.prompt_logprobs)
         if not res.token_ids:
             return None
-        now = time.monotonic()
         if req.first_token_time is None:
-            req.first_token_time = now
+            req.first_token_time = time.monotonic()
             self.stats.prompt_tokens += req.num_prompt_tokens
 
-        p = req.params
-        finish: FinishReason | None = None
-        stop_reason: int | None = None
-        new_token_ids: list[int] = []
-        logprobs: list[TokenLogprobs] = []
-        for token, lp in zip(res.token_ids, res.logprobs, strict=True):
-            req.append_output_token(token)
-            for c in req.constraints:
-                c.accept(token)
-            new_token_ids.append(token)
-            self.stats.generation_tokens += 1
-            if lp is not None:
-                logprobs.append(lp)
-            if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
-                finish, stop_reason = FinishReason.STOP, (token if token in p.stop_token_ids else None)
-            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                finish = FinishReason.LENGTH
-            if finish is not None:
-                break  # accepted drafts after the end are dropped
-
+        got = apply_tokens(req, res.token_ids, res.logprobs, self.max_model_len)
+        self.stats.generation_tokens += len(got.token_ids)
+        finish = got.finish
         if finish is not None:
             self.scheduler.finish(req, finish)
             self._on_finished(req)
-            req.stop_reason = stop_reason
+            req.stop_reason = got.stop_reason
             self.stats.finished[finish.value] += 1
-        out = RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_token_ids,
-            new_text="",
-            logprobs=logprobs,
-            finished=finish is not None,
-            finish_reason=finish.value if finish else None,
-            stop_reason=stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-        )
-        if p.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent:
+        out = RequestOutput(req.request_id, got.token_ids, "", got.logprobs, finished=finish is not None,
+                            finish_reason=finish.value if finish else None, stop_reason=got.stop_reason,
+                            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                            num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.params.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent:
             out.prompt_logprobs = list(req.prompt_logprobs)
             self._prompt_logprobs_sent.add(req.request_id)
         if finish is not None:
@@ -665,81 +445,3 @@ class LLMEngine:
             if self.kv_connector.hold(req.request_id, out):  # its answer waits for its push to end
                 return None
         return out
-
-    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
-        st = self.stats
-        st.spec_draft_tokens += num_drafts
-        st.spec_accepted_tokens += num_accepted
-        grow = num_drafts - len(st.spec_drafted_per_pos)
-        if grow > 0:
-            st.spec_drafted_per_pos.extend([0] * grow)
-            st.spec_accepted_per_pos.extend([0] * grow)
-        for i in range(num_drafts):
-            st.spec_drafted_per_pos[i] += 1
-            st.spec_accepted_per_pos[i] += i < num_accepted
-
-
-def _check_lora_config(cfg: EngineConfig, served_model_name: str) -> list[tuple[str, str]]:
-    """The adapters of --lora-modules (name, path), refused with a reason where they cannot work."""
-    if not cfg.enable_lora:
-        if cfg.lora_modules:
-            raise ValueError("--lora-modules needs --enable-lora")
-        if cfg.lora_modules_file:
-            raise ValueError("--lora-modules-file needs --enable-lora")
-        return []
-    if cfg.max_loras < 1 or cfg.max_lora_rank < 1:
-        raise ValueError("--max-loras and --max-lora-rank must be at least 1")
-    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
-        raise ValueError(f"--max-cpu-loras ({cfg.max_cpu_loras}) must be at least --max-loras ({cfg.max_loras})")
-    modules: list[tuple[str, str]] = []
-    for spec in cfg.lora_modules:
-        name, eq, path = spec.partition("=")
-        if not eq or not name or not path:
-            raise ValueError(f"--lora-modules takes name=path, not {spec!r}")
-        if name == served_model_name:
-            raise ValueError(f"--lora-modules: adapter name {name!r} is the base model's served name")
-        if any(name == n for n, _ in modules):
-            raise ValueError(f"--lora-modules: adapter name {name!r} given twice")
-        modules.append((name, path))
-    return modules
-
-
-def _wants_async_scheduling(cfg: EngineConfig) -> bool:
-    """--async-scheduling, or by default where the forward runs on a GPU. On CPU the forward is the host's own work:
-    there is no device to hide the host's work behind, the two threads share the cores and the GIL, and a request
-    that arrives during a step waits one step more (docs/BENCHMARKS.md#async-scheduling)."""
-    if cfg.async_scheduling is not None:
-        return cfg.async_scheduling
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-
-
-def _select(sched: SchedulerOutput, requests: list[Request], logits, keep: list[int]):
-    """The step's part for the requests at `keep`, and their logits rows."""
-    rows, firsts = sched.logits_layout()
-    picked = [firsts[i] + j for i in keep for j in range(sched.scheduled[i].logits_rows())]
-    sub = SchedulerOutput([sched.scheduled[i] for i in keep])
-    idx = torch.tensor(picked, dtype=torch.long).to(logits.device, non_blocking=True)
-    return sub, [requests[i] for i in keep], logits.index_select(0, idx)
-
-
-def _merged(launched: list[LaunchedSample]):
-    """One SampledTokens over several launches (a batch sampled request by request after a failure)."""
-    from ..sample.step_sampler import SampledTokens
-
-    parts = [x.sampled_tokens for x in launched if x.sampled_tokens is not None]
-    if not parts:
-        return None
-    row_of: dict[str, int] = {}
-    base = 0
-    for p in parts:
-        row_of.update({rid: base + r for rid, r in p.row_of.items()})
-        base += p.tokens.shape[0]
-    return SampledTokens(torch.cat([p.tokens for p in parts]), row_of)
-
-
-def _failed_output(out: RequestOutput, e: Exception) -> RequestOutput:
-    """An error delta for a request the core has already finished (its text failed to build)."""
-    log.warning("request %s failed: %r", out.request_id, e)
-    return RequestOutput(out.request_id, [], "", [], finished=True, finish_reason=FinishReason.ERROR.value,
-                         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                         error=f"{type(e).__name__}: {e}")

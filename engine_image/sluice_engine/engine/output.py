@@ -24,3 +24,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, on the first delta, when asked
     error: str | None = None  # the request failed (finish_reason "error"): why
+
+
+def failed_output(request_id: str, num_prompt_tokens: int, num_output_tokens: int, e: Exception) -> RequestOutput:
+    """A request's last delta when it fails (finish_reason "error"), naming why."""
+    return RequestOutput(request_id, [], "", [], finished=True, finish_reason="error",
+                         num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens,
+                         error=f"{type(e).__name__}: {e}")

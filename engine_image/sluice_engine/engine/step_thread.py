@@ -50,3 +50,14 @@ def _run(jobs: queue.SimpleQueue[Job]) -> None:
         except BaseException as e:  # noqa: BLE001 - the engine's thread raises it where it waits
             fut.set_exception(e)
         del fut, fn, args  # hold nothing of the engine between jobs
+
+
+def wants_async_scheduling(cfg) -> bool:
+    """--async-scheduling, or by default where the forward runs on a GPU. On CPU the forward is the host's own work:
+    there is no device to hide the host's work behind, the two threads share the cores and the GIL, and a request
+    that arrives during a step waits one step more (docs/BENCHMARKS.md#async-scheduling)."""
+    if cfg.async_scheduling is not None:
+        return cfg.async_scheduling
+    import torch
+
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())

@@ -22,6 +22,7 @@ import torch
 from ..core.kv_cache import KVCacheManager
 from ..core.request import Request
 from ..core.sched_output import ScheduledRequest, SchedulerOutput
+from ..draft_interface import DraftQuery
 from ..forward_context import ForwardContext, forward_context
 from ..model_config import ModelConfig
 from ..models.loader import checkpoint_quantization, load_model
@@ -29,7 +30,6 @@ from ..quant.formats import check_device as check_quant_device
 from ..sampling_params import SamplingParams
 from ..worker.input_buffers import InputBuffers
 from ..worker.memory_meter import PeakMeter, dummy_step
-from .interface import DraftQuery
 
 log = logging.getLogger("sluice.engine")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import SpeculativeConfig
-from .interface import DraftProposer
+from ..draft_interface import DraftProposer
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -29,7 +29,7 @@ from .memory_budget import DeviceMemory, KVPlan, KVShape, fixed_kv_budget, plan_
 from .memory_meter import PeakMeter, dummy_step, model_bytes
 
 if TYPE_CHECKING:
-    from ..spec_decode.draft_model import DraftModelProposer
+    from ..draft_interface import DraftModel
     from .model_runner import ModelRunner
 
 log = logging.getLogger("sluice.engine")
@@ -104,7 +104,7 @@ def cuda_graph_pool_bytes(runner: ModelRunner, activation_peak: int) -> int:
     return scratch + int(activation_peak * share) + sum(map(len, plan.values())) * (4 << 20)
 
 
-def measure_device_memory(runner: ModelRunner, draft: DraftModelProposer | None, activation_peak: int,
+def measure_device_memory(runner: ModelRunner, draft: DraftModel | None, activation_peak: int,
                           draft_activation_peak: int) -> DeviceMemory:
     """What the CUDA device holds now, split as the sizing needs it. Measured after the profile: the
     first step loads kernels and cuBLAS/NCCL buffers that stay."""
@@ -125,7 +125,7 @@ def measure_device_memory(runner: ModelRunner, draft: DraftModelProposer | None,
     )
 
 
-def plan_kv_cache(runner: ModelRunner, draft: DraftModelProposer | None = None, *,
+def plan_kv_cache(runner: ModelRunner, draft: DraftModel | None = None, *,
                   profile_anyway: bool = False) -> KVPlan:
     """This rank's KV caches, the target's and the draft's out of one budget: profiled and measured
     on CUDA without --kv-cache-memory; a set budget otherwise (profiled only with profile_anyway,

@@ -36,11 +36,11 @@ from ..attention.kernel_buckets import (
 )
 from ..core.kv_cache import BlockPool, KVBlock
 from ..core.sched_output import ScheduledRequest, SchedulerOutput
-from ..spec_decode import DraftQuery
+from ..draft_interface import DraftQuery
 
 if TYPE_CHECKING:
     from ..config import EngineConfig, SpeculativeConfig
-    from ..spec_decode import DraftProposer
+    from ..draft_interface import DraftProposer
     from .model_runner import ModelRunner
 
 log = logging.getLogger("sluice.engine")
