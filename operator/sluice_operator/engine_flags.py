@@ -38,6 +38,9 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     # Loading adapters through the API would load them on the one pod a request reached: replicas behind a
     # Service would differ. The endpoint's adapters are spec.adapters, on every replica.
     "allow-runtime-lora-updates": "spec.adapters (every replica loads and unloads the same adapters)",
+    # Both only matter with run-time adapter loading, which is off in a pod (above).
+    "lora-root": "spec.adapters (run-time loads are off in a pod)",
+    "admin-api-key": "spec.adapters (run-time loads, which the admin key guards, are off in a pod)",
     # Prefill/decode disaggregation: the operator renders both pools and wires them (disaggregation.py); an
     # endpoint does not set the roles piecemeal.
     "kv-role": "spec.disaggregation",
