@@ -204,7 +204,7 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(llm, adapters):
     while engine.has_unfinished():
         got += [t for out in engine.step() for t in out.new_token_ids]
     assert got == want  # it finished on the adapter it started on
-    assert not engine._unloading and "busy" not in engine.lora_slots.resident and old not in engine.runner.lora.host
+    assert not engine.adapters._unloading and "busy" not in engine.lora_slots.resident and old not in engine.runner.lora.host
     # Loaded again (the same files): another adapter to the prefix cache, whose blocks the old one's never serve.
     engine.load_lora("busy", path)
     try:
