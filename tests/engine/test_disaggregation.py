@@ -212,3 +212,17 @@ def test_short_prompts_skip_the_hop_and_a_dead_prefill_engine_means_computing_he
     _same(got, _client(alone).completions.create(model=alone.model, **kw))
     assert got.usage.prompt_tokens_details.cached_tokens == 0  # computed here, in full
     assert hops(routed)["failed"] == failed + 1
+
+
+def test_an_endpoint_with_an_api_key_keeps_disaggregating(start_server, key_args):
+    """Both pools run one spec, so one --api-key: the hop sends it (issue 39; before, every hop was a 401 and the
+    decode engine silently computed every prompt itself)."""
+    api = ("--api-key", "tenant-key")
+    prefill = start_server(*COMMON, *key_args, *api, "--kv-role", "prefill")
+    decode = start_server(*COMMON, *key_args, *api, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port",
+                          str(free_port()), "--kv-offload-bytes", "256MiB", "--prefill-url", prefill.url,
+                          "--prefill-min-prompt-tokens", "0")
+    client = OpenAI(base_url=f"{decode.url}/v1", api_key="tenant-key", max_retries=0, timeout=120)
+    got = client.completions.create(model=decode.model, prompt=PROMPTS[1] + " keyed", max_tokens=4, temperature=0)
+    assert got.usage.prompt_tokens_details.cached_tokens == (got.usage.prompt_tokens - 1) // 16 * 16
+    assert hops(decode) == {"ok": 1.0, "failed": 0.0, "skipped": 0.0}
