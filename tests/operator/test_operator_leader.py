@@ -80,8 +80,10 @@ async def test_one_replica_reconciles_and_the_other_takes_over(k8s: Any) -> None
         leader, follower = (a, b) if holder(k8s) == "operator-a" else (b, a)
         await create_endpoint(k8s, ENDPOINT)
         await eventually(lambda: must(live(k8s, DEPLOY, "smollm2") is not None))
-        await asyncio.sleep(1.5)  # three resync periods
-        assert leader.reconciles() >= 3 and leader.leading() == 1
+        # Three passes of the leader (resyncs every 0.5 s; a pass over the emulator, ~17 requests a second, takes
+        # longer since each endpoint also has its NetworkPolicies: waited for, not slept for a fixed time).
+        await eventually(lambda: must(leader.reconciles() >= 3), timeout=30)
+        assert leader.leading() == 1
         assert follower.reconciles() == 0 and follower.leading() == 0
         assert not follower.task.done()  # a standby waits; it does not exit
 
