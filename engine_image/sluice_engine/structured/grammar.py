@@ -238,7 +238,12 @@ class StructuredOutputs:
                 import xgrammar as xgr
 
                 info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # we cache, by spec
+                # NOTE: max_threads=1: xgrammar's own compile pool (8 threads by default) runs at normal priority
+                # whatever ours is, and took the cores from the engine's threads for a whole compile (a ~0.5 s gap
+                # in every other stream per slow schema on a quiet 2-core box: tests/faults/
+                # test_grammar_compile_stall.py, p99 351 vs 77 ms; 124 vs 110 ms single-threaded). Parallel compiles
+                # are ours (COMPILE_THREADS), each at nice 19.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # we cache, by spec
                 self._stop_row = None  # made with the first constraint (it is a tensor: torch)
                 log.info("structured output: vocabulary indexed (%d tokens, %s)", self.vocab_size,
                          info.vocab_type.name)
