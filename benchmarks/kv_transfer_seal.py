@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,19 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine_image"))
 
+from sluice_engine.bench.machine import cpu_name  # noqa: E402
 from sluice_engine.kv_transfer.keys import KVKey  # noqa: E402
 from sluice_engine.kv_transfer.tcp import KVReceiver, push_blocks  # noqa: E402
 from sluice_engine.kv_transfer.wire import BlockBatch, KVLayout  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
@@ -58,7 +48,7 @@ def main() -> None:
     receivers = {mode: KVReceiver("127.0.0.1", 0, layout, sink, k, max_blocks=most,
                                   max_inflight_bytes=most * layout.block_bytes(), timeout=60)
                  for mode, k in (("sealed", key), ("plain", None))}
-    print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; block {layout.block_bytes() / 1024:.0f} KiB "
+    print(f"CPU: {cpu_name()}; torch threads {torch.get_num_threads()}; block {layout.block_bytes() / 1024:.0f} KiB "
           f"({a.dtype}); {a.repeats} pushes each, alternated; medians")
     print(f"{'blocks':>7} {'MiB':>8} {'plain ms':>10} {'sealed ms':>10} {'plain us/blk':>13} {'sealed us/blk':>14} "
           f"{'plain GB/s':>11} {'sealed GB/s':>12} {'sealed/plain':>13}")

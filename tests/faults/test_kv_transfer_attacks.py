@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 import torch
-from servers import engine_core_pid, free_port
+from servers import engine_core_pid, free_port, rss_mib
 
 from sluice_engine.core.kv_cache import hash_block
 from sluice_engine.kv_transfer.channel import _HELLO, MAGIC, PLAIN, SEALED, VERSION
@@ -105,14 +105,6 @@ def test_blocks_pushed_without_the_key_are_refused_and_answers_stay_exact(decode
     assert push_blocks("127.0.0.1", decode.kv_port, garbage(names_of(other, KEY)), KEY, timeout=10) == 14
     time.sleep(0.5)
     assert answer(decode, other)[0] != answer(alone, other)[0]
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def hostile(port: int, kind: int, held: list[socket.socket]) -> None:

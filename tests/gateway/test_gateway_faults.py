@@ -27,6 +27,7 @@ import grpc
 import httpx
 import pytest
 from gateway_fakes import FakeBackend, FakeBackendProcess, GatewayProcess, chat, start_gateway, wait_until
+from servers import rss_mib
 
 from sluice_autoscaler import externalscaler_pb2 as pb
 from sluice_autoscaler import externalscaler_pb2_grpc as pb_grpc
@@ -275,14 +276,6 @@ async def test_hold_limits_and_body_limits():
         assert gw.demand.held_bytes_total == 0
     finally:
         await gw.stop()
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.mark.slow

@@ -88,6 +88,15 @@ def engine_core_pid(server: ServerProcess) -> int:
     raise AssertionError("no engine-core process under the server")
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory now, in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
 def process_gone(pid: int, timeout: float) -> bool:
     """Whether the process exits (or is a zombie) within `timeout` seconds."""
     deadline = time.monotonic() + timeout

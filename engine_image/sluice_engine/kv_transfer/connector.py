@@ -146,8 +146,8 @@ class KVConnector:
 
     def take_inbox(self) -> None:
         """Blocks other engines sent: named in the tier's index, their data written into the slots (on the device
-        thread, after any step in flight, before the next)."""
-        while True:
+        thread, after any step in flight, before the next). Called before every schedule: nothing to do is cheap."""
+        while not self._inbox.empty():
             try:
                 batch = self._inbox.get_nowait()
             except queue.Empty:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,10 +42,7 @@ class KVLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def block_bytes(self) -> int:
-        n = 1
-        for d in self.block_shape():
-            n *= d
-        return n * DTYPES[self.dtype].itemsize
+        return math.prod(self.block_shape()) * DTYPES[self.dtype].itemsize
 
     def mismatch(self, other: KVLayout) -> str | None:
         """What differs from `other` (a message naming the field), or None."""
