@@ -249,9 +249,11 @@ up() {
         --authentication-kubeconfig="$STATE/scheduler.kubeconfig" --authorization-kubeconfig="$STATE/scheduler.kubeconfig" \
         --secure-port=0 --leader-elect=false
     "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply -f - >/dev/null <<<"$(nodes)"
-    start kwok "$bin/kwok" --kubeconfig="$KUBECONFIG_FILE" --config="$bin/../share/kwok-stages.yaml" \
+    # SLUICE_KWOK_CIDR: the pods' addresses (10.244.0.0/16, unreachable, unless pods are run for real: then a
+    # 127.x range, every address of which is this machine's loopback). SLUICE_KWOK_STAGES: the Stage file.
+    start kwok "$bin/kwok" --kubeconfig="$KUBECONFIG_FILE" --config="${SLUICE_KWOK_STAGES:-$bin/../share/kwok-stages.yaml}" \
         --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
-        --node-ip=127.0.0.1 --cidr=10.244.0.0/16 --node-lease-duration-seconds=40
+        --node-ip=127.0.0.1 --cidr="${SLUICE_KWOK_CIDR:-10.244.0.0/16}" --node-lease-duration-seconds=40
 
     wait_for "kwok's nodes to be Ready" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" wait node \
         --all --for=condition=Ready --timeout=1s
