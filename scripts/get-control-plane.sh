@@ -22,6 +22,7 @@ K8S_VERSION=v1.36.3    # k8s.io/kubernetes; staging modules are published as v0.
 ETCD_VERSION=v3.6.8    # go.etcd.io/etcd/server/v3
 KWOK_VERSION=v0.8.0    # sigs.k8s.io/kwok
 LWS_VERSION=v0.9.0     # sigs.k8s.io/lws; v0.10.x (../shared/reference-crds) is not served whole by the proxy here
+KEDA_VERSION=v2.21.0   # github.com/kedacore/keda/v2; only with --keda
 
 GO=${GO:-go}
 ROOT=${SLUICE_CONTROL_PLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/control-plane}
@@ -32,15 +33,70 @@ BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
 STAGES="$DIR/share/kwok-stages.yaml"
 LWS_DIR="$ROOT/lws-$LWS_VERSION"
 LWS_BIN="$LWS_DIR/bin"
+KEDA_DIR="$ROOT/keda-$KEDA_VERSION"
+KEDA_BIN="$KEDA_DIR/bin"
 
 lws_built() { [[ -x "$LWS_BIN/lws-controller" && -d "$LWS_DIR/share/crds" && -f "$LWS_DIR/share/webhook/kustomization.yaml" ]]; }
+keda_built() { [[ -x "$KEDA_BIN/keda-operator" && -x "$KEDA_BIN/keda-adapter" && -f "$KEDA_DIR/share/crds/keda.sh_scaledobjects.yaml" ]]; }
 
-if [[ ${1:-} == --lws-bin ]]; then
-    lws_built || { echo "control plane: LeaderWorkerSet $LWS_VERSION is not built ($LWS_DIR)" >&2; exit 1; }
-    echo "$LWS_BIN"
+case ${1:-} in
+    --lws-bin)
+        lws_built || { echo "control plane: LeaderWorkerSet $LWS_VERSION is not built ($LWS_DIR)" >&2; exit 1; }
+        echo "$LWS_BIN"
+        exit 0 ;;
+    --keda-bin)
+        keda_built || { echo "control plane: KEDA $KEDA_VERSION is not built ($KEDA_DIR; build it with $0 --keda)" >&2; exit 1; }
+        echo "$KEDA_BIN"
+        exit 0 ;;
+    --keda) MODE=keda ;;
+    '') MODE=control-plane ;;
+    *) echo "usage: $0 [--keda | --lws-bin | --keda-bin]" >&2; exit 2 ;;
+esac
+[[ $# -le 1 ]] || { echo "usage: $0 [--keda | --lws-bin | --keda-bin]" >&2; exit 2; }
+
+# KEDA's operator (cmd/operator, as bin/keda-operator) and its metrics API server (cmd/adapter, as
+# bin/keda-adapter), no admission webhooks, from a wrapper module: keda's go.mod has a replace and an
+# exclude, which apply only in the main module, so the wrapper repeats them (read from that go.mod). Its
+# CRDs (config/crd/bases) are copied to share/crds. Only on request: cold, it is the longest build here.
+if [[ $MODE == keda ]]; then
+    if keda_built; then
+        echo "control plane: cached (KEDA $KEDA_VERSION)" >&2
+        echo "$KEDA_BIN"
+        exit 0
+    fi
+    command -v "$GO" >/dev/null || { echo "control plane: '$GO' not found; install Go >= 1.26 to build KEDA" >&2; exit 2; }
+    export CGO_ENABLED=0 GOFLAGS=-mod=mod
+    LOG="$KEDA_DIR/build.log"
+    START=$SECONDS
+    mkdir -p "$KEDA_DIR/src" "$KEDA_BIN"
+    : >"$LOG"
+    say() { echo "control plane: $*" | tee -a "$LOG" >&2; }
+    run() { nice -n 10 "$@" >>"$LOG" 2>&1 || { tail -n 40 "$LOG" >&2; say "FAILED: $* (log: $LOG)"; exit 1; }; }
+    w="$KEDA_DIR/src"
+    json=$(cd "$w" && GOFLAGS= "$GO" mod download -json "github.com/kedacore/keda/v2@$KEDA_VERSION")
+    gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' <<<"$json")
+    mod=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p' <<<"$json")
+    [[ -f "$gomod" && -d "$mod/config/crd/bases" ]] || { say "FAILED: no go.mod or config/crd/bases for keda $KEDA_VERSION"; exit 1; }
+    ! grep -qE '^(replace|exclude)[[:space:]]*\(' "$gomod" \
+        || { say "FAILED: keda's go.mod has a replace/exclude block; the wrapper copies single lines only"; exit 1; }
+    {
+        printf 'module sluice.local/control-plane/keda\n\ngo 1.26.0\n\nrequire github.com/kedacore/keda/v2 %s\n\n' "$KEDA_VERSION"
+        grep -E '^(replace|exclude) ' "$gomod"
+    } >"$w/go.mod"
+    say "building keda-operator and keda-adapter (KEDA $KEDA_VERSION; 15-30 min on 2 cores with a cold Go cache) ..."
+    ldflags="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
+    for b in operator adapter; do
+        (cd "$w" && run "$GO" build -trimpath -ldflags "$ldflags" -o "$KEDA_BIN/keda-$b.tmp" \
+            "github.com/kedacore/keda/v2/cmd/$b")
+    done
+    rm -rf "$KEDA_DIR/share" && mkdir -p "$KEDA_DIR/share/crds"
+    cp "$mod"/config/crd/bases/*.yaml "$KEDA_DIR/share/crds/" && chmod -R u+w "$KEDA_DIR/share"
+    mv "$KEDA_BIN/keda-operator.tmp" "$KEDA_BIN/keda-operator"
+    mv "$KEDA_BIN/keda-adapter.tmp" "$KEDA_BIN/keda-adapter"
+    say "built keda-operator and keda-adapter $KEDA_VERSION in $((SECONDS - START)) s"
+    echo "$KEDA_BIN"
     exit 0
 fi
-[[ $# -eq 0 ]] || { echo "usage: $0 [--lws-bin]" >&2; exit 2; }
 
 missing=()
 for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || missing+=("$b"); done
