@@ -19,7 +19,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 STATE=${SLUICE_DEV_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/dev-cluster}
 KUBECONFIG_FILE="$STATE/admin.kubeconfig"
-COMPONENTS=(lws-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
+COMPONENTS=(keda-metrics-apiserver keda-operator lws-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
 # The project's kubectl (scripts/get-helm.sh) where it is there, else the one on PATH.
 KUBECTL=${KUBECTL:-$( [[ -x "$HERE/../.tools/bin/kubectl" ]] && echo "$HERE/../.tools/bin/kubectl" || echo kubectl)}
 
@@ -46,9 +46,12 @@ wait_for() {  # what, seconds, command...: polls every 0.2 s; on timeout names t
 }
 
 # --- certificates: one CA signs the apiserver's serving cert and every client cert -------------------
-cert() {  # name, subject, extensions
+# (and a second one, the front-proxy CA, signs only the client cert the apiserver's aggregator shows to the
+# API servers it proxies to: they trust the X-Remote-User/-Group headers of a client that CA signed)
+cert() {  # name, subject, extensions[, CA name (default ca)]
+    local ca=${4:-ca}
     openssl req -new -newkey rsa:2048 -nodes -keyout "$STATE/pki/$1.key" -subj "$2" 2>/dev/null \
-        | openssl x509 -req -CA "$STATE/pki/ca.crt" -CAkey "$STATE/pki/ca.key" -CAcreateserial -days 30 \
+        | openssl x509 -req -CA "$STATE/pki/$ca.crt" -CAkey "$STATE/pki/$ca.key" -CAcreateserial -days 30 \
             -extfile <(printf '%s\n' "$3") -out "$STATE/pki/$1.crt" 2>/dev/null
 }
 
@@ -56,6 +59,8 @@ make_pki() {
     mkdir -p "$STATE/pki"
     openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=sluice-dev-ca" \
         -keyout "$STATE/pki/ca.key" -out "$STATE/pki/ca.crt" 2>/dev/null
+    openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=sluice-dev-front-proxy-ca" \
+        -keyout "$STATE/pki/front-proxy-ca.key" -out "$STATE/pki/front-proxy-ca.crt" 2>/dev/null
     cert apiserver "/CN=kube-apiserver" "$(printf '%s\n' \
         "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local" \
         "extendedKeyUsage=serverAuth" "keyUsage=digitalSignature,keyEncipherment")"
@@ -64,6 +69,7 @@ keyUsage=digitalSignature,keyEncipherment"
     cert admin "/O=system:masters/CN=sluice-admin" "$client"
     cert controller-manager "/CN=system:kube-controller-manager" "$client"
     cert scheduler "/CN=system:kube-scheduler" "$client"
+    cert front-proxy-client "/CN=front-proxy-client" "$client" front-proxy-ca
     # Service-account tokens: signed by the controller-manager and the apiserver, verified by the apiserver.
     openssl genrsa -out "$STATE/pki/sa.key" 2048 2>/dev/null
     openssl rsa -in "$STATE/pki/sa.key" -pubout -out "$STATE/pki/sa.pub" 2>/dev/null
@@ -198,11 +204,101 @@ EOF
     wait_for "LWS's webhooks to answer the apiserver" 30 lws_probe
 }
 
-up() {
+# --- KEDA: CRDs, operator, metrics API server ----------------------------------------------------------------
+# Its CRDs from the module (get-control-plane.sh --keda copied them to <keda>/share/crds). In a cluster the
+# operator makes a CA and certs for itself and for the metrics server (--enable-cert-rotation) and patches the
+# APIService; here both use one cert from this cluster's CA, in the layout KEDA reads from its --cert-dir
+# (ca.crt, tls.crt, tls.key): the operator's gRPC metrics service asks for a client cert that CA signed, and
+# the metrics server shows that cert, trusting the operator's by the same ca.crt. The apiserver reaches the
+# metrics server through the APIService's Service, which has no selector: its one EndpointSlice names
+# 127.0.0.1:<port>, and --enable-aggregator-routing makes the aggregator dial that endpoint, not the
+# Service's unroutable cluster IP. Leader election is off; both use the admin kubeconfig.
+keda_apiservice() {  # port: Service, EndpointSlice and APIService for external.metrics.k8s.io
+    cat <<EOF
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata: {name: keda-metrics-apiserver, namespace: keda}
+  spec:
+    ports: [{name: https, port: 443, targetPort: $1, protocol: TCP}]
+- apiVersion: discovery.k8s.io/v1
+  kind: EndpointSlice
+  metadata:
+    name: keda-metrics-apiserver
+    namespace: keda
+    labels:
+      kubernetes.io/service-name: keda-metrics-apiserver
+      endpointslice.kubernetes.io/managed-by: dev-cluster.sluice.dev
+  addressType: IPv4
+  endpoints: [{addresses: [127.0.0.1], conditions: {ready: true}}]
+  ports: [{name: https, port: $1, protocol: TCP}]
+- apiVersion: apiregistration.k8s.io/v1
+  kind: APIService
+  metadata: {name: v1beta1.external.metrics.k8s.io}
+  spec:
+    group: external.metrics.k8s.io
+    version: v1beta1
+    groupPriorityMinimum: 100
+    versionPriority: 100
+    service: {name: keda-metrics-apiserver, namespace: keda, port: 443}
+    caBundle: $(base64 -w0 "$STATE/pki/ca.crt")
+EOF
+}
+
+start_keda() {
+    local k=("$KUBECTL" --kubeconfig="$KUBECONFIG_FILE") grpc metrics health api api_metrics
+    local env=(env WATCH_NAMESPACE= POD_NAMESPACE=keda KEDA_CLUSTER_OBJECT_NAMESPACE=keda)
+    mkdir -p "$STATE/keda/certs"
+    "${k[@]}" apply --server-side -f "$KEDA_SHARE/crds" >/dev/null
+    "${k[@]}" create namespace keda >/dev/null
+    cert keda "/CN=keda" "$(printf '%s\n' \
+        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:keda-operator.keda.svc,DNS:keda-metrics-apiserver.keda.svc" \
+        "extendedKeyUsage=serverAuth,clientAuth" "keyUsage=digitalSignature,keyEncipherment")"
+    cp "$STATE/pki/keda.crt" "$STATE/keda/certs/tls.crt"
+    cp "$STATE/pki/keda.key" "$STATE/keda/certs/tls.key"
+    cp "$STATE/pki/ca.crt" "$STATE/keda/certs/ca.crt"
+    grpc=$(free_port); metrics=$(free_port); health=$(free_port); api=$(free_port); api_metrics=$(free_port)
+    printf 'grpc=%s\noperator-metrics=%s\noperator-health=%s\nmetrics-apiserver=%s\nmetrics-apiserver-metrics=%s\n' \
+        "$grpc" "$metrics" "$health" "$api" "$api_metrics" >"$STATE/keda/ports"
+    wait_for "KEDA's CRDs to be Established" 30 "${k[@]}" wait -f "$KEDA_SHARE/crds" --for=condition=Established --timeout=1s
+    start keda-operator "${env[@]}" "$KEDA_BIN/keda-operator" --kubeconfig="$KUBECONFIG_FILE" --leader-elect=false \
+        --metrics-bind-address="127.0.0.1:$metrics" --health-probe-bind-address="127.0.0.1:$health" \
+        --metrics-service-bind-address="127.0.0.1:$grpc" --enable-cert-rotation=false --cert-dir="$STATE/keda/certs" \
+        --ca-dir="$STATE/keda/certs" --zap-log-level=info --zap-encoder=console
+    wait_for "keda-operator /readyz" 60 curl -sf "http://127.0.0.1:$health/readyz"
+    # --port: its own /metrics listener, which binds every interface (KEDA has no flag for the address).
+    start keda-metrics-apiserver "${env[@]}" "$KEDA_BIN/keda-adapter" --kubeconfig="$KUBECONFIG_FILE" \
+        --lister-kubeconfig="$KUBECONFIG_FILE" --authentication-kubeconfig="$KUBECONFIG_FILE" \
+        --authorization-kubeconfig="$KUBECONFIG_FILE" --bind-address=127.0.0.1 --secure-port="$api" \
+        --cert-dir="$STATE/keda/certs" --tls-cert-file="$STATE/keda/certs/tls.crt" \
+        --tls-private-key-file="$STATE/keda/certs/tls.key" --client-ca-file="$STATE/pki/ca.crt" \
+        --metrics-service-address="127.0.0.1:$grpc" --port="$api_metrics" --zap-log-level=info --zap-encoder=console
+    "${k[@]}" apply -f - >/dev/null <<<"$(keda_apiservice "$api")"
+    wait_for "the external metrics API (KEDA's metrics server behind the aggregator)" 60 \
+        "${k[@]}" get --raw /apis/external.metrics.k8s.io/v1beta1
+    touch "$STATE/keda/ready"
+}
+
+up() {  # [--keda]
+    local with_keda=""
+    while [[ $# -gt 0 ]]; do
+        case $1 in
+            --keda) with_keda=1 ;;
+            *) echo "usage: $0 up [--keda]" >&2; exit 2 ;;
+        esac
+        shift
+    done
     if running kube-apiserver; then
         say "already up ($STATE)"; return 0
     fi
     local start=$SECONDS bin k8s
+    if [[ -n $with_keda ]]; then
+        KEDA_BIN=$(bash "$HERE/get-control-plane.sh" --keda-bin | tail -n 1) \
+            || die "up --keda: KEDA is not built (bash scripts/get-control-plane.sh --keda)"
+        KEDA_SHARE=$KEDA_BIN/../share
+    fi
     bin=$(bash "$HERE/get-control-plane.sh" | tail -n 1)
     LWS_BIN=$(bash "$HERE/get-control-plane.sh" --lws-bin 2>/dev/null | tail -n 1) || LWS_BIN=""
     LWS_SHARE=${LWS_BIN:+$LWS_BIN/../share}
@@ -228,7 +324,12 @@ up() {
         --service-account-key-file="$STATE/pki/sa.pub" --service-account-signing-key-file="$STATE/pki/sa.key" \
         --authorization-mode=Node,RBAC --anonymous-auth=false \
         --service-cluster-ip-range=10.96.0.0/16 --allow-privileged=true \
-        --endpoint-reconciler-type=none --profiling=false
+        --endpoint-reconciler-type=none --profiling=false \
+        --requestheader-client-ca-file="$STATE/pki/front-proxy-ca.crt" --requestheader-allowed-names=front-proxy-client \
+        --requestheader-username-headers=X-Remote-User --requestheader-group-headers=X-Remote-Group \
+        --requestheader-extra-headers-prefix=X-Remote-Extra- \
+        --proxy-client-cert-file="$STATE/pki/front-proxy-client.crt" --proxy-client-key-file="$STATE/pki/front-proxy-client.key" \
+        --enable-aggregator-routing=true
     kubeconfig "$KUBECONFIG_FILE" admin sluice-admin
     kubeconfig "$STATE/controller-manager.kubeconfig" controller-manager system:kube-controller-manager
     kubeconfig "$STATE/scheduler.kubeconfig" scheduler system:kube-scheduler
@@ -264,7 +365,12 @@ up() {
         start_lws
         lws="LeaderWorkerSet $("$LWS_BIN/lws-controller" --version | awk '/^Version/{print $2}') (webhooks on 127.0.0.1:$(cat "$STATE/lws/webhook-port"))"
     fi
-    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs), $lws"
+    local keda=""
+    if [[ -n $with_keda ]]; then
+        start_keda
+        keda=", KEDA (external metrics API on 127.0.0.1:$(sed -n 's/^metrics-apiserver=//p' "$STATE/keda/ports"))"
+    fi
+    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs), $lws$keda"
     say "state and logs: $STATE"
     echo "export KUBECONFIG=$KUBECONFIG_FILE"
 }
@@ -290,6 +396,7 @@ status() {
     for name in "${COMPONENTS[@]}"; do
         if running "$name"; then echo "$name: running (pid $(cat "$STATE/pids/$name"))"
         elif [[ $name == lws-controller && ! -d $STATE/lws ]]; then echo "$name: not started (not built)"
+        elif [[ $name == keda-* && ! -d $STATE/keda ]]; then echo "$name: not started (up without --keda)"
         else echo "$name: not running"; rc=1; fi
     done
     [[ $rc -eq 0 ]] && "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get nodes -L nvidia.com/gpu.product
@@ -297,10 +404,10 @@ status() {
 }
 
 case ${1:-} in
-    up) up ;;
+    up) shift; up "$@" ;;
     down) down ;;
     env) [[ -f "$KUBECONFIG_FILE" ]] || die "not up (no $KUBECONFIG_FILE): run scripts/dev-cluster.sh up"
          echo "export KUBECONFIG=$KUBECONFIG_FILE" ;;
     status) status ;;
-    *) echo "usage: $0 up|down|env|status" >&2; exit 2 ;;
+    *) echo "usage: $0 up [--keda] | down | env | status" >&2; exit 2 ;;
 esac
