@@ -54,6 +54,12 @@ class Cluster:
         built it)."""
         return (self.state / "lws" / "webhook-port").is_file()
 
+    @property
+    def keda(self) -> bool:
+        """Whether KEDA's operator and metrics API server run behind the external metrics APIService
+        (dev-cluster.sh up --keda, which the fixture passes where get-control-plane.sh --keda built them)."""
+        return (self.state / "keda" / "ready").is_file()
+
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60,
                 kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([self.kubectl_path, f"--kubeconfig={kubeconfig or self.kubeconfig}", *args],
@@ -125,8 +131,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     state = tmp_path_factory.mktemp("dev-cluster")
     env = {**os.environ, "SLUICE_DEV_CLUSTER_DIR": str(state), "KUBECTL": kubectl}
     down = ["bash", str(SCRIPTS / "dev-cluster.sh"), "down"]
-    up = subprocess.run(["bash", str(SCRIPTS / "dev-cluster.sh"), "up"], capture_output=True, text=True,
-                        env=env, timeout=300)
+    # KEDA only where it is built already (get-control-plane.sh --keda; never built here: its cold build is long).
+    keda = subprocess.run(["bash", str(SCRIPTS / "get-control-plane.sh"), "--keda-bin"], capture_output=True,
+                          timeout=60).returncode == 0
+    up = subprocess.run(["bash", str(SCRIPTS / "dev-cluster.sh"), "up", *(["--keda"] if keda else [])],
+                        capture_output=True, text=True, env=env, timeout=300)
     if up.returncode != 0:
         logs = "".join(f"\n--- {p.name}\n{tail(p.read_text(errors='replace'), 10)}"
                        for p in sorted((state / "logs").glob("*.log")))
