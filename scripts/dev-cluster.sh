@@ -2,12 +2,18 @@
 # A real Kubernetes control plane on this machine, no containers: etcd, kube-apiserver (TLS, RBAC, a
 # service-account issuer), kube-controller-manager, kube-scheduler and kwok, whose simulated nodes (two CPU
 # nodes; four with 8 nvidia.com/gpu each, two H100, an L40S and an A100, the products the examples ask for)
-# run pods as Running and Ready. Everything listens on 127.0.0.1 only, on free ports. Where
-# scripts/get-control-plane.sh built it, also the LeaderWorkerSet controller (sigs.k8s.io/lws): its CRDs, its
-# admission webhooks (reached by URL on 127.0.0.1, served with a cert from this cluster's CA), and its manager.
-# Binaries come from scripts/get-control-plane.sh (built on first use).
+# run pods as Running and Ready. Everything listens on 127.0.0.1 only, on free ports (but for the /metrics port
+# of KEDA's metrics server, which binds every interface). Where scripts/get-control-plane.sh built it, also the
+# LeaderWorkerSet controller (sigs.k8s.io/lws): its CRDs, its admission webhooks (reached by URL on 127.0.0.1,
+# served with a cert from this cluster's CA), and its manager.
+# The apiserver's aggregation layer is on (a front-proxy CA and client cert; aggregator routing to endpoints,
+# so an APIService can name a selector-less Service whose EndpointSlice points at 127.0.0.1:<port>). With
+# --keda, also KEDA (built only by `scripts/get-control-plane.sh --keda`): its CRDs, keda-operator and its
+# metrics API server behind the APIService v1beta1.external.metrics.k8s.io ($STATE/keda: ports, ready).
+# Binaries come from scripts/get-control-plane.sh (built on first use; KEDA's only on request).
 #
-#   scripts/dev-cluster.sh up      start it (waits for /readyz, Ready nodes and the default ServiceAccount)
+#   scripts/dev-cluster.sh up [--keda]  start it (waits for /readyz, Ready nodes and the default ServiceAccount;
+#                                       with --keda, for the external metrics API to answer)
 #   scripts/dev-cluster.sh env     print `export KUBECONFIG=...` (eval "$(scripts/dev-cluster.sh env)")
 #   scripts/dev-cluster.sh status  which processes run, and the nodes
 #   scripts/dev-cluster.sh down    stop everything and remove the state dir
@@ -249,7 +255,7 @@ EOF
 
 start_keda() {
     local k=("$KUBECTL" --kubeconfig="$KUBECONFIG_FILE") grpc metrics health api api_metrics
-    local env=(env WATCH_NAMESPACE= POD_NAMESPACE=keda KEDA_CLUSTER_OBJECT_NAMESPACE=keda)
+    local env=(env KUBECONFIG="$KUBECONFIG_FILE" WATCH_NAMESPACE= POD_NAMESPACE=keda KEDA_CLUSTER_OBJECT_NAMESPACE=keda)
     mkdir -p "$STATE/keda/certs"
     "${k[@]}" apply --server-side -f "$KEDA_SHARE/crds" >/dev/null
     "${k[@]}" create namespace keda >/dev/null

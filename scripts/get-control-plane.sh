@@ -10,10 +10,16 @@
 # <cache>/lws-<version>, with what dev-cluster.sh needs from the module next to it: its CRDs (share/crds) and
 # its webhook kustomization (share/webhook). It is optional: where it cannot be built the script says why and
 # still succeeds with the rest (the multi-node examples then stay Pending in the cluster tests).
-# Not built yet (a later slice of issue 24): KEDA's operator and metrics server.
 #
-#   get-control-plane.sh             build what is missing; last line: the Kubernetes bin dir
-#   get-control-plane.sh --lws-bin   build nothing; last line: LWS's bin dir, or exit 1 where it is not built
+# KEDA (github.com/kedacore/keda/v2: bin/keda-operator and bin/keda-adapter, its metrics API server; no admission
+# webhooks) only when asked (--keda), in <cache>/keda-<version> with its CRDs in share/crds: cold, it takes
+# longer than all the rest together (every cloud SDK its scalers link; docs/BENCHMARKS.md), so neither the
+# default run nor scripts/test.sh builds it. dev-cluster.sh up --keda runs it.
+#
+#   get-control-plane.sh              build what is missing; last line: the Kubernetes bin dir
+#   get-control-plane.sh --lws-bin    build nothing; last line: LWS's bin dir, or exit 1 where it is not built
+#   get-control-plane.sh --keda       build KEDA only, if missing ("cached" if not); last line: KEDA's bin dir
+#   get-control-plane.sh --keda-bin   build nothing; last line: KEDA's bin dir, or exit 1 where it is not built
 #
 # Env: SLUICE_CONTROL_PLANE_CACHE overrides the cache root; GO (default: go) the Go command.
 set -euo pipefail
