@@ -1,7 +1,7 @@
 """Pods that serve (issue 40): scripts/pod_runner.py runs, for real, the engine pods kwok schedules onto the dev
 cluster's simulated nodes, and sets their readiness from the engine's own (marker `cluster`).
 
-This module starts its own cluster (its own state dir, kwok giving pods addresses from a /24 of 198.18.0.0/15 and
+This module starts its own cluster (its own state dir, kwok giving pods addresses from a /24 of 198.19.0.0/16 and
 the Stage file scripts/kwok-engine-stages.yaml, under which kwok leaves engine pods not Ready) and applies what
 `sluice render` makes of examples/cpu-smollm2.yaml, with an API key from a Secret (no operator runs: the objects
 are applied as rendered, owned by the stored InferenceEndpoint). Then, in file order: the pod is Ready only once
@@ -37,7 +37,7 @@ from servers import SERVED_NAME, process_gone, stop_process
 
 NAMESPACE, NAME = "default", "smollm2"
 API_KEY = "sk-pod-runner-test"
-CIDR = f"198.18.{os.getpid() % 250}.0/24"  # one /24 per run: two runs on one machine route different addresses
+CIDR = f"198.19.{os.getpid() % 250}.0/24"  # one /24 per run, apart from the 198.18.0.0/16 docs/operator.md uses
 
 
 def load_runner() -> ModuleType:
@@ -121,7 +121,7 @@ def test_what_the_runner_makes_of_each_examples_pods(tmp_path: Path) -> None:
 
 def can_route_locally() -> str | None:
     """Why local routes cannot be added here, or None."""
-    probe = f"198.18.{os.getpid() % 250}.254/32"
+    probe = f"198.19.{os.getpid() % 250}.254/32"
     add = subprocess.run(["ip", "route", "add", "local", probe, "dev", "lo"], capture_output=True, text=True)
     if add.returncode != 0:
         return add.stderr.strip() or "ip route add failed"
