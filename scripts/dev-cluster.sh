@@ -218,7 +218,9 @@ EOF
 # the metrics server shows that cert, trusting the operator's by the same ca.crt. The apiserver reaches the
 # metrics server through the APIService's Service, which has no selector: its one EndpointSlice names
 # 127.0.0.1:<port>, and --enable-aggregator-routing makes the aggregator dial that endpoint, not the
-# Service's unroutable cluster IP. Leader election is off; both use the admin kubeconfig.
+# Service's unroutable cluster IP. NOTE: the slice's addressType is FQDN (deprecated, with a warning), whose
+# address "127.0.0.1" passes as a name: IPv4 slices (and Endpoints) refuse loopback addresses, and the
+# aggregator dials Addresses[0] as it is. Leader election is off; both use the admin kubeconfig.
 keda_apiservice() {  # port: Service, EndpointSlice and APIService for external.metrics.k8s.io
     cat <<EOF
 apiVersion: v1
@@ -237,8 +239,8 @@ items:
     labels:
       kubernetes.io/service-name: keda-metrics-apiserver
       endpointslice.kubernetes.io/managed-by: dev-cluster.sluice.dev
-  addressType: IPv4
-  endpoints: [{addresses: [127.0.0.1], conditions: {ready: true}}]
+  addressType: FQDN
+  endpoints: [{addresses: ["127.0.0.1"], conditions: {ready: true}}]
   ports: [{name: https, port: $1, protocol: TCP}]
 - apiVersion: apiregistration.k8s.io/v1
   kind: APIService
@@ -281,7 +283,7 @@ start_keda() {
         --cert-dir="$STATE/keda/certs" --tls-cert-file="$STATE/keda/certs/tls.crt" \
         --tls-private-key-file="$STATE/keda/certs/tls.key" --client-ca-file="$STATE/pki/ca.crt" \
         --metrics-service-address="127.0.0.1:$grpc" --port="$api_metrics" --zap-log-level=info --zap-encoder=console
-    "${k[@]}" apply -f - >/dev/null <<<"$(keda_apiservice "$api")"
+    "${k[@]}" apply -f - >/dev/null <<<"$(keda_apiservice "$api")" 2> >(grep -v 'FQDN endpoints are deprecated' >&2)
     wait_for "the external metrics API (KEDA's metrics server behind the aggregator)" 60 \
         "${k[@]}" get --raw /apis/external.metrics.k8s.io/v1beta1
     touch "$STATE/keda/ready"

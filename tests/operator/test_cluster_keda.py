@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -150,16 +151,21 @@ def test_scaled_object_scales_a_deployment_from_zero_and_back(keda: Cluster, gau
         assert keda.json("get", "deployment", NAME, "-n", NS)["spec"].get("replicas") == 0
 
         gauge.value = 1
+        start = time.monotonic()
         wait_until("the external metric to read 1", lambda: _external_metric(keda, metric, NAME, NS)
                    ["items"][0]["value"] == "1", 20)
         wait_until("KEDA to scale the Deployment 0 -> 1 and its pod to run", lambda: _ready_pods(keda) >= 1, 30)
+        up = time.monotonic() - start
         so = keda.get("scaledobject", NAME, "-n", NS)
         assert _conditions(so)["Active"]["status"] == "True", so["status"]
 
         gauge.value = 0
+        start = time.monotonic()
         wait_until("KEDA to scale the Deployment back to 0 after the cooldown", lambda: keda.json(
             "get", "deployment", NAME, "-n", NS)["spec"].get("replicas") == 0, 30)
         wait_until("the pod to go", lambda: _ready_pods(keda) == 0, 30)
+        print(f"metric {metric}: 0 -> 1 Ready pod in {up:.1f} s, back to 0 in {time.monotonic() - start:.1f} s "
+              f"(pollingInterval 1 s, cooldownPeriod 3 s)")
     finally:
         keda.kubectl("delete", "scaledobject", NAME, "-n", NS, "--wait=false", check=False)
         keda.kubectl("delete", "deployment", NAME, "-n", NS, "--wait=false", check=False)
