@@ -196,8 +196,10 @@ def test_rendered_scaled_object_meets_kedas_crd_and_controller(keda: Cluster) ->
     keda.apply(deployment)
     keda.apply(so)
     try:
-        ready = wait_until("KEDA to report on the rendered ScaledObject", lambda: _conditions(
-            keda.get("scaledobject", name, "-n", ns)).get("Ready"), 30)
+        def verdict() -> dict[str, Any] | None:  # KEDA first sets Ready=Unknown, then decides
+            ready = _conditions(keda.get("scaledobject", name, "-n", ns)).get("Ready")
+            return ready if ready and ready["status"] != "Unknown" else None
+        ready = wait_until("KEDA to decide on the rendered ScaledObject (Ready True or False)", verdict, 30)
         # Its triggers point at Prometheus and the gateway, which are not here: KEDA may say False, naming why.
         print(f"KEDA on the rendered ScaledObject: Ready={ready['status']} ({ready.get('reason')}: "
               f"{ready.get('message')})")
