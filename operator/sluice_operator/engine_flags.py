@@ -6,6 +6,8 @@ instead of importing it, so the operator never needs the engine (or torch) insta
 
 from __future__ import annotations
 
+import re
+
 # Flags the operator renders itself from dedicated spec fields; `engine.args` may not set them.
 OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "model": "model.uri",
@@ -107,26 +109,54 @@ NEGATABLE_SWITCHES = frozenset({"engine-process", "async-scheduling"})
 ArgValue = int | str
 
 
+# What a quoted integer or number may look like: the same regular expressions in the CRD's CEL rules
+# (value_rules) and here, so the API server and `sluice render` agree (Python's int() and float() would also
+# take " 1_000 ", "nan" and "inf").
+INT_PATTERN = r"^[-+]?[0-9]+$"
+MAX_VALUE_LENGTH = 256  # the CRD's maxLength of a value (CEL's cost estimate needs a bound for matches())
+NUMBER_PATTERN = r"^[-+]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][-+]?[0-9]+)?$"
+
+
 def _is_int(value: ArgValue) -> bool:
     if isinstance(value, bool):
         return False
-    if isinstance(value, int):
-        return True
-    try:
-        int(value)
-    except ValueError:
-        return False
-    return True
+    return isinstance(value, int) or re.fullmatch(INT_PATTERN[1:-1], value) is not None
 
 
 def _is_number(value: ArgValue) -> bool:
     if isinstance(value, bool):
         return False
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
+    return isinstance(value, int) or re.fullmatch(NUMBER_PATTERN[1:-1], value) is not None
+
+
+def _flags(kind: type) -> list[str]:
+    return [f for f, k in PASSTHROUGH_FLAGS.items() if k is kind]
+
+
+def _cel_names(names: list[str] | tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{n}'" for n in names) + "]"
+
+
+def value_rules() -> list[dict[str, str]]:
+    """CEL rules for the CRD's `engine.args` map: each value fits its flag's type, as check_arg says."""
+    rules = [
+        {"rule": f"self.all(k, !(k in {_cel_names(_flags(int))}) || type(self[k]) == int || "
+                 f"(type(self[k]) == string && self[k].matches('{INT_PATTERN}')))",
+         "message": "engine.args: " + ", ".join(_flags(int)) + " take an integer"},
+        {"rule": f"self.all(k, !(k in {_cel_names(_flags(float))}) || type(self[k]) == int || "
+                 f"(type(self[k]) == string && self[k].matches('{NUMBER_PATTERN}')))",
+         "message": "engine.args: " + ", ".join(_flags(float)) + ' take a number (quote a fraction: "0.85")'},
+        {"rule": f"self.all(k, !(k in {_cel_names(_flags(bool))}) || "
+                 "(type(self[k]) == string && self[k] in ['true', 'false']))",
+         "message": "engine.args: " + ", ".join(_flags(bool)) + ' are switches: "true" or "false"'},
+    ]
+    for flag, kind in PASSTHROUGH_FLAGS.items():
+        if isinstance(kind, tuple):
+            rules.append({"rule": f"!('{flag}' in self) || (type(self['{flag}']) == string && "
+                                  f"self['{flag}'] in {_cel_names(kind)})",
+                          "message": f"engine.args: {flag} takes one of " + ", ".join(kind)})
+    return rules
+
 
 
 def check_arg(flag: str, value: object) -> None:
@@ -137,6 +167,8 @@ def check_arg(flag: str, value: object) -> None:
         raise ValueError(f"{flag!r} is not an engine flag; known: {', '.join(PASSTHROUGH_FLAGS)}")
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{flag!r}: values are integers or strings; quote it: \"{str(value).lower()}\"")
+    if isinstance(value, str) and len(value) > MAX_VALUE_LENGTH:
+        raise ValueError(f"{flag!r}: a value is at most {MAX_VALUE_LENGTH} characters")
     kind = PASSTHROUGH_FLAGS[flag]
     if isinstance(kind, tuple):
         ok, want = value in kind, "one of " + ", ".join(kind)

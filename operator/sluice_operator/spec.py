@@ -35,7 +35,14 @@ from sluice_contract import VERSION as VERSION
 
 from . import core_schemas
 from .config import ENGINE_IMAGE
-from .engine_flags import OPERATOR_OWNED_FLAGS, PASSTHROUGH_FLAGS, ArgValue, check_arg
+from .engine_flags import (
+    MAX_VALUE_LENGTH,
+    OPERATOR_OWNED_FLAGS,
+    PASSTHROUGH_FLAGS,
+    ArgValue,
+    check_arg,
+    value_rules,
+)
 
 SINGULAR = "inferenceendpoint"
 SHORT_NAMES = ["ie"]
@@ -78,7 +85,7 @@ def _add_rules(schema: dict[str, Any], cls: type[BaseModel]) -> None:
 class _Object(BaseModel):
     """Base of every spec object: camelCase in YAML, unknown fields rejected, rules checked."""
 
-    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", json_schema_extra=_add_rules)
+    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", strict=True, json_schema_extra=_add_rules)
     RULES: ClassVar[tuple[Rule, ...]] = ()
 
     @model_validator(mode="after")
@@ -237,7 +244,7 @@ class Adapter(_Object):
 _ARGS_SCHEMA = {
     "type": "object",
     "maxProperties": 32,
-    "additionalProperties": {"x-kubernetes-int-or-string": True},
+    "additionalProperties": {"x-kubernetes-int-or-string": True, "maxLength": MAX_VALUE_LENGTH},
     "description": "Extra `sluice serve` flags, without the leading dashes, e.g. `max-num-seqs: 128`. Values are "
                    'integers or strings: quote a fraction ("0.85"); a switch takes "true" or "false". Allowed: '
                    + ", ".join(PASSTHROUGH_FLAGS) + ".",
@@ -246,7 +253,7 @@ _ARGS_SCHEMA = {
         "message": "engine.args keys must be engine flags without the leading dashes, other than those the "
                    "operator sets (" + ", ".join(OPERATOR_OWNED_FLAGS) + "); allowed: "
                    + ", ".join(PASSTHROUGH_FLAGS),
-    }],
+    }, *value_rules()],
 }
 
 
@@ -922,7 +929,7 @@ class ObjectMeta(BaseModel):
 
 
 class InferenceEndpoint(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, extra="forbid", strict=True)
 
     api_version: Literal["sluice.dev/v1alpha1"]
     kind: Literal["InferenceEndpoint"]
@@ -940,10 +947,7 @@ class InferenceEndpoint(BaseModel):
 
 
 class SpecError(ValueError):
-    """An invalid InferenceEndpoint; the message names each offending field. `reason`: the Ready condition's
-    reason the operator reports it under."""
-
-    reason = "InvalidSpec"
+    """An invalid InferenceEndpoint; the message names each offending field."""
 
     reason = "InvalidSpec"  # the Ready condition's reason when the operator refuses the endpoint
 
@@ -959,12 +963,23 @@ def format_errors(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def without_nulls(node: Any) -> Any:
+    """The document as the API server validates it: a field set to null is dropped first (no field of the
+    schema is nullable), so `scaling: null` means no scaling and a required field set to null is missing.
+    Items of a list are kept: a null item is refused by both."""
+    if isinstance(node, dict):
+        return {k: without_nulls(v) for k, v in node.items() if v is not None}
+    if isinstance(node, list):
+        return [without_nulls(v) for v in node]
+    return node
+
+
 def parse_endpoint(doc: Any) -> InferenceEndpoint:
     """Validate one InferenceEndpoint document; SpecError names every offending field."""
     if not isinstance(doc, dict):
         raise SpecError(f"expected an InferenceEndpoint object, got {type(doc).__name__}")
     try:
-        return InferenceEndpoint.model_validate(doc)
+        return InferenceEndpoint.model_validate(without_nulls(doc))
     except ValidationError as e:
         name = (doc.get("metadata") or {}).get("name", "?") if isinstance(doc.get("metadata"), dict) else "?"
         raise SpecError(f"invalid InferenceEndpoint {name!r}:\n" + format_errors(e)) from None
