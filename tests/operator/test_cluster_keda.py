@@ -31,7 +31,7 @@ KEDA_BUILT = subprocess.run(["bash", str(SCRIPTS / "get-control-plane.sh"), "--k
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.skipif(not KEDA_BUILT, reason="KEDA is not built: bash scripts/get-control-plane.sh --keda "
-                                              "(about 20 min on 2 cores with a cold Go cache)"),
+                                              "(about 21 min on 2 cores with a cold Go cache)"),
 ]
 
 NS = "keda-loop"
