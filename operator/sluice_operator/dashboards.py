@@ -266,7 +266,7 @@ def endpoint_dashboard() -> Dashboard:
                        target(m.cost_per_million(s, "generation", W), "generation"),
                        target(m.cost_per_million(s, "total", W), "all tokens")], "currencyUSD"),
         timeseries("USD per hour by role", "What the replicas cost, serving and standby.", [
-            target(f"sum by ({ROLE}) ({s.sel(ENGINE_GPUS_METRIC)} * {s.sel(ENGINE_GPU_HOUR_USD_METRIC)})",
+            target(f"sum by ({ROLE}) ({m.billed_units(s)} * {s.sel(ENGINE_GPU_HOUR_USD_METRIC)})",
                    f"{{{{{ROLE}}}}}")], "currencyUSD"),
         timeseries("GPUs by role", "Accelerators the replicas hold.", [
             target(f"sum by ({ROLE}) ({s.sel(ENGINE_GPUS_METRIC)})", f"{{{{{ROLE}}}}}")], "short"),

@@ -129,9 +129,15 @@ def token_rate(s: Scope, kind: str, w: str = WINDOW) -> str:
     return _rate(s, TOKENS[kind], w)
 
 
+def billed_units(s: Scope) -> str:
+    """What a replica is billed for per hour of the price: its GPUs, and a CPU replica (0 GPUs) as one unit, so
+    that cost.gpuHourUSD on a CPU endpoint prices the replica-hour instead of coming out as 0."""
+    return f"clamp_min({s.sel(ENGINE_GPUS_METRIC)}, 1)"
+
+
 def cost_per_second(s: Scope, by: str = BY) -> str:
     """USD per second the endpoint's engines cost, serving and standby, busy or idle (docs/metrics.md)."""
-    return f"sum by ({by}) ({s.sel(ENGINE_GPUS_METRIC)} * {s.sel(ENGINE_GPU_HOUR_USD_METRIC)}) / 3600"
+    return f"sum by ({by}) ({billed_units(s)} * {s.sel(ENGINE_GPU_HOUR_USD_METRIC)}) / 3600"
 
 
 def busy_share(s: Scope, phase: str, w: str = WINDOW) -> str:

@@ -455,7 +455,8 @@ class Slo(_Object):
 class Cost(_Object):
     """Cost inputs for reporting."""
 
-    gpu_hour_usd: float | None = Field(None, ge=0, alias="gpuHourUSD", description="Price of one GPU-hour, USD.")
+    gpu_hour_usd: float | None = Field(None, ge=0, alias="gpuHourUSD", description=(
+        "Price of one GPU-hour, USD; on a CPU endpoint (no GPUs), the price of one replica-hour."))
 
 
 class LocalObjectReference(_Object):

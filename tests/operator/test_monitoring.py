@@ -796,16 +796,17 @@ def test_live_prometheus_records_goodput_and_cost(start_server: Any, start_prome
     ttft = query(url, monitoring.recorded("time_to_first_token_seconds:quantile_rate5m"), at)
     assert len(ttft) == 3 and all(0 < v < 60 for v in ttft.values()), ttft
 
-    # Cost: the engine on CPU holds no GPU; the standby's GPU (3.6 USD/h = 0.001 USD/s) is the endpoint's cost,
-    # and the serving replica's tokens pay for it, split by engine time.
+    # Cost: the engine on CPU holds no GPU and counts as one unit at its 2 USD/h; the standby's GPU (3.6 USD/h
+    # = 0.001 USD/s) adds to it; the serving replica's tokens pay for both, split by engine time.
     assert one(url, f'sluice_gpu_hour_usd{{pod="{ep.name}-0"}}', at) == 2.0
-    assert recorded("gpu_cost_usd_per_second:sum", at) == pytest.approx(0.001)
+    usd_s = 0.001 + 2 / 3600
+    assert recorded("gpu_cost_usd_per_second:sum", at) == pytest.approx(usd_s)
     prompt, generation = recorded("prompt_tokens:rate5m", at), recorded("generation_tokens:rate5m", at)
     share = recorded("engine_busy_prefill:ratio_rate5m", at)
     assert prompt > 0 and generation > 0 and 0 < share < 1
-    assert recorded("cost_usd_per_1m_tokens:rate5m", at) == pytest.approx(0.001 / (prompt + generation) * 1e6)
-    assert recorded("cost_usd_per_1m_prompt_tokens:rate5m", at) == pytest.approx(0.001 * share / prompt * 1e6)
+    assert recorded("cost_usd_per_1m_tokens:rate5m", at) == pytest.approx(usd_s / (prompt + generation) * 1e6)
+    assert recorded("cost_usd_per_1m_prompt_tokens:rate5m", at) == pytest.approx(usd_s * share / prompt * 1e6)
     assert recorded("cost_usd_per_1m_generation_tokens:rate5m", at) == pytest.approx(
-        0.001 * (1 - share) / generation * 1e6)
+        usd_s * (1 - share) / generation * 1e6)
     engines = query(url, monitoring.recorded("engines:count"), at)
     assert sorted(engines.values()) == [1.0, 1.0] and len(engines) == 2  # one serving, one standby
