@@ -164,6 +164,9 @@ class DemandBoard:
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subs.values())
 
+    def subscribed_keys(self) -> list[str]:
+        return list(self._subs)
+
     def subscribers(self, key: str) -> set[asyncio.Queue[bool]]:
         return self._subs.get(key, set())
 

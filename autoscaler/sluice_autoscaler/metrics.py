@@ -26,6 +26,7 @@ from sluice_contract import (
     GATEWAY_BACKENDS_METRIC,
     GATEWAY_INFLIGHT_METRIC,
     GATEWAY_PENDING_METRIC,
+    GATEWAY_SCALER_STREAMS_METRIC,
     GATEWAY_STANDBY_REQUESTS_METRIC,
     SERVING,
     STANDBY,
@@ -73,6 +74,12 @@ class _Gauges:
         for key in sorted(keys):
             pending.add_metric([key], 0)
             inflight.add_metric([key], 0)
+        # KEDA's operator holds one StreamIsActive stream per ScaledObject with the gateway's trigger, on one
+        # gateway replica: none on any replica for an autoscaled endpoint means nothing will scale it from zero.
+        streams = GaugeMetricFamily(GATEWAY_SCALER_STREAMS_METRIC, "KEDA's StreamIsActive streams open to this "
+                                    "replica for the endpoint.", labels=["endpoint"])
+        for key in sorted(set(self.registry.endpoints) | set(self.demand.subscribed_keys())):
+            streams.add_metric([key], len(self.demand.subscribers(key)))
         backends = GaugeMetricFamily(GATEWAY_BACKENDS_METRIC, "Backends by role and readiness.",
                                      labels=["endpoint", "role", "state"])
         for key, ep in sorted(self.registry.endpoints.items()):
@@ -89,6 +96,7 @@ class _Gauges:
         yield pending
         yield inflight
         yield backends
+        yield streams
         yield peers
         yield conflicts
 

@@ -34,6 +34,7 @@ from sluice_contract import (
     ENGINE_TTFT_METRIC,
     GATEWAY_BACKENDS_METRIC,
     GATEWAY_PENDING_METRIC,
+    GATEWAY_SCALER_STREAMS_METRIC,
 )
 
 from .autoscaling import ENDPOINT_METRIC_LABEL, QUEUE_METRIC, endpoint_key, engines_waiting, queue_query
@@ -65,6 +66,7 @@ DEFAULT_NO_READY_FOR_S = 600  # the generic rules' wait: startupGraceSeconds' de
 # keda_scaler_errors). Its `namespace` label becomes `exported_namespace` when the Prometheus operator scrapes
 # KEDA without honorLabels.
 KEDA_SCALER_ERRORS = "keda_scaler_detail_errors_total"
+AUTOSCALER_ABSENT_FOR = "1m"  # KEDA reconnects within seconds of a restart; a minute without is an outage
 KEDA_FALLBACK_FOR = "2m"  # several polling intervals past the ScaledObject's failureThreshold (3 x 15 s)
 QUEUE_ABSENT_FOR_S = 300  # an unscraped queue is a broken setup, not a blip: a few scrapes' worth of patience
 
@@ -300,6 +302,28 @@ def keda_fallback_alert(ep: InferenceEndpoint) -> dict[str, Any]:
     }
 
 
+def autoscaler_absent_alert(ep: InferenceEndpoint) -> dict[str, Any]:
+    """Fires while KEDA holds no StreamIsActive stream to any gateway replica for the endpoint: KEDA's operator
+    is down (or cannot reach the gateway's scaler), so the endpoint will not scale from zero, and not with its
+    queue; what runs keeps serving. The gateway's gauge is 0, not absent, for an endpoint nobody watches."""
+    key = f"{ep.namespace}/{ep.name}"
+    return {
+        "alert": "SluiceAutoscalerNotWatching",
+        "expr": f'max by (endpoint) ({GATEWAY_SCALER_STREAMS_METRIC}{{endpoint="{key}"}}) == 0',
+        "for": AUTOSCALER_ABSENT_FOR,
+        "labels": {"severity": "critical" if ep.spec.scaling and ep.spec.scaling.min_replicas == 0 else "warning",
+                   "namespace": ep.namespace, EP: ep.name},
+        "annotations": {
+            "summary": f"KEDA is not watching {key}: it will not scale (from zero or with the queue)",
+            "description": (
+                "No gateway replica has KEDA's StreamIsActive stream for this endpoint's ScaledObject: KEDA's "
+                "operator is down or cannot reach the gateway's scaler (the operator's "
+                "SLUICE_GATEWAY_SCALER_ADDRESS). Replicas that run keep serving; requests to an endpoint at zero "
+                "are held until --hold-timeout. Check KEDA's operator and the ScaledObject's Ready condition."),
+        },
+    }
+
+
 def queue_absent_alert(ep: InferenceEndpoint, gateway: bool) -> dict[str, Any] | None:
     """Fires while the endpoint's queue cannot be read: KEDA's own query (autoscaled) or the engines' queue
     (a fixed count). Absent means Prometheus does not scrape the series, typically a ServiceMonitor its
@@ -346,6 +370,8 @@ def endpoint_groups(ep: InferenceEndpoint, gateway: bool = True) -> list[dict[st
     alerts = [*burn_alerts(s, slo_target(ep)), no_ready_replica_alert(s, ep.spec.startup_grace_seconds)]
     if ep.spec.scaling is not None:
         alerts.append(keda_fallback_alert(ep))
+        if gateway:
+            alerts.append(autoscaler_absent_alert(ep))
     absent = queue_absent_alert(ep, gateway)
     if absent is not None:
         alerts.append(absent)

@@ -118,7 +118,7 @@ def test_every_endpoint_gets_a_scoped_prometheus_rule(path: Path) -> None:
     assert len(set(zip(names, [json.dumps(r.get("labels")) for r in group["rules"]], strict=True))) == len(names)
     alerts = {r["alert"] for r in group["rules"] if "alert" in r}
     expected = {"SluiceSLOBurnRateFast", "SluiceSLOBurnRateSlow", "SluiceNoReadyReplica", "SluiceQueueMetricAbsent"}
-    assert alerts == expected | ({"SluiceKedaFallback"} if ep.spec.scaling else set())
+    assert alerts == expected | ({"SluiceKedaFallback", "SluiceAutoscalerNotWatching"} if ep.spec.scaling else set())
     for r in group["rules"]:  # every engine selector is scoped to this endpoint
         for selector in _selectors(r["expr"]):
             if selector.name.startswith("sluice_gateway_"):
