@@ -25,7 +25,9 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 STATE=${SLUICE_DEV_CLUSTER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/dev-cluster}
 KUBECONFIG_FILE="$STATE/admin.kubeconfig"
-COMPONENTS=(keda-metrics-apiserver keda-operator lws-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
+# shellcheck source=dev-engines.sh
+source "$HERE/dev-engines.sh"  # up --engines: the Sluice stack, its engine pods run for real
+COMPONENTS=("${ENGINE_COMPONENTS[@]}" keda-metrics-apiserver keda-operator lws-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)  # stop order
 # The project's kubectl (scripts/get-helm.sh) where it is there, else the one on PATH.
 KUBECTL=${KUBECTL:-$( [[ -x "$HERE/../.tools/bin/kubectl" ]] && echo "$HERE/../.tools/bin/kubectl" || echo kubectl)}
 
@@ -289,12 +291,13 @@ start_keda() {
     touch "$STATE/keda/ready"
 }
 
-up() {  # [--keda]
-    local with_keda=""
+up() {  # [--keda] [--engines]
+    local with_keda="" with_engines=""
     while [[ $# -gt 0 ]]; do
         case $1 in
             --keda) with_keda=1 ;;
-            *) echo "usage: $0 up [--keda]" >&2; exit 2 ;;
+            --engines) with_keda=1; with_engines=1 ;;
+            *) echo "usage: $0 up [--keda] [--engines]" >&2; exit 2 ;;
         esac
         shift
     done
@@ -307,6 +310,7 @@ up() {  # [--keda]
             || die "up --keda: KEDA is not built (bash scripts/get-control-plane.sh --keda)"
         KEDA_SHARE=$KEDA_BIN/../share
     fi
+    [[ -z $with_engines ]] || engines_preflight
     bin=$(bash "$HERE/get-control-plane.sh" | tail -n 1)
     LWS_BIN=$(bash "$HERE/get-control-plane.sh" --lws-bin 2>/dev/null | tail -n 1) || LWS_BIN=""
     LWS_SHARE=${LWS_BIN:+$LWS_BIN/../share}
@@ -378,15 +382,21 @@ up() {  # [--keda]
         start_keda
         keda=", KEDA (external metrics API on 127.0.0.1:$(sed -n 's/^metrics-apiserver=//p' "$STATE/keda/ports"))"
     fi
+    if [[ -n $with_engines ]]; then
+        start_engines
+        keda+=$(engines_summary)
+    fi
     say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs), $lws$keda"
     say "state and logs: $STATE"
     echo "export KUBECONFIG=$KUBECONFIG_FILE"
+    [[ ! -f $STATE/engines/env ]] || cat "$STATE/engines/env"
 }
 
 alive() { local pid; for pid; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
 
 down() {  # SIGTERM to all, then SIGKILL what is left after 5 s: the state is thrown away anyway
     local name pids=()
+    engines_down  # first, while the API server still answers: the pod runner stops its engines, drops its routes
     for name in "${COMPONENTS[@]}"; do
         running "$name" && pids+=("$(cat "$STATE/pids/$name")")
     done
@@ -405,6 +415,8 @@ status() {
         if running "$name"; then echo "$name: running (pid $(cat "$STATE/pids/$name"))"
         elif [[ $name == lws-controller && ! -d $STATE/lws ]]; then echo "$name: not started (not built)"
         elif [[ $name == keda-* && ! -d $STATE/keda ]]; then echo "$name: not started (up without --keda)"
+        elif [[ " ${ENGINE_COMPONENTS[*]} " == *" $name "* && ! -d $STATE/engines ]]; then
+            echo "$name: not started (up without --engines)"
         else echo "$name: not running"; rc=1; fi
     done
     [[ $rc -eq 0 ]] && "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get nodes -L nvidia.com/gpu.product
@@ -415,7 +427,8 @@ case ${1:-} in
     up) shift; up "$@" ;;
     down) down ;;
     env) [[ -f "$KUBECONFIG_FILE" ]] || die "not up (no $KUBECONFIG_FILE): run scripts/dev-cluster.sh up"
-         echo "export KUBECONFIG=$KUBECONFIG_FILE" ;;
+         echo "export KUBECONFIG=$KUBECONFIG_FILE"
+         [[ ! -f $STATE/engines/env ]] || cat "$STATE/engines/env" ;;
     status) status ;;
-    *) echo "usage: $0 up [--keda] | down | env | status" >&2; exit 2 ;;
+    *) echo "usage: $0 up [--keda] [--engines] | down | env | status" >&2; exit 2 ;;
 esac

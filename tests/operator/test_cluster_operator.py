@@ -269,7 +269,7 @@ def _require_lws(cluster: Cluster) -> None:
 # where no LWS controller runs, admitted and stored with no pods (Pending).
 MULTI_NODE = {"multinode-70b.yaml": ("llama-70b", "inference", "NVIDIA-H100-80GB-HBM3"),
               "cpu-pipeline-2node.yaml": ("smollm2-pp2", "default", None)}  # name, namespace, GPU product
-EXPECTED_PHASE = {"cpu-smollm2.yaml": {"Ready"}, "cpu-disaggregated.yaml": {"Ready"}, "gpu-8b.yaml": {"Ready"}, "gpu-8b-lora.yaml": {"Ready"},
+EXPECTED_PHASE = {"cpu-smollm2.yaml": {"Ready"}, "cpu-scale-to-zero.yaml": {"Ready", "Idle"}, "cpu-disaggregated.yaml": {"Ready"}, "gpu-8b.yaml": {"Ready"}, "gpu-8b-lora.yaml": {"Ready"},
                   "scale-to-zero.yaml": {"Ready"},
                   **{example: {"Ready"} for example in MULTI_NODE}}
 
