@@ -52,7 +52,7 @@ start_engines() {
     wait_for "the gateway's /health" 60 curl -sf "http://127.0.0.1:$gateway/health"
     # Before the operator: the monitoring CRDs must be there when it first renders an endpoint (it skips a kind
     # whose CRD is missing). Static targets: the processes that run here instead of pods.
-    start prometheus "$py" "$HERE/dev_prometheus.py" --cluster-dir "$STATE" --port "$prom" \
+    start prometheus "$py" "$HERE/dev_prometheus.py" --cluster-dir "$STATE" --port "$prom" --max-interval 5s \
         --static-target "gateway=127.0.0.1:$gateway" --static-target "operator=127.0.0.1:$opmetrics" \
         --static-target "keda-operator=127.0.0.1:$(sed -n 's/^operator-metrics=//p' "$STATE/keda/ports")"
     wait_for "the monitoring CRDs" 60 "${k[@]}" get crd prometheusrules.monitoring.coreos.com servicemonitors.monitoring.coreos.com
