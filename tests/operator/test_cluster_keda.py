@@ -1,6 +1,6 @@
 """KEDA for real (marker `cluster`; issue 40): KEDA's own operator and metrics API server, built from its Go
 module by `scripts/get-control-plane.sh --keda` and started by `scripts/dev-cluster.sh up --keda` behind the
-apiserver's aggregation layer (tests/support/dev_cluster.py passes --keda where KEDA is built).
+apiserver's aggregation layer, on a cluster of its own (the session's runs no KEDA).
 
 The loop: a ScaledObject whose `metrics-api` trigger reads a JSON value from a small HTTP server this test runs
 on 127.0.0.1. KEDA makes its HPA, the external metrics API answers the value through the aggregator, and KEDA
@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from dev_cluster import ROOT, SCRIPTS, Cluster, wait_until
+from dev_cluster import ROOT, SCRIPTS, Cluster, start_cluster, wait_until
 
 KEDA_BUILT = subprocess.run(["bash", str(SCRIPTS / "get-control-plane.sh"), "--keda-bin"], capture_output=True,
                             timeout=60).returncode == 0
@@ -39,13 +39,12 @@ NAME = "worker"
 
 
 @pytest.fixture(scope="module")
-def keda(cluster: Cluster) -> Iterator[Cluster]:
-    assert cluster.keda, f"KEDA is built but did not start (logs: {cluster.state / 'logs'})"
-    cluster.kubectl("create", "namespace", NS)
-    try:
+def keda(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A cluster of its own with KEDA (`dev-cluster.sh up --keda`): KEDA would act on what other tests render."""
+    for cluster in start_cluster(tmp_path_factory, "--keda"):
+        assert cluster.keda, f"KEDA is built but did not start (logs: {cluster.state / 'logs'})"
+        cluster.kubectl("create", "namespace", NS)
         yield cluster
-    finally:
-        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
 class Gauge:

@@ -119,6 +119,13 @@ def wait_until(what: str, probe: Callable[[], Any], timeout: float = 60, interva
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The session's cluster, without KEDA: the operator tests expect no autoscaler to act on what they render
+    (KEDA's tests start a cluster of their own: start_cluster(..., "--keda"))."""
+    yield from start_cluster(tmp_path_factory)
+
+
+def start_cluster(tmp_path_factory: pytest.TempPathFactory, *extra_up_args: str) -> Iterator[Cluster]:
+    """`dev-cluster.sh up [extra_up_args]` in a state dir of its own; `down` when the generator closes."""
     kubectl = tool("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl (scripts/get-helm.sh fetches one into .tools/bin); cluster tests skipped")
@@ -131,10 +138,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     state = tmp_path_factory.mktemp("dev-cluster")
     env = {**os.environ, "SLUICE_DEV_CLUSTER_DIR": str(state), "KUBECTL": kubectl}
     down = ["bash", str(SCRIPTS / "dev-cluster.sh"), "down"]
-    # KEDA only where it is built already (get-control-plane.sh --keda; never built here: its cold build is long).
-    keda = subprocess.run(["bash", str(SCRIPTS / "get-control-plane.sh"), "--keda-bin"], capture_output=True,
-                          timeout=60).returncode == 0
-    up = subprocess.run(["bash", str(SCRIPTS / "dev-cluster.sh"), "up", *(["--keda"] if keda else [])],
+    up = subprocess.run(["bash", str(SCRIPTS / "dev-cluster.sh"), "up", *extra_up_args],
                         capture_output=True, text=True, env=env, timeout=300)
     if up.returncode != 0:
         logs = "".join(f"\n--- {p.name}\n{tail(p.read_text(errors='replace'), 10)}"
