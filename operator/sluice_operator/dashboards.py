@@ -123,7 +123,7 @@ def variable(name: str, label: str, query: str, *, multi: bool = False) -> dict[
     }
 
 
-DATASOURCE_VARIABLE = {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+DATASOURCE_VARIABLE = {"name": "datasource", "label": "Data Source", "type": "datasource", "query": "prometheus",
                        "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
 
 
@@ -138,7 +138,7 @@ class Dashboard:
     def json(self) -> dict[str, Any]:
         return {
             "uid": self.uid, "title": self.title, "description": self.description,
-            "tags": ["sluice", "llm-inference"], "editable": True, "graphTooltip": 1, "timezone": "",
+            "tags": ["sluice", "llm-inference"], "editable": False, "graphTooltip": 1, "timezone": "",
             "time": {"from": "now-3h", "to": "now"}, "refresh": "30s", "schemaVersion": 39, "version": 1,
             "annotations": {"list": []},
             "links": [{"type": "dashboards", "tags": ["sluice"], "asDropdown": True, "title": "Sluice",
