@@ -105,8 +105,9 @@ def _exports(text: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def loop(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Loop]:
+def start_loop(tmp_path_factory: pytest.TempPathFactory, cidr: str) -> Iterator[Loop]:
+    """`dev-cluster.sh up --engines` in a state dir of its own, pod IPs from `cidr`; `down` when closed. Skips,
+    saying why, where the loop cannot run here."""
     kubectl = tool("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl (scripts/get-helm.sh fetches one into .tools/bin)")
@@ -114,7 +115,7 @@ def loop(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[
     if why:
         pytest.skip(why)
     state = tmp_path_factory.mktemp("loop-cluster")
-    env = {**os.environ, "SLUICE_DEV_CLUSTER_DIR": str(state), "KUBECTL": kubectl, "SLUICE_ENGINE_CIDR": CIDR}
+    env = {**os.environ, "SLUICE_DEV_CLUSTER_DIR": str(state), "KUBECTL": kubectl, "SLUICE_ENGINE_CIDR": cidr}
     script = ["bash", str(SCRIPTS / "dev-cluster.sh")]
     started = time.monotonic()
     up = subprocess.run([*script, "up", "--engines"], capture_output=True, text=True, env=env, timeout=600)
@@ -129,6 +130,11 @@ def loop(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[
         yield Loop(cluster, exports, state, env)
     finally:
         subprocess.run([*script, "down"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Loop]:
+    yield from start_loop(tmp_path_factory, CIDR)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -29,8 +28,8 @@ from typing import Any
 
 import httpx
 import pytest
-from dev_cluster import SCRIPTS, Cluster, tail, tool, wait_until
-from test_cluster_loop import DOC, NAMESPACE, Loop, _exports, _skip_reason
+from dev_cluster import wait_until
+from test_cluster_loop import DOC, NAMESPACE, Loop, start_loop
 
 from sluice_contract import ENDPOINT_LABEL, ROLE_LABEL, SERVING, STANDBY
 
@@ -42,28 +41,7 @@ COOLDOWN_S = 15
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Loop]:
-    kubectl = tool("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl (scripts/get-helm.sh fetches one into .tools/bin)")
-    why = _skip_reason()
-    if why:
-        pytest.skip(why)
-    state = tmp_path_factory.mktemp("loop-faults-cluster")
-    env = {**os.environ, "SLUICE_DEV_CLUSTER_DIR": str(state), "KUBECTL": kubectl, "SLUICE_ENGINE_CIDR": CIDR}
-    script = ["bash", str(SCRIPTS / "dev-cluster.sh")]
-    started = time.monotonic()
-    up = subprocess.run([*script, "up", "--engines"], capture_output=True, text=True, env=env, timeout=600)
-    try:
-        if up.returncode != 0:
-            pytest.fail(f"scripts/dev-cluster.sh up --engines failed:\n{tail(up.stderr, 40)}")
-        print(f"\nup --engines: {time.monotonic() - started:.0f} s")
-        exports = _exports(subprocess.run([*script, "env"], capture_output=True, text=True, env=env,
-                                          check=True).stdout)
-        assert {"KUBECONFIG", "SLUICE_GATEWAY_URL"} <= set(exports), exports
-        cluster = Cluster(kubeconfig=Path(exports["KUBECONFIG"]), state=state, kubectl_path=kubectl)
-        yield Loop(cluster, exports, state, env)
-    finally:
-        subprocess.run([*script, "down"], env=env, capture_output=True, timeout=120)
+    yield from start_loop(tmp_path_factory, CIDR)
 
 
 def _apply(loop: Loop, name: str, scaling: dict[str, Any], grace_s: int = 60) -> str:

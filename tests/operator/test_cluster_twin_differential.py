@@ -28,6 +28,7 @@ from dev_cluster import Cluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from operator_schemas import CRD_FILE, EXAMPLES, load_yaml
+from test_cluster_api import _rule_messages
 
 from sluice_operator.engine_flags import PASSTHROUGH_FLAGS
 from sluice_operator.spec import SpecError, parse_endpoint
@@ -43,16 +44,7 @@ NAMESPACES = sorted({b["metadata"].get("namespace", "default") for b in BASES})
 MAX_DEPTH = 5  # below this, values are scalars: core/v1 types nest deeply, and the errors are found higher up
 
 
-def _rule_messages(node: Any) -> set[str]:
-    if isinstance(node, dict):
-        own = {r["message"] for r in node.get("x-kubernetes-validations", [])}
-        return own.union(*(_rule_messages(v) for v in node.values()))
-    if isinstance(node, list):
-        return set().union(*(_rule_messages(v) for v in node))
-    return set()
-
-
-RULE_MESSAGES = _rule_messages(ROOT_SCHEMA)
+RULE_MESSAGES = _rule_messages(ROOT_SCHEMA)  # every CEL rule's message
 
 
 # -- generation -------------------------------------------------------------------------------------------------
