@@ -394,17 +394,20 @@ up() {  # [--keda] [--engines]
 
 alive() { local pid; for pid; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
 
-down() {  # SIGTERM to all, then SIGKILL what is left after 5 s: the state is thrown away anyway
-    local name pids=()
-    engines_down  # first, while the API server still answers: the pod runner stops its engines, drops its routes
-    for name in "${COMPONENTS[@]}"; do
+stop_components() {  # tenths of a second to wait, names...: SIGTERM to all of them, then SIGKILL what is left
+    local wait=$1 name pids=(); shift
+    for name; do
         running "$name" && pids+=("$(cat "$STATE/pids/$name")")
     done
-    if [[ ${#pids[@]} -gt 0 ]]; then
-        kill "${pids[@]}" 2>/dev/null || true
-        for _ in $(seq 50); do alive "${pids[@]}" || break; sleep 0.1; done
-        kill -9 "${pids[@]}" 2>/dev/null || true
-    fi
+    [[ ${#pids[@]} -gt 0 ]] || return 0
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq "$wait"); do alive "${pids[@]}" || break; sleep 0.1; done
+    kill -9 "${pids[@]}" 2>/dev/null || true
+}
+
+down() {  # SIGTERM to all, then SIGKILL what is left after 5 s: the state is thrown away anyway
+    engines_down  # first, while the API server still answers: the pod runner stops its engines, drops its routes
+    stop_components 50 "${COMPONENTS[@]}"
     rm -rf "$STATE"
     say "down"
 }

@@ -77,15 +77,7 @@ engines_summary() {
 }
 
 engines_down() {  # the Sluice processes (the pod runner stops its engines), then any local route left in the range
-    local name pids=()
-    for name in "${ENGINE_COMPONENTS[@]}"; do
-        running "$name" && pids+=("$(cat "$STATE/pids/$name")")
-    done
-    if [[ ${#pids[@]} -gt 0 ]]; then
-        kill "${pids[@]}" 2>/dev/null || true
-        for _ in $(seq 150); do alive "${pids[@]}" || break; sleep 0.1; done
-        kill -9 "${pids[@]}" 2>/dev/null || true
-    fi
+    stop_components 150 "${ENGINE_COMPONENTS[@]}"
     [[ -f $STATE/engines/cidr ]] || return 0
     # A runner killed before it cleaned up leaves `local` routes for its pod IPs: delete those in this cluster's range.
     ip route show table local | awk '$1 == "local" {print $2}' | python3 -c '

@@ -354,11 +354,7 @@ class JobBuilder:
                                     regex="(.+)"))
         rules += [copy_label(f"__meta_kubernetes_service_label_{label_name(k)}", label_name(k), regex="(.+)")
                   for k in spec.get("targetLabels") or []]
-        rules += [copy_label(f"__meta_kubernetes_pod_label_{label_name(k)}", label_name(k), regex="(.+)")
-                  for k in spec.get("podTargetLabels") or []]
-        rules += self._endpoint_label(ep)
-        rules += [relabel(r) for r in ep.get("relabelings") or []]
-        job["relabel_configs"] = rules
+        job["relabel_configs"] = rules + self._last_rules(spec, ep)
         return out
 
     def _pod_job(self, monitor: Object, index: int, ep: Object, who: str) -> Job:
@@ -380,12 +376,14 @@ class JobBuilder:
         if spec.get("jobLabel"):
             rules.append(copy_label(f"__meta_kubernetes_pod_label_{label_name(spec['jobLabel'])}", "job",
                                     regex="(.+)"))
-        rules += [copy_label(f"__meta_kubernetes_pod_label_{label_name(k)}", label_name(k), regex="(.+)")
-                  for k in spec.get("podTargetLabels") or []]
-        rules += self._endpoint_label(ep)
-        rules += [relabel(r) for r in ep.get("relabelings") or []]
-        job["relabel_configs"] = rules
+        job["relabel_configs"] = rules + self._last_rules(spec, ep)
         return out
+
+    def _last_rules(self, spec: Object, ep: Object) -> list[Object]:
+        """What both monitor kinds end with: podTargetLabels, the endpoint label, the endpoint's own relabelings."""
+        rules = [copy_label(f"__meta_kubernetes_pod_label_{label_name(k)}", label_name(k), regex="(.+)")
+                 for k in spec.get("podTargetLabels") or []]
+        return rules + self._endpoint_label(ep) + [relabel(r) for r in ep.get("relabelings") or []]
 
     @staticmethod
     def _pod_rules(ep: Object) -> list[Object]:

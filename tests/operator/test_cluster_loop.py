@@ -146,14 +146,14 @@ def endpoint(loop: Loop) -> Loop:
     return loop
 
 
-def _stream(loop: Loop, content: str, max_tokens: int = 16) -> tuple[float, str]:
+def _stream(loop: Loop, content: str, max_tokens: int = 16, model: str = MODEL) -> tuple[float, str]:
     """(time to first token, the answer) through the gateway with the real openai client, streamed."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{loop.gateway}/v1", api_key="unused", timeout=300, max_retries=0)
     global LAST_REQUEST
     start, first, parts = time.monotonic(), None, []
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                             max_tokens=max_tokens, temperature=0, stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

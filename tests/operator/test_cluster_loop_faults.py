@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from dev_cluster import wait_until
-from test_cluster_loop import DOC, NAMESPACE, Loop, start_loop
+from test_cluster_loop import DOC, NAMESPACE, Loop, _stream, start_loop
 
 from sluice_contract import ENDPOINT_LABEL, ROLE_LABEL, SERVING, STANDBY
 
@@ -80,22 +80,6 @@ def _metric(loop: Loop, name: str, **labels: str) -> float:
     return total
 
 
-def _stream(loop: Loop, model: str, content: str, max_tokens: int = 16) -> tuple[float, str]:
-    """(time to first token, the answer) through the gateway with the real openai client, streamed."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{loop.gateway}/v1", api_key="unused", timeout=300, max_retries=0)
-    start, first, parts = time.monotonic(), None, []
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                            max_tokens=max_tokens, temperature=0, stream=True)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.monotonic()
-            parts.append(chunk.choices[0].delta.content)
-    assert first is not None, "no token came"
-    return first - start, "".join(parts)
-
-
 def _delete(loop: Loop, name: str) -> None:
     """Delete the endpoint and wait until its pods are gone (their engines stopped: only two may run)."""
     loop.cluster.kubectl("delete", "inferenceendpoint", name, "-n", NAMESPACE, "--wait=false", check=False)
@@ -132,7 +116,7 @@ def test_the_warm_pool_answers_the_first_request_and_keda_still_scales_up(loop: 
 
         before = _metric(loop, "sluice_gateway_standby_requests_total", endpoint=model)
         asked = time.monotonic()
-        ttft, answer = _stream(loop, model, "Say hello in five words.", max_tokens=24)
+        ttft, answer = _stream(loop, "Say hello in five words.", max_tokens=24, model=model)
         assert answer.strip(), answer
         after = _metric(loop, "sluice_gateway_standby_requests_total", endpoint=model)
         assert after == before + 1, (before, after)
@@ -248,7 +232,7 @@ def test_an_engine_killed_is_retried_around_restarted_and_replaced(loop: Loop) -
         print(f"{new['metadata']['name']} replaced the deleted pod, Ready {time.monotonic() - deleted:.0f} s after "
               "the delete")
         _engine_pid(new)
-        _, answer = _stream(loop, model, "Still there?", max_tokens=4)
+        _, answer = _stream(loop, "Still there?", max_tokens=4, model=model)
         assert answer
     finally:
         _delete(loop, name)
