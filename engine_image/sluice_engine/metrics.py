@@ -276,6 +276,7 @@ class StatsSnapshot:
     kv_receiver_refusals: dict[str, int] = field(default_factory=dict)
     kv_receiver_inflight_bytes: int = 0
     prompt_tokens_pending: int = 0  # prompt tokens of waiting and running requests not computed yet
+    taken_at: float = 0.0  # wall-clock time (time.time()) the snapshot was made; 0: never (StatsSnapshot.zero)
 
     @classmethod
     def zero(cls) -> StatsSnapshot:
@@ -299,6 +300,7 @@ class _EngineCollector:
             cfg = async_engine.cfg
             self.recorder = None
         self.endpoint_label = cfg.endpoint_label
+        self.block_size = cfg.block_size
         self.prefill_hops = prefill_hops
         # The latest snapshot: the AsyncEngine's (published by its engine loop), or, with none (the offline
         # LLM, tests), one taken at scrape time.
@@ -322,9 +324,7 @@ class _EngineCollector:
             values.append(self.endpoint_label)
 
         def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, v)
-            return g
+            return gauge_family(name, doc, names, values, v)
 
         def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
             c = CounterMetricFamily(name, doc, labels=names)
@@ -344,10 +344,11 @@ class _EngineCollector:
             return f
 
         hist = snap.histograms
+        num_waiting = self.num_waiting(snap)
         # Gauges
         yield gauge("sluice_num_requests_running", "Requests in the running batch.", snap.num_running)
         yield gauge("sluice_num_requests_waiting", "Requests waiting to be scheduled, including those "
-                    "submitted but not yet seen by the engine thread.", self.num_waiting(snap))
+                    "submitted but not yet seen by the engine thread.", num_waiting)
         yield gauge("sluice_num_prompt_tokens_waiting", "Prompt tokens of waiting and running requests not computed "
                     "yet: the prefill backlog (what scales a disaggregated endpoint's prefill pool).",
                     snap.prompt_tokens_pending)
@@ -435,6 +436,32 @@ class _EngineCollector:
         yield histogram("sluice_iteration_tokens", "Tokens computed per engine step.", hist["iteration_tokens"])
         if snap.max_lora:
             yield from self._lora(snap, names, values)
+        yield from self._model_server_protocol(snap, num_waiting, names, values)
+
+    def _model_server_protocol(self, snap: StatsSnapshot, num_waiting: int, names: list[str], values: list[str]):
+        """The metrics the Gateway API Inference Extension's endpoint pickers (its reference EPP, llm-d) read from a
+        model server, under vLLM's names: the same values as the sluice_ gauges above, not computed again."""
+        yield gauge_family("vllm:num_requests_waiting", "Requests waiting to be scheduled (sluice_num_requests_"
+                           "waiting).", names, values, num_waiting)
+        yield gauge_family("vllm:num_requests_running", "Requests in the running batch (sluice_num_requests_"
+                           "running).", names, values, snap.num_running)
+        yield gauge_family("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests, 0-1 "
+                           "(sluice_kv_cache_usage_perc).", names, values, snap.kv_usage)
+        info = GaugeMetricFamily("vllm:cache_config_info", "1, labelled with the KV cache's block size in tokens "
+                                 "(block_size) and its number of blocks (num_gpu_blocks).",
+                                 labels=[*names, "block_size", "num_gpu_blocks"])
+        info.add_metric([*values, str(self.block_size), str(snap.kv_num_blocks)], 1)
+        yield info
+        if snap.max_lora:
+            # NOTE: the protocol's value is the time of the last update (an EPP keeps the newest series): the
+            # snapshot's, so a stalled engine shows an old one.
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Unix time of the last update, labelled with the "
+                                     "LoRA adapters of the running and the waiting requests (comma-separated) "
+                                     "and the adapters resident at once (max_lora).",
+                                     labels=[*names, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([*values, str(snap.max_lora), ",".join(snap.lora_running), ",".join(snap.lora_waiting)],
+                            snap.taken_at or time.time())
+            yield lora
 
     @staticmethod
     def _lora(snap: StatsSnapshot, names: list[str], values: list[str]):
@@ -480,6 +507,12 @@ class _EngineCollector:
                        {"store": snap.kv_offload_store_seconds, "load": snap.kv_offload_load_seconds})
         yield counter("sluice_kv_offload_dropped_blocks", "Evicted prefix blocks not stored because every tier "
                       "slot was being loaded by the same step.", snap.kv_offload_dropped)
+
+
+def gauge_family(name: str, doc: str, names: list[str], values: list[str], v: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=names)
+    g.add_metric(values, v)
+    return g
 
 
 def _label_text(text: str, limit: int = 200) -> str:

@@ -121,6 +121,11 @@ def test_every_metric_is_exported_with_its_type_and_labels(server):
         assert graphs_info == {(("reason", "graphs need CUDA (device is cpu)"), ("state", "off")): 1}
         assert m("sluice_cuda_graphs_captured") == 0
     assert m("sluice_kv_cache_num_blocks") > 0
+    # GIE's names (test_gie_metrics.py); lora_requests_info only with --enable-lora, as vLLM's.
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:cache_config_info"):
+        assert m.types[name] == "gauge", name
+    assert "vllm:lora_requests_info" not in m.types
     # Speculative decoding is off: its counters exist at zero.
     for name in ("sluice_spec_decode_num_drafts_total", "sluice_spec_decode_num_draft_tokens_total",
                  "sluice_spec_decode_num_accepted_tokens_total"):

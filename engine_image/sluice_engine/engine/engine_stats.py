@@ -4,6 +4,7 @@ engine thread's to take; /metrics renders the latest one published."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -70,7 +71,7 @@ class EngineStats:
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
             histograms={name: getattr(m, name).copy() for name in HISTOGRAMS},
             slo_ttft=m.slo_ttft, slo_tpot=m.slo_tpot, gpu_hour_usd=m.gpu_hour_usd, num_gpus=m.num_gpus,
-            **_offload_stats(kv, runner.kv_tier), **components)
+            taken_at=time.time(), **_offload_stats(kv, runner.kv_tier), **components)
 
 
 def _offload_stats(kv, tier) -> dict:
