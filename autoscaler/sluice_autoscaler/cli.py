@@ -97,6 +97,26 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                        help="seconds between peers' counts at most (a new hold arrives at once)")
     peers.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                        help="seconds a peer that stopped answering still counts with its last counts")
+    epp = p.add_argument_group("endpoint picker (Gateway API Inference Extension: Envoy ext-proc)")
+    epp.add_argument("--endpoint-picker", action="store_true",
+                     help="also serve Envoy's ext-proc on --picker-port: a GIE InferencePool's endpoint picker")
+    epp.add_argument("--picker-port", type=int, default=d.picker_port, help="the picker's gRPC port (0: a free one)")
+    epp.add_argument("--pool", default=None, metavar="NAMESPACE/NAME",
+                     help="pick only for this endpoint (an InferencePool has one); others' models get 404")
+    epp.add_argument("--objective", dest="objectives", action="append", default=[], metavar="NAME=PRIORITY",
+                     help="an InferenceObjective's priority (header x-gateway-inference-objective; higher is more "
+                          "important, below 0 sheddable; repeatable)")
+    epp.add_argument("--picker-hold-timeout", type=float, default=d.picker_hold_timeout,
+                     help="seconds a pick waits for a ready backend (scale from zero); keep it under the "
+                          "gateway's ext-proc message timeout")
+    epp.add_argument("--picker-max-inflight", type=int, default=d.picker_max_inflight,
+                     help="requests in flight per backend beyond which sheddable requests get 429 (0: never)")
+    epp.add_argument("--picker-max-streams", type=int, default=d.picker_max_streams,
+                     help="ext-proc streams (requests) served at once")
+    epp.add_argument("--picker-tls-cert", default=None, help="PEM certificate of the picker's port (TLS)")
+    epp.add_argument("--picker-tls-key", default=None, help="PEM private key of --picker-tls-cert")
+    epp.add_argument("--picker-tls-client-ca", default=None,
+                     help="PEM CA: every connection must present a client certificate it signed")
     p.add_argument("--debug-headers", action="store_true",
                    help="add X-Sluice-Backend and X-Sluice-Role to responses (exposes backend addresses)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

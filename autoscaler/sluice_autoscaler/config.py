@@ -57,6 +57,17 @@ class GatewayConfig:
     scaler_tls_key: str | None = None
     scaler_tls_client_ca: str | None = None
     scaler_max_streams: int = 256  # StreamIsActive subscriptions at once (KEDA opens one per trigger)
+    # Endpoint picker (picker.py): Envoy ext-proc gRPC for a Gateway API Inference Extension InferencePool.
+    endpoint_picker: bool = False
+    picker_port: int = 9002  # GIE's EPP port by convention; 0 picks a free port
+    pool: str | None = None  # the one endpoint key (<namespace>/<name>) the picker picks for; None: any
+    objectives: list[str] = field(default_factory=list)  # NAME=PRIORITY: InferenceObjective priorities
+    picker_hold_timeout: float = 25.0  # seconds a pick may wait for a ready backend (keep under the gateway's)
+    picker_max_inflight: int = 0  # per backend: a sheddable request finding all at it gets 429; 0: never shed
+    picker_max_streams: int = 4096  # ext-proc streams (requests) at once; more: RESOURCE_EXHAUSTED
+    picker_tls_cert: str | None = None
+    picker_tls_key: str | None = None
+    picker_tls_client_ca: str | None = None
     debug_headers: bool = False  # X-Sluice-Backend / X-Sluice-Role on responses (exposes pod addresses)
     # Other gateway replicas (peers.py): each serves its own demand on --peer-port and sums the others'.
     peer_port: int = 9091  # 0 picks a free port
@@ -115,6 +126,24 @@ class GatewayConfig:
             raise ValueError(f"--peer-interval must be > 0, got {self.peer_interval}")
         if self.peer_timeout < self.peer_interval:
             raise ValueError(f"--peer-timeout ({self.peer_timeout}) must be >= --peer-interval ({self.peer_interval})")
+        if not 0 <= self.picker_port <= 65535:
+            raise ValueError(f"--picker-port must be a port number (0: any free one), got {self.picker_port}")
+        if self.picker_hold_timeout < 0:
+            raise ValueError(f"--picker-hold-timeout must be >= 0, got {self.picker_hold_timeout}")
+        if self.picker_max_inflight < 0:
+            raise ValueError(f"--picker-max-inflight must be >= 0, got {self.picker_max_inflight}")
+        if self.picker_max_streams < 1:
+            raise ValueError(f"--picker-max-streams must be >= 1, got {self.picker_max_streams}")
+        if bool(self.picker_tls_cert) != bool(self.picker_tls_key):
+            raise ValueError("--picker-tls-cert and --picker-tls-key go together")
+        if self.picker_tls_client_ca and not self.picker_tls_cert:
+            raise ValueError("--picker-tls-client-ca needs --picker-tls-cert and --picker-tls-key")
+        if self.pool is not None and not self.pool:
+            raise ValueError("--pool takes an endpoint key (<namespace>/<name>, or a local model name)")
+        for text in self.objectives:
+            name, sep, value = text.partition("=")
+            if not sep or not name or not value.lstrip("-").isdigit():
+                raise ValueError(f"--objective takes NAME=PRIORITY with an integer priority, got {text!r}")
         if self.kubernetes and (self.backends or self.standby or self.adapters or self.backends_file):
             raise ValueError("--kubernetes discovers backends itself (and adapters from spec.adapters); drop "
                              "--backend/--standby/--adapter/--backends-file")

@@ -5,7 +5,7 @@ import warnings
 
 from sluice_autoscaler import externalscaler_pb2 as sluice__autoscaler_dot_externalscaler__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -26,6 +26,7 @@ from .demand import DemandBoard
 from .kube import KubeAPI, KubeDiscovery, KubePeerDiscovery, own_namespace
 from .metrics import GatewayMetrics
 from .peers import PeerSync, peer_app, replica_id
+from .picker import EndpointPicker, start_picker
 from .proxy import Proxy, build_app
 from .registry import Registry
 from .scaler import ExternalScaler, start_scaler
@@ -67,6 +68,9 @@ class Gateway:
         self._peer_runner: web.AppRunner | None = None
         self._ready_task: asyncio.Task | None = None
         self._grpc = None
+        self.picker: EndpointPicker | None = None
+        self._picker_grpc = None
+        self.picker_port = cfg.picker_port
         self.port = cfg.port
         self.scaler_port = cfg.scaler_port
         self.peer_port = cfg.peer_port
@@ -75,6 +79,8 @@ class Gateway:
         self.peers.set_peers(urls | set(self.cfg.peers))
 
     def _apply(self, specs) -> None:
+        if self.cfg.pool is not None:  # a pool's picker knows its endpoint only
+            specs = [s for s in specs if s.key == self.cfg.pool]
         self.registry.apply(specs)
         self.demand.prune(set(self.registry.endpoints))
 
@@ -119,11 +125,22 @@ class Gateway:
         service = ExternalScaler(self.registry, self.demand, self.cfg.scaler_target, self.scaler_token, self.ready)
         self._grpc, self.scaler_port = await start_scaler(service, self.cfg.host, self.cfg.scaler_port,
                                                           self.scaler_tls)
+        if self.cfg.endpoint_picker:
+            cfg = self.cfg
+            tls = (ScalerTLS(cfg.picker_tls_cert, cfg.picker_tls_key, cfg.picker_tls_client_ca, "--picker-tls")
+                   if cfg.picker_tls_cert and cfg.picker_tls_key else None)
+            self.picker = EndpointPicker(cfg, self.registry, self.demand, self.metrics, self.keys, self.proxy.router,
+                                         self.proxy.budget, self.ready)
+            self._picker_grpc, self.picker_port = await start_picker(self.picker, cfg.host, cfg.picker_port, tls)
+            log.info("endpoint picker (Envoy ext-proc) on %s:%d%s", cfg.host, self.picker_port,
+                     f" for {cfg.pool}" if cfg.pool else "")
         log.info("gateway %s on %s/v1 (routing %s), KEDA external scaler on %s:%d, peer port %d", self.replica,
                  self.url, self.cfg.routing, self.cfg.host, self.scaler_port, self.peer_port)
 
     async def stop(self) -> None:
         self.registry.close()  # held requests get 503 + Retry-After now; streams in flight may finish
+        if self._picker_grpc is not None:
+            await self._picker_grpc.stop(grace=self.cfg.shutdown_timeout)
         if self._grpc is not None:
             await self._grpc.stop(grace=1)
         if self._runner is not None:

@@ -22,10 +22,12 @@ log = logging.getLogger("sluice.gateway")
 
 
 class ScalerTLS:
-    def __init__(self, cert: str, key: str, client_ca: str | None = None):
-        self._files = {"cert": WatchedFile(cert, "--scaler-tls-cert"), "key": WatchedFile(key, "--scaler-tls-key")}
+    def __init__(self, cert: str, key: str, client_ca: str | None = None, flags: str = "--scaler-tls"):
+        """`flags`: the prefix of the flags that named the files (errors name them): the endpoint picker's
+        port (picker.py) takes the same kind of TLS as --picker-tls-*."""
+        self._files = {"cert": WatchedFile(cert, f"{flags}-cert"), "key": WatchedFile(key, f"{flags}-key")}
         if client_ca:
-            self._files["ca"] = WatchedFile(client_ca, "--scaler-tls-client-ca")
+            self._files["ca"] = WatchedFile(client_ca, f"{flags}-client-ca")
         self._pem: dict[str, bytes] = {}
         initial = self._reload(strict=True)
         assert initial is not None
@@ -59,7 +61,8 @@ class ScalerTLS:
             try:
                 return self._reload()
             except Exception:  # noqa: BLE001 - logged; the previous certificate stays
-                log.exception("re-reading the scaler's TLS files failed; keeping the previous ones")
+                log.exception("re-reading the TLS files of %s failed; keeping the previous ones",
+                              self._files["cert"].flag)
                 return None
 
         return grpc.dynamic_ssl_server_credentials(self._initial, fetch,

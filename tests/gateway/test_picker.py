@@ -1,0 +1,229 @@
+"""The endpoint picker's ext-proc protocol (picker.py), driven in-process the way GIE's data planes drive an
+EPP: request headers, body chunks (full-duplex streamed), then the response going by. Fake backends only
+answer /ready here: the picker never talks to them. (A gateway built from Envoy's own Go types drives it
+in test_picker_extproc.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from gateway_fakes import FakeBackend, chat, start_gateway, wait_until
+from google.protobuf import json_format
+
+from sluice_autoscaler import ext_proc_pb2 as pb
+from sluice_autoscaler import ext_proc_pb2_grpc as pb_grpc
+from sluice_autoscaler.picker import DESTINATION, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE, hostport
+
+pytestmark = pytest.mark.asyncio
+
+
+def headers(path: str = "/v1/chat/completions", eos: bool = False, **extra: str) -> pb.HttpHeaders:
+    hs = {":method": "POST", ":path": path, ":authority": "gw", "content-type": "application/json", **extra}
+    return pb.HttpHeaders(headers=pb.HeaderMap(headers=[pb.HeaderValue(key=k, raw_value=v.encode())
+                                                         for k, v in hs.items()]), end_of_stream=eos)
+
+
+def metadata(namespace: str, values: dict) -> pb.Metadata:
+    md = pb.Metadata()
+    md.filter_metadata[namespace].update(values)
+    return md
+
+
+class Exchange:
+    """One request's stream, as a gateway runs it."""
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub):
+        self.call = stub.Process()
+
+    async def request(self, body: dict | None, chunk: int = 7, subset: list[str] | None = None,
+                      **hdrs: str) -> list[pb.ProcessingResponse]:
+        raw = json.dumps(body).encode() if body is not None else b""
+        first = pb.ProcessingRequest(request_headers=headers(eos=not raw, **hdrs))
+        if subset is not None:
+            first.metadata_context.CopyFrom(metadata(SUBSET_NAMESPACE, {SUBSET: subset}))
+        await self.call.write(first)
+        pieces = [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
+        for i, piece in enumerate(pieces):
+            await self.call.write(pb.ProcessingRequest(request_body=pb.HttpBody(
+                body=piece, end_of_stream=i == len(pieces) - 1)))
+        out = [await self.call.read()]
+        if out[0].WhichOneof("response") == "immediate_response":
+            return out
+        while raw:  # the body comes back in streamed pieces until end_of_stream
+            r = await self.call.read()
+            out.append(r)
+            if r.request_body.response.body_mutation.streamed_response.end_of_stream:
+                break
+        return out
+
+    async def respond(self, served: str, chunks: list[bytes], status: str = "200") -> list[bytes]:
+        await self.call.write(pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(headers=pb.HeaderMap(headers=[
+                pb.HeaderValue(key=":status", raw_value=status.encode())])),
+            metadata_context=metadata(LB_NAMESPACE, {SERVED: served})))
+        assert (await self.call.read()).WhichOneof("response") == "response_headers"
+        back = []
+        for i, c in enumerate(chunks):
+            await self.call.write(pb.ProcessingRequest(response_body=pb.HttpBody(
+                body=c, end_of_stream=i == len(chunks) - 1)))
+            back.append((await self.call.read()).response_body.response.body_mutation.streamed_response.body)
+        await self.call.done_writing()
+        return back
+
+
+def destination(responses: list[pb.ProcessingResponse]) -> tuple[str, str, bytes]:
+    """(header value, metadata value, body sent upstream) of a pick."""
+    first = responses[0].request_headers.response
+    header = {h.header.key: h.header.raw_value.decode() for h in first.header_mutation.set_headers}[DESTINATION]
+    meta = json_format.MessageToDict(responses[0].dynamic_metadata)[LB_NAMESPACE][DESTINATION]
+    assert first.clear_route_cache
+    body = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in responses[1:])
+    return header, meta, body
+
+
+async def picker(backends: list[FakeBackend], **kw):
+    gw = await start_gateway(backends=[f"m={b.url}" for b in backends], endpoint_picker=True, picker_port=0, **kw)
+    await wait_until(lambda: len(gw.registry.by_model("m").candidates()[0]) == len(backends))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.picker_port}")
+    return gw, channel, pb_grpc.ExternalProcessorStub(channel)
+
+
+async def test_the_pick_names_a_ready_backend_in_header_and_metadata_alike_and_the_body_comes_back_whole():
+    backends = [await FakeBackend(n).start() for n in "ABC"]
+    gw, channel, stub = await picker(backends)
+    try:
+        body = chat("m", "a long shared system prompt " * 20)
+        ex = Exchange(stub)
+        header, meta, sent = destination(await ex.request(body))
+        assert header == meta  # the protocol: both, the same value
+        first, *fallbacks = header.split(",")
+        assert first in {hostport(b.url) for b in backends} and len(fallbacks) == 2 and first not in fallbacks
+        assert json.loads(sent) == body  # nothing to rewrite: the same request goes upstream
+        ep = gw.registry.by_model("m")
+        assert sum(b.inflight for b in ep.backends.values()) == 1 and gw.demand["m"].inflight == 1
+        # the response goes by chunk by chunk, unchanged; the stream's end releases the count
+        assert await ex.respond(first, [b"data: 1\n\n", b"data: [DONE]\n\n"]) == [b"data: 1\n\n", b"data: [DONE]\n\n"]
+        await wait_until(lambda: gw.demand["m"].inflight == 0)
+        assert sum(b.inflight for b in ep.backends.values()) == 0
+        # the same prefix is the same pick (prefix affinity), a request without a body still gets one
+        again = destination(await Exchange(stub).request(body))[0].split(",")[0]
+        assert again == first
+        r = await Exchange(stub).request(None, path="/v1/models")
+        assert destination(r)[0].split(",")[0] in {hostport(b.url) for b in backends}
+    finally:
+        await channel.close()
+        await gw.stop()
+        for b in backends:
+            await b.stop()
+
+
+async def test_subset_hint_limits_the_pick_and_an_unmatched_one_is_503():
+    backends = [await FakeBackend(n).start() for n in "AB"]
+    gw, channel, stub = await picker(backends)
+    try:
+        only = hostport(backends[1].url)
+        for i in range(6):
+            r = await Exchange(stub).request(chat("m", f"prompt {i}"), subset=[only])
+            assert destination(r)[0] == only  # no fallback outside the subset either
+        r = await Exchange(stub).request(chat("m", "x"), subset=["10.9.9.9:8000"])
+        assert r[0].immediate_response.status.code == 503
+        assert "subset" in json.loads(r[0].immediate_response.body)["error"]["message"]
+    finally:
+        await channel.close()
+        await gw.stop()
+        for b in backends:
+            await b.stop()
+
+
+async def test_bad_requests_get_immediate_answers_naming_the_cause():
+    backends = [await FakeBackend("A").start()]
+    gw, channel, stub = await picker(backends, max_body_bytes=1000, max_buffered_bytes=1000)
+    try:
+        async def answer(body) -> tuple[int, dict]:
+            ex = Exchange(stub)
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            await ex.call.write(pb.ProcessingRequest(request_headers=headers()))
+            await ex.call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True)))
+            r = (await ex.call.read()).immediate_response
+            return r.status.code, json.loads(r.body)["error"]
+
+        assert (await answer(b"{not json"))[0] == 400
+        code, err = await answer({"messages": []})
+        assert code == 400 and err["param"] == "model"
+        code, err = await answer(chat("other", "hi"))
+        assert code == 404 and err["code"] == "model_not_found"
+        code, err = await answer(chat("m", "x" * 2000))
+        assert code == 413 and "--max-body-bytes" in err["message"]
+        assert gw.proxy.budget.used == 0  # nothing stays counted against the buffer budget
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backends[0].stop()
+
+
+async def test_objective_priority_reaches_the_engine_and_a_client_cannot_set_its_own():
+    backends = [await FakeBackend("A").start()]
+    gw, channel, stub = await picker(backends, objectives=["critical=10", "batch=-1"])
+    try:
+        def sent(r) -> dict:
+            return json.loads(destination(r)[2])
+
+        r = await Exchange(stub).request(chat("m", "hi", priority=-100), **{"x-gateway-inference-objective": "critical"})
+        assert sent(r)["priority"] == -10  # GIE's higher-is-more-important becomes the engine's lower-is-sooner
+        r = await Exchange(stub).request(chat("m", "hi", priority=-100))
+        assert "priority" not in sent(r)  # no objective: the default, priority 0; the client's field is dropped
+        r = await Exchange(stub).request(chat("m", "hi"), **{"x-gateway-inference-objective": "batch"})
+        assert sent(r)["priority"] == 1
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backends[0].stop()
+
+
+async def test_sheddable_requests_get_429_when_every_backend_is_full_and_others_still_pass():
+    backends = [await FakeBackend("A").start()]
+    gw, channel, stub = await picker(backends, objectives=["batch=-1"], picker_max_inflight=1)
+    try:
+        busy = Exchange(stub)
+        await busy.request(chat("m", "first"))  # in flight until its response ends
+        r = await Exchange(stub).request(chat("m", "late"), **{"x-gateway-inference-objective": "batch"})
+        assert r[0].immediate_response.status.code == 429
+        assert {h.header.key for h in r[0].immediate_response.headers.set_headers} >= {"retry-after"}
+        r = await Exchange(stub).request(chat("m", "important"))  # priority 0 is not sheddable: it is picked
+        assert r[0].WhichOneof("response") == "request_headers"
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backends[0].stop()
+
+
+async def test_a_pick_at_zero_is_held_counts_for_keda_and_goes_on_when_a_backend_is_ready():
+    backend = FakeBackend("A")
+    backend.ready = False
+    await backend.start()
+    gw = await start_gateway(backends=[f"m={backend.url}"], endpoint_picker=True, picker_port=0,
+                             picker_hold_timeout=10)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.picker_port}")
+    stub = pb_grpc.ExternalProcessorStub(channel)
+    try:
+        pick = asyncio.create_task(Exchange(stub).request(chat("m", "wake up")))
+        await wait_until(lambda: gw.demand["m"].held == 1)
+        backend.ready = True
+        r = await asyncio.wait_for(pick, 10)
+        assert destination(r)[0] == hostport(backend.url)
+        assert gw.demand["m"].held == 0 and gw.demand["m"].inflight == 1
+        # past --picker-hold-timeout the picker answers 503 with Retry-After itself
+        backend.ready = False
+        await wait_until(lambda: not gw.registry.by_model("m").candidates()[0])
+        gw.cfg.picker_hold_timeout = 0.3
+        r = await Exchange(stub).request(chat("m", "again"))
+        assert r[0].immediate_response.status.code == 503
+        assert json.loads(r[0].immediate_response.body)["error"]["code"] == "hold_timeout"
+        assert gw.demand["m"].held == 0
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backend.stop()
