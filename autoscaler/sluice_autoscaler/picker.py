@@ -23,8 +23,8 @@ it; past it the picker answers 503 with Retry-After itself rather than let the g
 Priority: a request's InferenceObjective (header x-gateway-inference-objective) has a priority (higher is
 more important; negative is sheddable). It reaches the engine as the request's `priority` field in the
 engine's convention (vLLM's: lower is sooner), so the engine's priority scheduling orders and preempts by it;
-a client cannot set its own (the field is replaced). A sheddable request that finds every backend at
---picker-max-inflight is shed with 429 instead of queueing.
+a client cannot set its own (the field is replaced). With --picker-max-inflight, requests beyond it wait in
+a flow queue (FlowQueue: priority, then tenant by tenant), and a sheddable one is shed with 429 instead.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -59,6 +60,8 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+MAX_TENANT_CHARS = 256
 # Streamed body chunks sent back: under the 64 KiB Envoy buffers per stream by default.
 BODY_CHUNK = 62 * 1024
 FALLBACKS = 2  # endpoints after the chosen one, for the gateway's retry policy
@@ -157,6 +160,67 @@ def destination_responses(dest: str, body: bytes | None, in_body: bool) -> list[
     return out
 
 
+class FlowQueue:
+    """Requests of one endpoint waiting for room (every backend at --picker-max-inflight). The next turn goes to
+    the highest priority waiting; within it, tenant by tenant in turn (x-gateway-inference-fairness-id; no
+    header: one shared tenant), so a tenant with many requests waiting does not starve one with few; within a
+    tenant, first come first served. GIE's flow control has the same order: priority bands, fairness between
+    flows in a band, FCFS in a flow."""
+
+    def __init__(self) -> None:
+        # priority -> tenant -> its waiting turns, tenants in the order they get turns
+        self._bands: dict[int, dict[str, deque[asyncio.Future[None]]]] = {}
+        self._where: dict[asyncio.Future[None], tuple[int, str]] = {}
+
+    @property
+    def waiting(self) -> int:
+        return len(self._where)
+
+    def enqueue(self, priority: int, tenant: str, front: bool = False) -> asyncio.Future[None]:
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._bands.setdefault(priority, {}).setdefault(tenant, deque())
+        if front:
+            queue.appendleft(turn)
+        else:
+            queue.append(turn)
+        self._where[turn] = (priority, tenant)
+        return turn
+
+    def head(self) -> asyncio.Future[None] | None:
+        """The first turn in serving order (one given already, and not yet used, included)."""
+        for priority in sorted(self._bands, reverse=True):
+            for queue in self._bands[priority].values():
+                return queue[0]
+        return None
+
+    def wake(self) -> None:
+        """Give the next waiter not woken yet its turn; its tenant goes to the back of its band."""
+        for priority in sorted(self._bands, reverse=True):
+            tenants = self._bands[priority]
+            for tenant, queue in tenants.items():
+                turn = next((t for t in queue if not t.done()), None)
+                if turn is not None:
+                    turn.set_result(None)
+                    tenants[tenant] = tenants.pop(tenant)  # the others of the band come first next time
+                    return
+
+    def remove(self, turn: asyncio.Future[None]) -> bool:
+        """A waiter leaves the queue; True when it had been given a turn (the caller passes an unused one on)."""
+        where = self._where.pop(turn, None)
+        if where is None:
+            return False
+        priority, tenant = where
+        tenants = self._bands[priority]
+        tenants[tenant].remove(turn)
+        if not tenants[tenant]:
+            del tenants[tenant]
+        if not tenants:
+            del self._bands[priority]
+        woken = turn.done() and not turn.cancelled()
+        turn.cancel()
+        return woken
+
+
 class Refusal(Exception):
     def __init__(self, response: pb.ProcessingResponse, outcome: str):
         self.response, self.outcome = response, outcome
@@ -181,6 +245,7 @@ class PickerStream:
         self.outcome: str | None = None
         self.held_since: float | None = None
         self.priority = 0  # the objective's (GIE convention: higher is more important)
+        self.tenant = ""  # x-gateway-inference-fairness-id: shares within a priority are per tenant
         self.taken = 0  # request-body bytes counted against the picker's buffer budget
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
@@ -202,6 +267,7 @@ class PickerStream:
         kind = req.WhichOneof("request")
         if kind == "request_headers":
             self.headers = headers_of(req.request_headers.headers)
+            self.tenant = self.headers.get(FAIRNESS_HEADER, "")[:MAX_TENANT_CHARS]
             self.subset = subset_hint(req.metadata_context)
             if req.request_headers.end_of_stream:
                 return await self._decide(None, in_body=False)
@@ -338,12 +404,8 @@ class PickerStream:
                                         "zero); retry later", "hold_timeout", retry_after=self.cfg.retry_after),
                               "hold_timeout")
             await ep.wait_changed(left)
-        cap = self.cfg.picker_max_inflight
-        if cap and self.priority < 0 and all(b.inflight >= cap for b in candidates):
-            raise Refusal(immediate(429, f"every backend of model '{ep.model}' has {cap} requests in flight "
-                                    "(--picker-max-inflight) and this request's objective is sheddable "
-                                    "(priority below 0); retry later", "too_many_requests",
-                                    retry_after=self.cfg.retry_after), "rejected")
+        if self.cfg.picker_max_inflight:
+            candidates = await self._wait_for_room(ep, loop)
         prefer = ep.adapter_use.warm(self.adapter) if self.adapter else ()
         chosen = self.p.router.pick(candidates, key, prefer)
         assert isinstance(chosen, Backend)
@@ -351,6 +413,52 @@ class PickerStream:
         self._take(chosen)
         rest = sorted((b for b in candidates if b is not chosen), key=lambda b: (b.inflight, b.url))[:FALLBACKS]
         return ",".join(hostport(b.url) for b in [chosen, *rest])
+
+    async def _wait_for_room(self, ep: Endpoint, loop: asyncio.AbstractEventLoop) -> list[Backend]:
+        """The candidates with room under --picker-max-inflight, once this request's turn has come: it waits
+        in the endpoint's flow queue (by priority, then tenant by tenant) while every backend is full, or
+        while others wait before it. A sheddable request is shed instead of queued."""
+        cap, flow = self.cfg.picker_max_inflight, self.p.flow(ep.key)
+        turn: asyncio.Future[None] | None = None
+        try:
+            while True:
+                candidates = self._candidates(ep)
+                room = [b for b in candidates if b.inflight < cap]
+                first = turn is None and not flow.waiting
+                if room and (first or (turn is not None and (turn.done() or flow.head() is turn))):
+                    if turn is not None:
+                        flow.remove(turn)
+                        turn = None
+                    return room
+                if self.priority < 0:
+                    raise Refusal(immediate(429, f"every backend of model '{ep.model}' has {cap} requests in "
+                                            "flight (--picker-max-inflight) and this request's objective is "
+                                            "sheddable (priority below 0); retry later", "too_many_requests",
+                                            retry_after=self.cfg.retry_after), "rejected")
+                if self.p.registry.closing or ep.removed:
+                    raise Refusal(immediate(503, "the picker is shutting down; retry", "shutting_down",
+                                            retry_after=1), "unavailable")
+                self._begin_hold(loop)  # queued: counted as held for KEDA (queue depth is what it scales on)
+                assert self.held_since is not None
+                left = self.held_since + self.cfg.picker_hold_timeout - loop.time()
+                if left <= 0:
+                    raise Refusal(immediate(503, f"every backend of model '{ep.model}' stayed full for "
+                                            f"{self.cfg.picker_hold_timeout:g}s (--picker-hold-timeout); retry "
+                                            "later", "queue_timeout", retry_after=self.cfg.retry_after),
+                                  "hold_timeout")
+                if turn is None or turn.done():  # first time, or woken without room (a proxy request took it)
+                    again = turn is not None
+                    if turn is not None:
+                        flow.remove(turn)
+                    turn = flow.enqueue(self.priority, self.tenant, front=again)
+                changed = asyncio.ensure_future(ep.wait_changed(left))
+                try:
+                    await asyncio.wait([turn, changed], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+        finally:
+            if turn is not None and flow.remove(turn):
+                flow.wake()  # refused or gone with a turn it was given: the turn goes on to the next
 
     def _pool_endpoint(self) -> Endpoint:
         """A request without a model (GET /v1/models): the pool's endpoint, if the picker serves one."""
@@ -384,6 +492,8 @@ class PickerStream:
             self.backend.inflight -= 1
             self.backend = None
             self.demand.add(inflight=-1)
+            if self.ep is not None:
+                self.p.flow(self.ep.key).wake()  # room on a backend: the next in the flow queue may take it
 
     def _response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = served_endpoint(req.metadata_context)
@@ -420,6 +530,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.pool = cfg.pool
         self.objectives = Objectives.parse(cfg.objectives)
         self.streams = 0
+        self._flows: dict[str, FlowQueue] = {}
+
+    def flow(self, key: str) -> FlowQueue:
+        flow = self._flows.get(key)
+        if flow is None:
+            flow = self._flows[key] = FlowQueue()
+        return flow
 
     async def Process(self, request_iterator, context):  # noqa: N802 (the gRPC method's name)
         if not self.ready.is_set():

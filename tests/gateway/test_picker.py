@@ -183,17 +183,63 @@ async def test_objective_priority_reaches_the_engine_and_a_client_cannot_set_its
         await backends[0].stop()
 
 
-async def test_sheddable_requests_get_429_when_every_backend_is_full_and_others_still_pass():
+async def test_when_every_backend_is_full_sheddable_requests_get_429_and_others_queue_for_their_turn():
     backends = [await FakeBackend("A").start()]
     gw, channel, stub = await picker(backends, objectives=["batch=-1"], picker_max_inflight=1)
     try:
         busy = Exchange(stub)
-        await busy.request(chat("m", "first"))  # in flight until its response ends
+        first = destination(await busy.request(chat("m", "first")))[0]  # in flight until its response ends
         r = await Exchange(stub).request(chat("m", "late"), **{"x-gateway-inference-objective": "batch"})
         assert r[0].immediate_response.status.code == 429
         assert {h.header.key for h in r[0].immediate_response.headers.set_headers} >= {"retry-after"}
-        r = await Exchange(stub).request(chat("m", "important"))  # priority 0 is not sheddable: it is picked
-        assert r[0].WhichOneof("response") == "request_headers"
+        # priority 0 is not sheddable: it waits (counted as held for KEDA) and is picked when room frees up
+        queued = asyncio.create_task(Exchange(stub).request(chat("m", "important")))
+        await wait_until(lambda: gw.demand["m"].held == 1)
+        assert not queued.done()
+        await busy.respond(first, [b"data: [DONE]\n\n"])
+        r = await asyncio.wait_for(queued, 5)
+        assert r[0].WhichOneof("response") == "request_headers" and gw.demand["m"].held == 0
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backends[0].stop()
+
+
+async def test_queued_requests_go_by_priority_then_tenant_by_tenant():
+    """One backend with room for one: a tenant that queued six requests does not starve one that queued two
+    after them, and a critical request queued last goes first."""
+    backends = [await FakeBackend("A").start()]
+    gw, channel, stub = await picker(backends, objectives=["critical=5"], picker_max_inflight=1)
+    order: list[str] = []
+    try:
+        holder = Exchange(stub)
+        dest = destination(await holder.request(chat("m", "holder")))[0].split(",")[0]
+
+        async def one(label: str, tenant: str, objective: str | None = None) -> None:
+            ex = Exchange(stub)
+            hdrs = {"x-gateway-inference-fairness-id": tenant}
+            if objective:
+                hdrs["x-gateway-inference-objective"] = objective
+            await ex.request(chat("m", label), **hdrs)
+            order.append(label)
+            await asyncio.sleep(0.01)
+            await ex.respond(dest, [b"data: [DONE]\n\n"])  # done: the next in the queue gets the room
+
+        tasks = []
+        for i in range(6):
+            tasks.append(asyncio.create_task(one(f"a{i}", "tenant-a")))
+            await wait_until(lambda n=i + 1: gw.demand["m"].held == n)
+        for i in range(2):
+            tasks.append(asyncio.create_task(one(f"b{i}", "tenant-b")))
+            await wait_until(lambda n=7 + i: gw.demand["m"].held == n)
+        tasks.append(asyncio.create_task(one("urgent", "tenant-a", "critical")))
+        await wait_until(lambda: gw.demand["m"].held == 9)
+        await holder.respond(dest, [b"data: [DONE]\n\n"])
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        assert order[0] == "urgent"
+        # then the two tenants alternate while both wait; FCFS within each
+        assert order[1:] == ["a0", "b0", "a1", "b1", "a2", "a3", "a4", "a5"], order
+        assert gw.demand["m"].held == 0 and gw.demand["m"].inflight == 0
     finally:
         await channel.close()
         await gw.stop()
