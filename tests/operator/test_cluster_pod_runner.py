@@ -18,9 +18,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -31,13 +28,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from dev_cluster import ROOT, SCRIPTS, Cluster, tail, tool, wait_until
-from operator_schemas import CRD_FILE, EXAMPLES
-from servers import SERVED_NAME, process_gone, stop_process
+from dev_cluster import ROOT, SCRIPTS, Cluster, wait_until
+from engine_pods import Runner, apply_endpoint, engines_cluster, is_ready, pod_cidr, render, why_not
+from engine_pods import endpoint_pods as _endpoint_pods
+from operator_schemas import EXAMPLES
+from servers import SERVED_NAME, process_gone
 
 NAMESPACE, NAME = "default", "smollm2"
 API_KEY = "sk-pod-runner-test"
-CIDR = f"198.19.{os.getpid() % 250}.0/24"  # one /24 per run, apart from the 198.18.0.0/16 docs/operator.md uses
+CIDR = pod_cidr()
 
 
 def load_runner() -> ModuleType:
@@ -50,12 +49,6 @@ def load_runner() -> ModuleType:
 
 
 runner = load_runner()
-
-
-def render(path: Path) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "render", "-f", str(path), "-o", "json"],
-                         capture_output=True, text=True, check=True, timeout=60)
-    return json.loads(out.stdout)["items"]
 
 
 def pod_templates(items: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -119,59 +112,13 @@ def test_what_the_runner_makes_of_each_examples_pods(tmp_path: Path) -> None:
 # --- against a cluster of its own -------------------------------------------------------------------------------
 
 
-def can_route_locally() -> str | None:
-    """Why local routes cannot be added here, or None."""
-    probe = f"198.19.{os.getpid() % 250}.254/32"
-    add = subprocess.run(["ip", "route", "add", "local", probe, "dev", "lo"], capture_output=True, text=True)
-    if add.returncode != 0:
-        return add.stderr.strip() or "ip route add failed"
-    subprocess.run(["ip", "route", "del", "local", probe, "dev", "lo"], capture_output=True)
-    return None
-
-
 @pytest.fixture(scope="module")
-def engines_cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Cluster]:
-    kubectl = tool("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl (scripts/get-helm.sh fetches one into .tools/bin)")
-    why = can_route_locally()
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    why = why_not(CIDR)
     if why is not None:
-        pytest.skip(f"scripts/pod_runner.py routes pod IPs to this machine, which needs root or CAP_NET_ADMIN: {why}")
-    build = subprocess.run(["bash", str(SCRIPTS / "get-control-plane.sh")], capture_output=True, text=True,
-                           timeout=3600)
-    if build.returncode != 0:
-        pytest.skip(f"the control plane could not be built:\n{tail(build.stderr)}")
-    state = tmp_path_factory.mktemp("engines-cluster")
-    env = {**os.environ, "SLUICE_DEV_CLUSTER_DIR": str(state), "KUBECTL": kubectl, "SLUICE_KWOK_CIDR": CIDR,
-           "SLUICE_KWOK_STAGES": str(SCRIPTS / "kwok-engine-stages.yaml")}
-    down = ["bash", str(SCRIPTS / "dev-cluster.sh"), "down"]
-    up = subprocess.run(["bash", str(SCRIPTS / "dev-cluster.sh"), "up"], capture_output=True, text=True, env=env,
-                        timeout=300)
-    try:
-        if up.returncode != 0:
-            pytest.fail(f"scripts/dev-cluster.sh up failed:\n{tail(up.stderr)}")
-        yield Cluster(kubeconfig=state / "admin.kubeconfig", state=state, kubectl_path=kubectl)
-    finally:
-        subprocess.run(down, env=env, capture_output=True, timeout=60)
-
-
-class Runner:
-    def __init__(self, cluster: Cluster, logs: Path, *flags: str):
-        self.logs = logs
-        self.out = logs / "pod_runner.log"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(self.out, "a") as out:
-            self.proc = subprocess.Popen([sys.executable, str(SCRIPTS / "pod_runner.py"), "--kubeconfig",
-                                          str(cluster.kubeconfig), "--log-dir", str(logs), *flags],
-                                         stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-
-    def log(self) -> str:
-        return tail(self.out.read_text(errors="replace"), 40)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        stop_process(self.proc, timeout=60)
+        pytest.skip(why)
+    with engines_cluster(tmp_path_factory.mktemp("engines-cluster"), CIDR) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -180,34 +127,19 @@ def runner_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def endpoint(engines_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+def endpoint(engines: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
     """examples/cpu-smollm2.yaml with SLUICE_API_KEY from a Secret, stored, and its rendered objects applied."""
-    c = engines_cluster
-    c.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-    c.wait_established("inferenceendpoints.sluice.dev")
+    c = engines
     c.kubectl("create", "secret", "generic", f"{NAME}-api-key", f"--from-literal=key={API_KEY}", "-n", NAMESPACE)
     ep = yaml.safe_load((ROOT / "examples" / "cpu-smollm2.yaml").read_text())
     ep["spec"]["pod"]["env"] = [{"name": "SLUICE_API_KEY",
                                  "valueFrom": {"secretKeyRef": {"name": f"{NAME}-api-key", "key": "key"}}}]
-    path = tmp_path_factory.mktemp("endpoint") / "endpoint.yaml"
-    path.write_text(yaml.safe_dump(ep))
-    c.apply(ep)
-    uid = c.json("get", "inferenceendpoint", NAME, "-n", NAMESPACE)["metadata"]["uid"]
-    items = [o for o in render(path) if o["kind"] in ("ConfigMap", "Deployment", "Service", "PodDisruptionBudget")]
-    for obj in items:  # owned by the stored endpoint (a placeholder uid would have the garbage collector delete them)
-        for ref in obj["metadata"].get("ownerReferences", []):
-            ref["uid"] = uid
-    c.apply({"apiVersion": "v1", "kind": "List", "items": items})
+    apply_endpoint(c, ep, tmp_path_factory.mktemp("endpoint"))
     return c
 
 
 def pods(c: Cluster) -> list[dict[str, Any]]:
-    return [p for p in c.json("get", "pods", "-n", NAMESPACE, "-l", f"sluice.dev/endpoint={NAME}")["items"]
-            if not p["metadata"].get("deletionTimestamp")]
-
-
-def is_ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+    return _endpoint_pods(c, NAMESPACE, NAME)
 
 
 def answers(ip: str) -> bool:
