@@ -339,7 +339,8 @@ func (g *gateway) sendRequest(stream *eppStream, r *http.Request, body []byte) e
 			headers = append(headers, &corev3.HeaderValue{Key: lk, RawValue: []byte(v)})
 		}
 	}
-	if len(body) > 0 || r.ContentLength == 0 {
+	// Envoy passes content-length on as the client sent it; a chunked body arrives here whole, so it gets one.
+	if _, sent := r.Header["Content-Length"]; sent || len(body) > 0 {
 		headers = append(headers, &corev3.HeaderValue{Key: "content-length", RawValue: []byte(strconv.Itoa(len(body)))})
 	}
 	first := &extprocv3.ProcessingRequest{
@@ -684,6 +685,7 @@ func (g *gateway) responsePhase(w http.ResponseWriter, r *http.Request, stream *
 	pending := make(chan chunk, 1024)
 	upstreamErr := make(chan error, 1)
 	sendDone := make(chan struct{})
+	var eosSent atomic.Bool
 	go func() {
 		defer close(sendDone)
 		buf := make([]byte, g.cfg.bodyChunk)
@@ -708,6 +710,7 @@ func (g *gateway) responsePhase(w http.ResponseWriter, r *http.Request, stream *
 				case <-stream.ctx.Done():
 					return
 				}
+				eosSent.Store(true)
 				if err := stream.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 					ResponseBody: &extprocv3.HttpBody{EndOfStream: true}}}); err != nil {
 					upstreamErr <- fmt.Errorf("sending the end of the response body to the EPP: %w", err)
@@ -779,12 +782,15 @@ func (g *gateway) responsePhase(w http.ResponseWriter, r *http.Request, stream *
 			break
 		}
 	}
-	// The EPP may end the body before the upstream has (it owns the response); the sender then stops with
-	// the stream. Otherwise it has sent its last message already.
+	// The EPP may end the body before the upstream has (it owns the response): then the stream is cancelled,
+	// which stops the sender and the upstream request. Otherwise the sender is done or about to be, and the
+	// stream can be half-closed once it is (one sender at a time).
+	if !eosSent.Load() {
+		return false
+	}
 	select {
 	case <-sendDone:
 	case <-time.After(g.cfg.eppTimeout):
-		logger.Printf("%s %s: the EPP ended the response before the upstream did", r.Method, r.URL.RequestURI())
 		return false
 	}
 	return stream.CloseSend() == nil

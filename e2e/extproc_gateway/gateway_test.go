@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -45,6 +46,7 @@ type fakeEPP struct {
 	responseStatus []string
 	responseChunks [][]byte
 	closedCleanly  int
+	streamErrors   int // streams that ended in an error (the gateway cancelled them)
 }
 
 func (f *fakeEPP) headersResponse() *extprocv3.ProcessingResponse {
@@ -125,6 +127,9 @@ func (f *fakeEPP) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 			return nil
 		}
 		if err != nil {
+			f.mu.Lock()
+			f.streamErrors++
+			f.mu.Unlock()
 			return err
 		}
 		switch m := req.GetRequest().(type) {
@@ -476,8 +481,9 @@ func TestNoBodyRequest(t *testing.T) {
 	if !epp.requests[0].GetEndOfStream() || epp.bodyMessages != 0 {
 		t.Errorf("headers eos=%v and %d body messages for a GET", epp.requests[0].GetEndOfStream(), epp.bodyMessages)
 	}
-	if h := headerMap(epp.requests[0]); h[":method"][0] != "GET" || h[":path"][0] != "/v1/models?x=1" {
-		t.Errorf("pseudo-headers %v", h)
+	if h := headerMap(epp.requests[0]); h[":method"][0] != "GET" || h[":path"][0] != "/v1/models?x=1" ||
+		h["content-length"] != nil {
+		t.Errorf("headers sent to the EPP for a GET: %v", h)
 	}
 }
 
@@ -686,5 +692,56 @@ func TestFlags(t *testing.T) {
 		if _, err := parseFlags(args, io.Discard); err == nil {
 			t.Errorf("%q: accepted", args)
 		}
+	}
+}
+
+func TestClientGoneCancelsUpstreamAndStream(t *testing.T) {
+	upstreamCancelled := make(chan struct{})
+	be := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		rc := http.NewResponseController(w)
+		for {
+			_, _ = io.WriteString(w, "data: tick\n\n")
+			_ = rc.Flush()
+			select {
+			case <-r.Context().Done():
+				close(upstreamCancelled)
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}))
+	t.Cleanup(be.Close)
+	epp := &fakeEPP{destHeader: be.Listener.Addr().String()}
+	gw := startGateway(t, "--epp", startEPP(t, epp))
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, gw.URL+"/v1/completions", strings.NewReader(`{}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	if err != nil || line != "data: tick\n" {
+		t.Fatalf("first line %q, %v", line, err)
+	}
+	cancel()
+	resp.Body.Close()
+	select {
+	case <-upstreamCancelled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the upstream request went on after the client went away")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		epp.mu.Lock()
+		ended := epp.streamErrors
+		epp.mu.Unlock()
+		if ended == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the ext-proc stream was not cancelled after the client went away")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
