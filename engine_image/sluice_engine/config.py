@@ -61,6 +61,9 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-disable-batch-size must be >= 1, got {self.disable_batch_size}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -72,6 +75,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # The waiting queue's order (core/scheduler.py): fcfs = arrival; priority = each request's `priority` (lower
+    # first, vLLM's rule), then arrival, and a more urgent request may preempt running ones of a worse priority.
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # The KV offload tier (docs/architecture.md, "KV beyond one engine"): bytes of host memory per rank that keep
@@ -169,6 +175,9 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16, got {self.dtype}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -22,6 +22,8 @@ GREEDY_TEMPERATURE = 1e-5
 # top_p below this keeps only the most likely token, exactly as smaller values would, and still is a
 # normal float32 (1e-300 would round to 0 in the sampler's tensors and drop every token).
 MIN_TOP_P = 1e-30
+# A request's scheduling priority (--scheduling-policy priority; lower is served earlier): a 32-bit signed range.
+MAX_PRIORITY = 2**31 - 1
 
 
 class InvalidParam(ValueError):
@@ -30,6 +32,18 @@ class InvalidParam(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """A request's `priority` (not a sampling parameter, but checked by the same rules): an integer within
+    +-MAX_PRIORITY, and nonzero only where the engine schedules by priority (vLLM refuses it likewise)."""
+    if type(priority) is not int:
+        raise InvalidParam("priority", f"priority must be an integer, got {priority!r}")
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidParam("priority", f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+    if priority and policy != "priority":
+        raise InvalidParam("priority", f"priority scheduling is not enabled: this server serves requests first come, "
+                           f"first served (--scheduling-policy {policy}); send priority 0 or leave it out")
 
 
 @dataclass(slots=True)

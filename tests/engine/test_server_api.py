@@ -110,6 +110,9 @@ def test_prefix_cache_serves_repeated_long_prompt(server, client):
         ({"prompt": ""}, 400, "prompt", "empty"),
         ({"max_tokens": 3}, 400, "prompt", "missing"),
         ({"prompt": "hi", "stream": True, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+        # This server schedules first come, first served (test_priority_scheduling.py has one that does not).
+        ({"prompt": "hi", "priority": 1}, 400, "priority", "priority scheduling is not enabled"),
+        ({"prompt": "hi", "priority": True}, 400, "priority", "valid integer"),
     ],
 )
 def test_bad_completion_inputs(server, body, status, param, words):
@@ -140,6 +143,12 @@ def test_bad_chat_inputs_and_malformed_json(server):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}],
                                        temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="priority scheduling is not enabled"):
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1, extra_body={"priority": -1})
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1, extra_body={"priority": 0})  # the default, always taken
+    assert r.choices[0].finish_reason == "length"
 
 
 def test_no_leaks_after_many_requests_some_cancelled(server):

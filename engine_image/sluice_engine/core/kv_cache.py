@@ -184,6 +184,11 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def new_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """The fresh blocks `allocate(request, num_new_tokens)` would take from the pool for a running request."""
+        held = len(self.req_blocks.get(request.request_id, ()))
+        return max(self.blocks_needed(request.num_scheduled_tokens + num_new_tokens) - held, 0)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 

@@ -99,6 +99,8 @@ class Request:
     # (prefill/decode disaggregation, kv_transfer/).
     kv_push_to: str | None = None
     lora_slot: int | None = None
+    # With --scheduling-policy priority: lower is served earlier (vLLM's rule); ties go by arrival. Set by the API.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

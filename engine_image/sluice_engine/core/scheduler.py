@@ -11,6 +11,15 @@ step schedules another, disjoint set and every stage has work. A request stays o
 a new one joins the least loaded; preemption only ever takes from the virtual engine being scheduled
 (never a request whose step is still in flight). Each virtual engine may run max_num_seqs / num_virtual.
 
+Priority (--scheduling-policy priority, vLLM's semantics: a lower `Request.priority` is served earlier): the
+waiting queue and the running list are both kept sorted by (priority, arrival), by binary insertion, so every
+place above that reads "front of the queue" or "most recently admitted" reads "most urgent" and "least urgent"
+instead: running requests are stepped most urgent first, and a request that runs out of blocks preempts the least
+urgent running one (the latest arrival of the worst priority, never one more urgent than itself). Before a step,
+if the most urgent waiting request would not fit (no batch slot, no token budget, no blocks), running requests of
+a strictly worse priority are preempted, least urgent first, until it fits or none is left; requests of equal
+priority never preempt each other, so among them it is first come, first served. With fcfs nothing of this runs.
+
 Async scheduling: a step may be scheduled while the previous one is still in flight. A request's next
 step starts after the tokens in flight (`num_scheduled_tokens`), and the token its step in flight will
 sample is a PLACEHOLDER in the new step's input (the runner takes it from that step's sampled tokens on the
@@ -19,6 +28,7 @@ device). A request whose tokens in flight may already reach its length limit wai
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -30,15 +40,18 @@ from .sched_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, num_virtual: int = 1,
-                 max_model_len: int | None = None, lora_slots: LoRASlotTable | None = None):
+                 max_model_len: int | None = None, lora_slots: LoRASlotTable | None = None, policy: str = "fcfs"):
         self.kv = kv
+        self.by_priority = policy == "priority"
         self.max_model_len = max_model_len
         self.lora_slots = lora_slots  # None: LoRA off
         self.num_virtual = num_virtual
         self.max_num_seqs = max(1, -(-max_num_seqs // num_virtual))  # per virtual engine
         self._load = [0] * num_virtual  # unfinished requests per virtual engine
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        # fcfs: waiting in arrival order (preempted requests at the front), running in admission order. priority:
+        # both sorted by _urgency (a list: binary insertion; deleting from it is O(n), as from the deque).
+        self.waiting: deque[Request] | list[Request] = [] if self.by_priority else deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -63,7 +76,10 @@ class Scheduler:
         request.virtual_engine = min(range(self.num_virtual), key=self._load.__getitem__)
         self._load[request.virtual_engine] += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_urgency)  # after its equals: arrival order among them
+        else:
+            self.waiting.append(request)
 
     def has_work_on(self, ve: int) -> bool:
         return any(r.virtual_engine == ve for r in self.running) or any(r.virtual_engine == ve for r in self.waiting)
@@ -130,8 +146,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        # Requests preempted for a more urgent waiting one: not readmitted in this step (they would thrash).
+        made_room = self._make_room(ve, out) if self.by_priority and self.waiting else frozenset()
 
         i = 0
+        thrashed = False  # a running request lacked blocks: nothing is admitted this step
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.virtual_engine != ve:  # another virtual engine's (with one, every request is on 0)
@@ -146,7 +165,8 @@ class Scheduler:
                 del req.spec_token_ids[budget - num_new :]
                 num_new += len(req.spec_token_ids)
             while not self.kv.allocate(req, num_new):
-                victim = self._pop_victim(ve)  # most recently admitted of this virtual engine
+                thrashed = True
+                victim = self._pop_victim(ve)  # most recently admitted (priority: least urgent) of this virtual engine
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -158,12 +178,12 @@ class Scheduler:
                 continue
             break  # req itself was preempted; everything after it already was
 
-        # Admit waiting requests only if nobody was preempted this step (they would thrash).
+        # Admit waiting requests only if no running request lacked blocks this step (they would thrash).
         running = len(self.running) if self.num_virtual == 1 else sum(r.virtual_engine == ve for r in self.running)
         idx = 0
-        while idx < len(self.waiting) and budget > 0 and running < self.max_num_seqs and not out.preempted:
+        while idx < len(self.waiting) and budget > 0 and running < self.max_num_seqs and not thrashed:
             req = self.waiting[idx]
-            if req.virtual_engine != ve:
+            if req.virtual_engine != ve or req in made_room:
                 idx += 1
                 continue
             fork = self._fork_state(req)
@@ -261,7 +281,10 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        self.running.append(req)
+        if self.by_priority:
+            bisect.insort(self.running, req, key=_urgency)
+        else:
+            self.running.append(req)
         out.scheduled.append(self._plain(req, num_new))
 
     def _plain(self, req: Request, num_new: int) -> ScheduledRequest:
@@ -293,4 +316,60 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_urgency)  # back to its place: its priority, then its arrival
+        else:
+            self.waiting.appendleft(req)
+
+    # -- priority ------------------------------------------------------------------------------
+    def _make_room(self, ve: int, out: SchedulerOutput) -> frozenset[Request]:
+        """Before a step (priority policy): if the most urgent waiting request of `ve` would not be admitted by it
+        (no batch slot, no token budget left after the running requests, too few free blocks for its first chunk
+        and the running requests' next tokens), preempt running requests of a strictly worse priority, least
+        urgent first (the end of the sorted running list), until it would or none is left. Returns the preempted.
+
+        NOTE: done before anything is scheduled, never after: a request scheduled in this step has its new blocks
+        registered in the prefix cache already (KVCacheManager.allocate), and preempting it then would free
+        blocks named for KV that no forward wrote. The estimate leaves out LoRA slots and drafts trimmed by the
+        budget; where it is short, the running requests preempt as under fcfs and no one is admitted this step.
+        O(running + waiting of ve) per step."""
+        head = next((r for r in self.waiting if r.virtual_engine == ve), None)
+        if head is None or self._fork_state(head) == "wait":
+            return frozenset()
+        mine = [r for r in self.running if r.virtual_engine == ve]
+        if not mine or mine[-1].priority <= head.priority:
+            return frozenset()  # nobody less urgent runs: the head waits for its turn as under fcfs
+        # What each running request takes this step if it runs (tokens, new blocks), as the running loop gives it.
+        need_tokens = [self._tokens_wanted(r) for r in mine]
+        need_blocks = [self.kv.new_blocks_needed(r, n) for r, n in zip(mine, need_tokens, strict=True)]
+        tokens, blocks = sum(need_tokens), sum(need_blocks)
+        cached = self.kv.find_cached_prefix(head) if head.num_computed_tokens == 0 else []
+        head_left = head.num_tokens - head.num_computed_tokens - len(cached) * self.kv.block_size
+        victims: list[Request] = []
+        while mine and mine[-1].priority > head.priority:
+            chunk = min(head_left, self.max_num_batched_tokens - tokens)
+            head_blocks = self.kv.blocks_needed(head.num_computed_tokens + len(cached) * self.kv.block_size + chunk)
+            head_blocks -= len(cached)
+            if (len(mine) < self.max_num_seqs and chunk > 0
+                    and blocks + head_blocks <= self.kv.num_free_blocks() - sum(b.ref_cnt == 0 for b in cached)):
+                break
+            victim = mine.pop()
+            tokens -= need_tokens.pop()
+            blocks -= need_blocks.pop()
+            self.running.remove(victim)  # at or near the end: the least urgent
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            victims.append(victim)
+        return frozenset(victims)
+
+    def _tokens_wanted(self, req: Request) -> int:
+        """The tokens the running loop would give `req` with the whole budget (its drafts included)."""
+        num_new = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
+        if num_new <= 0 or self._may_be_done(req):
+            return 0
+        return min(num_new, self.max_num_batched_tokens) + len(req.spec_token_ids)
+
+
+def _urgency(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return req.priority, req.arrival_time

@@ -197,12 +197,13 @@ class AsyncEngine:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             logits_processors: list[LogitsProcessor] | None = None, grammar=None,
             lora_name: str | None = None, kv_push_to: str | None = None,
-            arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+            arrival_time: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit a request now (it counts as waiting from this call on: the API's queue bound is
         checked and taken in one go) and return its stream of output deltas. Leaving the stream early
         aborts the request; a stream never iterated must be aborted by the caller. grammar: the request's
         CompiledGrammar (structured output), or None. arrival_time: when its latency started
-        (time.monotonic(); default now), e.g. before a decode engine's prefill hop, so TTFT counts the hop."""
+        (time.monotonic(); default now), e.g. before a decode engine's prefill hop, so TTFT counts the hop.
+        priority: its place in the queue with --scheduling-policy priority (lower first)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine loop died: {self.dead!r}")
         q: asyncio.Queue = asyncio.Queue()
@@ -210,7 +211,7 @@ class AsyncEngine:
         self.adds_submitted += 1
         arrived = time.monotonic() if arrival_time is None else arrival_time
         self._core.add(AddRequest(request_id, prompt_token_ids, params, arrived,
-                                  grammar.spec if grammar is not None else None, lora_name, kv_push_to),
+                                  grammar.spec if grammar is not None else None, lora_name, kv_push_to, priority),
                        logits_processors, grammar)
         return self._outputs(request_id, q)
 

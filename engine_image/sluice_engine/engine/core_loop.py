@@ -262,7 +262,7 @@ class EngineLoop:
         try:
             self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, procs,
                                     arrival_time=add.arrival_time, lora_name=add.lora_name,
-                                    kv_push_to=add.kv_push_to)
+                                    kv_push_to=add.kv_push_to, priority=add.priority)
         except ValueError as e:
             errors.append((add.request_id, e))
         except Exception as e:  # noqa: BLE001 - this request's own failure, never the loop's

@@ -43,7 +43,7 @@ from ..metrics import EngineMetrics, StatsSnapshot
 from ..model_fetch import resolve_model
 from ..sample.sampler import Sampler
 from ..sample.step_sampler import LaunchedSample, StepResult
-from ..sampling_params import InvalidParam, SamplingParams
+from ..sampling_params import InvalidParam, SamplingParams, check_priority
 from ..spec_decode import build_proposer, resolve_draft
 from ..step_timeline import StepTimeline, span
 from ..structured.constraint import warm_up_bitmask
@@ -114,7 +114,7 @@ class LLMEngine:
         self.lora_slots = LoRASlotTable(cfg.max_loras) if cfg.enable_lora else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    num_virtual=self.executor.max_in_flight, max_model_len=self.max_model_len,
-                                   lora_slots=self.lora_slots)
+                                   lora_slots=self.lora_slots, policy=cfg.scheduling_policy)
         # Steps in flight: one per pipeline stage; with async scheduling, this step and the next.
         self._max_in_flight = 2 if self.async_scheduling else self.executor.max_in_flight
         self._in_flight: deque[_InFlightStep] = deque()
@@ -191,8 +191,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     logits_processors: list[LogitsProcessor] | None = None,
                     arrival_time: float | None = None, lora_name: str | None = None,
-                    kv_push_to: str | None = None) -> Request:
+                    kv_push_to: str | None = None, priority: int = 0) -> Request:
         self.check_prompt(prompt_token_ids, params)
+        check_priority(priority, self.cfg.scheduling_policy)
         if request_id in self._open:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in flight")
         lora = self.adapters.find(lora_name)
@@ -200,7 +201,8 @@ class LLMEngine:
             raise InvalidParam("kv_transfer_params", "KV transfer runs for base-model requests on one rank only "
                                "(not yet with LoRA adapters or tensor/pipeline parallelism)")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                      logits_processors=list(logits_processors or []), lora=lora, kv_push_to=kv_push_to)
+                      logits_processors=list(logits_processors or []), lora=lora, kv_push_to=kv_push_to,
+                      priority=priority)
         if arrival_time is not None:  # when the server received it (time.monotonic()); default: now
             req.arrival_time = arrival_time
         # Everything that can fail comes before the request is registered anywhere: a request that

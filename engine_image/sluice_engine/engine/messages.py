@@ -35,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     grammar: GrammarSpec | None = None  # the core compiles it (cached) into the request's token constraint
     lora_name: str | None = None  # the LoRA adapter the request runs on (None: the base model)
     kv_push_to: str | None = None  # host:port: where its prompt's KV blocks go when it finishes (kv_transfer/)
+    priority: int = 0  # --scheduling-policy priority: lower is served earlier
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ..config import NUMERICS, WARMUP_MODES, EngineConfig, parse_size
+from ..config import NUMERICS, SCHEDULING_POLICIES, WARMUP_MODES, EngineConfig, parse_size
 from ..quant.formats import CHOICES as QUANT_CHOICES
 from ..quant.formats import KV_CACHE_DTYPES
 
@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step; longer prompts are prefilled in chunks")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="order of the waiting queue: fcfs (arrival) or priority (the requests' `priority`, lower "
+                        "first, then arrival; a more urgent request may preempt running ones of a worse priority)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from ...sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from ...sampling_params import MAX_N, MAX_PRIORITY, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 # vLLM's rule for `seed`: a signed 64-bit integer.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -95,6 +95,9 @@ class _SamplingFields(_Base):
     guided_choice: list[str] | None = Field(None, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: str | None = None  # EBNF (xgrammar's dialect, root rule `root`)
     kv_transfer_params: KVTransferParams | None = None
+    # vLLM's: the request's place in the queue with --scheduling-policy priority, lower first. Strict: true, 1.0 and
+    # "1" are refused, not read as 1.
+    priority: StrictInt = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
 
 class CompletionRequest(_SamplingFields):

@@ -17,7 +17,7 @@ from ...engine.output import RequestOutput
 from ...kv_transfer.keys import KVKey
 from ...kv_transfer.prefill_hop import PrefillHop
 from ...sample.token_logprobs import TokenLogprobs
-from ...sampling_params import MAX_TOP_K, InvalidParam, SamplingParams
+from ...sampling_params import MAX_TOP_K, InvalidParam, SamplingParams, check_priority
 from ...structured import (
     CompiledGrammar,
     GrammarError,
@@ -91,6 +91,10 @@ class OpenAIServing:
             if not 0 <= _as_int(key, -1) < vocab:
                 raise bad_request(f"logit_bias keys must be token ids in the vocabulary (0..{vocab - 1}), "
                                   f"got {key!r}", param="logit_bias")
+        try:
+            check_priority(req.priority, self.engine.cfg.scheduling_policy)
+        except InvalidParam as e:
+            raise bad_request(str(e), param=e.param) from None
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of ({req.best_of}) must equal n ({req.n}): ranking extra candidates is not "
                               "supported", param="best_of")
@@ -185,7 +189,8 @@ class OpenAIServing:
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
                            base_id: str, grammar: CompiledGrammar | None = None,
                            watch: ClientWatch | None = None, lora: str | None = None,
-                           kv_push_to: str | None = None) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+                           kv_push_to: str | None = None,
+                           priority: int = 0) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
         grammar: the request's grammar, or None (each choice gets its own grammar state).
         If the client leaves (watch), every unfinished choice is aborted in the engine at once and
@@ -211,7 +216,7 @@ class OpenAIServing:
         self.check_capacity(len(choices))
         gens = [self.engine.add(f"{base_id}-{ch.index}", ch.prompt_ids, p, grammar=grammar, lora_name=lora,
                                 kv_push_to=kv_push_to if ch.index % n == 0 else None,  # one push per prompt
-                                arrival_time=arrived)
+                                arrival_time=arrived, priority=priority)
                 for ch, p in zip(choices, params, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -294,7 +299,8 @@ class OpenAIServing:
         grammar = await self._constraints(req, watch=watch)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch, lora, _push_to(req))
+        choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch, lora, _push_to(req),
+                                         req.priority)
         if req.stream:
             return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter)
@@ -390,7 +396,8 @@ class OpenAIServing:
         grammar = await self._constraints(req, plan, watch=watch)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch, lora, _push_to(req))
+        choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch, lora, _push_to(req),
+                                         req.priority)
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
                                       tools=plan is not None)
