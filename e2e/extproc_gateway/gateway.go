@@ -157,7 +157,7 @@ func newRequestID() string {
 
 func (g *gateway) serveRoundRobin(w http.ResponseWriter, r *http.Request, body []byte) {
 	n := len(g.cfg.backends)
-	start := int(g.next.Add(1)-1) % n
+	start := int((g.next.Add(1) - 1) % uint64(n))
 	order := make([]string, 0, n)
 	for i := range n {
 		order = append(order, g.cfg.backends[(start+i)%n])

@@ -191,7 +191,7 @@ func (f *fakeEPP) Process(srv extprocv3.ExternalProcessor_ProcessServer) error {
 	}
 }
 
-func startEPP(t *testing.T, f *fakeEPP) string {
+func startEPP(t testing.TB, f *fakeEPP) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -204,7 +204,7 @@ func startEPP(t *testing.T, f *fakeEPP) string {
 	return ln.Addr().String()
 }
 
-func startGateway(t *testing.T, args ...string) *httptest.Server {
+func startGateway(t testing.TB, args ...string) *httptest.Server {
 	t.Helper()
 	cfg, err := parseFlags(append([]string{"--listen", "127.0.0.1:0"}, args...), io.Discard)
 	if err != nil {
@@ -743,5 +743,41 @@ func TestClientGoneCancelsUpstreamAndStream(t *testing.T) {
 			t.Fatal("the ext-proc stream was not cancelled after the client went away")
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// BenchmarkRequest measures the gateway's own cost per request, EPP round trips included (the fake EPP and
+// the backend are in-process): go test -bench . -benchtime 2000x
+func BenchmarkRequest(b *testing.B) {
+	for _, mode := range []string{"epp", "round-robin"} {
+		b.Run(mode, func(b *testing.B) {
+			be := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}]}`)
+			}))
+			defer be.Close()
+			args := []string{"--round-robin", "--backends", be.Listener.Addr().String()}
+			if mode == "epp" {
+				args = []string{"--epp", startEPP(b, &fakeEPP{destHeader: be.Listener.Addr().String()})}
+			}
+			gw := startGateway(b, args...)
+			body := strings.Repeat("x", 1024)
+			b.SetParallelism(8) // 16 clients on 2 cores: throughput, not one client's latency
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					resp, err := http.Post(gw.URL+"/v1/completions", "application/json", strings.NewReader(body))
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					if resp.StatusCode != 200 {
+						b.Errorf("status %d", resp.StatusCode)
+					}
+				}
+			})
+		})
 	}
 }
