@@ -27,9 +27,11 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"maps"
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -330,12 +332,12 @@ func (g *gateway) sendRequest(stream *eppStream, r *http.Request, body []byte) e
 		{Key: ":method", RawValue: []byte(r.Method)},
 		{Key: ":scheme", RawValue: []byte("http")},
 	}
-	for k, vs := range r.Header {
+	for _, k := range slices.Sorted(maps.Keys(r.Header)) { // a fixed order, as the EPP's logs are read
 		lk := strings.ToLower(k)
 		if lk == "content-length" || lk == "host" {
 			continue
 		}
-		for _, v := range vs {
+		for _, v := range r.Header[k] {
 			headers = append(headers, &corev3.HeaderValue{Key: lk, RawValue: []byte(v)})
 		}
 	}
@@ -625,11 +627,11 @@ func (g *gateway) responsePhase(w http.ResponseWriter, r *http.Request, stream *
 	noBody := r.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent ||
 		resp.StatusCode == http.StatusNotModified || resp.ContentLength == 0
 	headers := []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(strconv.Itoa(resp.StatusCode))}}
-	for k, vs := range resp.Header {
+	for _, k := range slices.Sorted(maps.Keys(resp.Header)) {
 		if isHopByHop(k, resp.Header) {
 			continue
 		}
-		for _, v := range vs {
+		for _, v := range resp.Header[k] {
 			headers = append(headers, &corev3.HeaderValue{Key: strings.ToLower(k), RawValue: []byte(v)})
 		}
 	}
