@@ -31,7 +31,7 @@ class Kind:
     api_version: str
     kind: str
     plural: str
-    optional: bool = False  # a CRD the cluster may not have (KEDA, LWS, the Prometheus operator)
+    optional: bool = False  # a CRD the cluster may not have (KEDA, LWS, the Prometheus operator, Gateway API)
 
 
 # Every kind reconcile() can produce: the prune pass lists these by the endpoint label.
@@ -46,6 +46,12 @@ CHILD_KINDS = (
     Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors", optional=True),
     Kind("monitoring.coreos.com/v1", "PrometheusRule", "prometheusrules", optional=True),
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    # spec.routing.inferencePool (routing.py): the picker's identity and RBAC, the pool, the route.
+    Kind("v1", "ServiceAccount", "serviceaccounts"),
+    Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", optional=True),
+    Kind("gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes", optional=True),
 )
 KINDS = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 ENDPOINT_KIND = Kind(API_VERSION, "InferenceEndpoint", PLURAL)

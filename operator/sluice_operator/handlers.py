@@ -241,7 +241,8 @@ class Loop:
             scaled_object=await live(ep.name, ("ScaledObject",)),
             pods=pods, missing_kinds=missing,
             problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg,
-            model_cache=cache.state if cache is not None else None, adapters=adapters)
+            model_cache=cache.state if cache is not None else None, adapters=adapters,
+            inference_pool=await live(ep.name, ("InferencePool",)) if ep.spec.routing is not None else None)
 
     async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
                             logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:

@@ -29,12 +29,14 @@ from .config import OperatorConfig
 from .disaggregation import prefill_name
 from .layout import Layout
 from .meta import ENDPOINT_LABEL, PREFILL, ROLE_LABEL, SERVING, object_meta, standby_name
+from .routing import picker_labels, picker_name, pool_of
 from .spec import InferenceEndpoint
 
 API_VERSION = "networking.k8s.io/v1"
 COMPONENT = "network"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 
 
 def _port(name: str) -> list[dict[str, str]]:
@@ -66,7 +68,26 @@ def lws_groups(ep: InferenceEndpoint) -> list[tuple[str, int]]:
     return [(name, group_count(n, spec.rollout.max_surge)) for name, n in out]
 
 
-def network_policies(ep: InferenceEndpoint, cfg: OperatorConfig, layout: Layout) -> list[dict[str, Any]]:
+def routing_policies(ep: InferenceEndpoint, cfg: OperatorConfig, pool_selector: dict[str, str]) -> list[dict[str, Any]]:
+    """The pool's pods and the picker's, as the gateway's data plane reaches them (spec.routing.inferencePool)."""
+    routing = pool_of(ep)
+    if routing is None:
+        return []
+    gateways = [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}}
+                for ns in routing.admitted_namespaces(ep.namespace)]
+    picker = {"podSelector": {"matchLabels": picker_labels(ep)}}
+    out = [_policy(ep, f"{ep.name}-inference-pool", pool_selector,
+                   [{"from": [*gateways, picker], "ports": _port("http")}])]
+    ingress = [{"from": gateways, "ports": _port("grpc")}]
+    if cfg.network_policy_prometheus:
+        ingress.append({"from": list(cfg.network_policy_prometheus), "ports": _port("http")})
+    out.append(_policy(ep, picker_name(ep), picker_labels(ep), ingress))
+    return out
+
+
+def network_policies(ep: InferenceEndpoint, cfg: OperatorConfig, layout: Layout,
+                     pool_selector: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """`pool_selector`: the endpoint's Service's selector (the InferencePool's), with spec.routing only."""
     if not cfg.network_policy or ep.name in cfg.network_policy_except:
         return []
     api_peers = [*cfg.network_policy_gateway, *cfg.network_policy_operator, *cfg.network_policy_prometheus]
@@ -87,4 +108,6 @@ def network_policies(ep: InferenceEndpoint, cfg: OperatorConfig, layout: Layout)
             for i in range(groups):
                 group = {ENDPOINT_LABEL: ep.name, LWS_NAME_LABEL: workload, LWS_GROUP_INDEX_LABEL: str(i)}
                 out.append(_policy(ep, f"{workload}-group-{i}", group, [{"from": [{"podSelector": {"matchLabels": group}}]}]))
+    if pool_selector is not None:
+        out += routing_policies(ep, cfg, pool_selector)
     return out

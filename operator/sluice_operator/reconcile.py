@@ -29,6 +29,7 @@ from .model_cache import KEDA_PAUSED_REPLICAS
 from .model_source import FETCH_HF_SCRIPT, OBJECTIVES_KEY, shared_cache_manifests
 from .monitoring import prometheus_rule
 from .network_policy import network_policies
+from .routing import routing_manifests
 from .spec import InferenceEndpoint
 from .workload import CONTAINER_SECURITY, POD_SECURITY, component_of, serve_args, workload
 
@@ -167,9 +168,10 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
                        replicas=0 if awaiting_model else ep.spec.fixed_replicas,
                        config_map=cm["metadata"]["name"],
                        config_hash=_hash([config_hash, decode.args]) if decode else config_hash, pool=decode)
+    pool_selector = service(ep)["spec"]["selector"]  # an InferencePool's pods are its Service's (routing.py)
     # The NetworkPolicies before the workloads: the pods start behind them.
     out = [*shared_cache_manifests(ep, cfg, CONTAINER_SECURITY, POD_SECURITY), cm,
-           *network_policies(ep, cfg, layout), serving]
+           *network_policies(ep, cfg, layout, pool_selector), serving]
     prefill = None
     if split:
         parts = prefill_parts(ep, split.prefill)
@@ -206,6 +208,7 @@ def reconcile(ep: InferenceEndpoint, cfg: OperatorConfig | None = None, *,
         if awaiting_model:
             autoscaler["metadata"].setdefault("annotations", {})[KEDA_PAUSED_REPLICAS] = "0"
         out.append(autoscaler)
+    out += routing_manifests(ep, cfg, pool_selector)
     out.append(service_monitor(ep, cfg))
     if cfg.endpoint_rules:
         out.append(prometheus_rule(ep, cfg))

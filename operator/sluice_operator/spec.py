@@ -675,6 +675,108 @@ def _block_size_cel(pool: str) -> str:
             f"int(self.engine.args['block-size']) : {DEFAULT_BLOCK_SIZE}))")
 
 
+# -- routing: Gateway API Inference Extension -------------------------------------------------------------
+# Names as the Gateway API spells them: a namespace is a DNS label, a listener's sectionName a DNS subdomain, a
+# hostname a DNS name with an optional leading wildcard label (the HTTPRoute CRD's own patterns).
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SECTION_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+HOSTNAME_PATTERN = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+MAX_GATEWAY_NAMESPACES = 16
+
+
+class Picker(_Object):
+    """The endpoint picker (EPP) the gateway consults for every request: `sluice gateway --endpoint-picker`."""
+
+    replicas: int = Field(1, ge=1, le=16, description=(
+        "Picker replicas. Each one finds the endpoint's ready pods on its own (no state shared between them), "
+        "so 2 keeps routing up through a picker's restart when failureMode is FailClose."))
+    resources: Annotated[dict[str, Any] | None, _core("ResourceRequirements")] = Field(None, description=(
+        "The picker container's resources (core/v1 ResourceRequirements). Default: requests of 100m CPU and "
+        "128Mi memory, a 512Mi memory limit."))
+
+    _core_fields = field_validator("resources")(classmethod(_check_core_fields))
+
+
+class GatewayParentRef(_Object):
+    """A Gateway (gateway.networking.k8s.io) the HTTPRoute attaches to. Kind Gateway only: the parent the
+    Inference Extension's gateways implement."""
+
+    name: str = Field(min_length=1, max_length=253, description="The Gateway's name.")
+    namespace: str | None = Field(None, min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN, description=(
+        "The Gateway's namespace. Default: the endpoint's. A Gateway in another namespace admits the route "
+        "only if its listener's allowedRoutes.namespaces lets this namespace in."))
+    section_name: str | None = Field(None, min_length=1, max_length=253, pattern=SECTION_NAME_PATTERN,
+                                     description="The Gateway's listener to attach to. Default: every listener "
+                                                 "that admits the route.")
+    port: int | None = Field(None, ge=1, le=65535, description="The listener port to attach to. Default: any.")
+
+
+class HttpRoute(_Object):
+    """An HTTPRoute `<name>` sending the listener's traffic (path prefix /) to the InferencePool."""
+
+    RULES = (
+        Rule("!has(self.hostnames) || self.hostnames.all(h, self.hostnames.exists_one(g, g == h))",
+             "routing.inferencePool.httpRoute.hostnames must be unique",
+             lambda r: len(set(r.hostnames)) == len(r.hostnames), field_path=".hostnames"),
+    )
+    parent_refs: list[GatewayParentRef] = Field(min_length=1, max_length=32, description=(
+        "The Gateways (and listeners) the route attaches to: the platform team's, e.g. "
+        "{name: shared-gw, namespace: infra, sectionName: http}."))
+    hostnames: list[Annotated[str, Field(min_length=1, max_length=253, pattern=HOSTNAME_PATTERN)]] = Field(
+        default_factory=list, max_length=16, description=(
+            "Host headers the route matches, e.g. llama.example.com or *.example.com. Default: every host the "
+            "listener accepts."))
+
+
+class InferencePoolRouting(_Object):
+    """The Gateway API Inference Extension objects (docs/gateway-api.md): an InferencePool `<name>` selecting the
+    serving engine pods, the endpoint picker that pool names (Deployment and Service `<name>-epp`), optionally an
+    HTTPRoute `<name>` to a Gateway, and NetworkPolicy rules admitting the gateway's data plane."""
+
+    RULES = (
+        Rule("has(self.httpRoute) || (has(self.gatewayNamespaces) && size(self.gatewayNamespaces) > 0)",
+             "routing.inferencePool needs gatewayNamespaces (or an httpRoute, whose Gateways' namespaces are then "
+             "admitted): the engines and the picker admit the gateway's data plane from those namespaces only",
+             lambda r: r.http_route is not None or bool(r.gateway_namespaces)),
+        Rule("!has(self.gatewayNamespaces) || self.gatewayNamespaces.all(n, self.gatewayNamespaces.exists_one(m, m == n))",
+             "routing.inferencePool.gatewayNamespaces must be unique",
+             lambda r: len(set(r.gateway_namespaces)) == len(r.gateway_namespaces), field_path=".gatewayNamespaces"),
+    )
+    picker: Picker = Field(default_factory=Picker, description=(
+        "The endpoint picker: a Deployment and Service `<name>-epp` (gRPC ext-proc on port 9002, /metrics on "
+        "8080) running the operator's engine image, which holds the whole sluice distribution."))
+    failure_mode: Literal["FailOpen", "FailClose"] = Field("FailClose", description=(
+        "What the gateway does when the picker does not answer (the InferencePool's endpointPickerRef."
+        "failureMode). FailClose: the request fails, so no request bypasses the picker's choice (load, prefix "
+        "affinity, a replica still loading). FailOpen: the gateway picks a pool pod itself."))
+    http_route: HttpRoute | None = Field(None, description=(
+        "An HTTPRoute `<name>` attaching the pool to a Gateway the platform runs. Unset: no route; a platform "
+        "team may write its own with backendRefs [{group: inference.networking.k8s.io, kind: InferencePool, "
+        "name: <name>}]."))
+    gateway_namespaces: list[Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)]] = Field(
+        default_factory=list, max_length=MAX_GATEWAY_NAMESPACES, description=(
+            "Namespaces whose pods (the gateway's data plane, e.g. Envoy Gateway's proxies) may open connections "
+            "to the engines' HTTP port and the picker's gRPC port (NetworkPolicy). Default: the namespaces of "
+            "httpRoute.parentRefs (the endpoint's for a parentRef without one). Some implementations run their "
+            "proxies elsewhere than the Gateway (Envoy Gateway: envoy-gateway-system): name that namespace."))
+
+    def admitted_namespaces(self, own: str) -> list[str]:
+        """The namespaces the NetworkPolicies admit the gateway from (gatewayNamespaces, else the parents')."""
+        if self.gateway_namespaces:
+            return list(self.gateway_namespaces)
+        assert self.http_route is not None
+        return sorted({ref.namespace or own for ref in self.http_route.parent_refs})
+
+
+class Routing(_Object):
+    """How clients reach the engines besides the endpoint's Service and the Sluice gateway."""
+
+    inference_pool: InferencePoolRouting | None = Field(None, description=(
+        "Gateway API Inference Extension routing (inference.networking.k8s.io/v1): set, the operator renders an "
+        "InferencePool, its endpoint picker and, with httpRoute, an HTTPRoute, so a Gateway the platform runs "
+        "(Envoy Gateway, Istio, GKE, ...) routes to the engines through the picker."))
+
+
 # -- the spec -------------------------------------------------------------------------------------------
 def _tp(s: EndpointSpec) -> tuple[int, int, int | None]:
     return s.parallelism.tensor, s.parallelism.pipeline, s.accelerator.gpus_per_node
@@ -822,6 +924,9 @@ class EndpointSpec(_Object):
             "so the first adapter added, and the last removed, roll the pods once; so does the first adapter on "
             "a pvc claim the pods do not mount yet, and the last one removed from it. One rank only "
             "(parallelism.tensor and pipeline 1)."))
+    routing: Routing | None = Field(None, description=(
+        "Routing through a Gateway API gateway (routing.inferencePool: docs/gateway-api.md). Unset: clients use "
+        "the endpoint's Service or the Sluice gateway only."))
     disaggregation: Disaggregation | None = Field(None, description=(
         "Prefill/decode disaggregation: a prefill pool (<name>-prefill) computes prompts and pushes their KV "
         "blocks to the decode pool (<name>, the endpoint's Service), so long prompts never stall decoding and "
@@ -843,8 +948,10 @@ class Condition(_Object):
     type: str = Field(max_length=316, description=(
         "Ready, ModelReady, Scheduled, Progressing, Degraded, Reconciled (False with NameConflict or ApplyFailed "
         "when an object could not be applied), with scaling AutoscalerReady, AutoscalerActive and "
-        "AutoscalerFallback (KEDA's Ready, Active and Fallback), and with adapters AdaptersReady (every adapter "
-        "loaded on every ready serving replica)."))
+        "AutoscalerFallback (KEDA's Ready, Active and Fallback), with adapters AdaptersReady (every adapter "
+        "loaded on every ready serving replica), and with routing.inferencePool InferencePoolAccepted and "
+        "InferencePoolResolvedRefs (the InferencePool's Accepted and ResolvedRefs over the Gateways that route to "
+        "it)."))
     status: Literal["True", "False", "Unknown"]
     reason: str | None = Field(None, max_length=1024, description=(
         "CamelCase cause, e.g. InsufficientCapacity, ModelLoading, ScaledToZero, InvalidSpec, PolicyViolation, "

@@ -12,7 +12,9 @@ cannot be placed), Progressing, Degraded, Reconciled (NameConflict or ApplyFaile
 applied, with the API server's message), and with
 `scaling`: AutoscalerReady, AutoscalerActive and AutoscalerFallback (KEDA's Ready, Active and Fallback); with
 `adapters`: AdaptersReady (every adapter loaded on every ready serving replica, from what each replica's
-/v1/models lists: engine_probe.py), beside status.adapters, one entry per adapter.
+/v1/models lists: engine_probe.py), beside status.adapters, one entry per adapter; with `routing.inferencePool`:
+InferencePoolAccepted and InferencePoolResolvedRefs, the InferencePool's Accepted and ResolvedRefs conditions as
+its parents (the Gateways that route to it) report them, folded into one each.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ PROVIDERS = {
     "ScaledObject": "KEDA (keda.sh; `scaling` needs it)",
     "ServiceMonitor": "the Prometheus operator (monitoring.coreos.com)",
     "PrometheusRule": "the Prometheus operator (monitoring.coreos.com)",
+    "InferencePool": "the Gateway API Inference Extension's CRDs (inference.networking.k8s.io; "
+                     "docs/gateway-api.md)",
+    "HTTPRoute": "the Gateway API's CRDs (gateway.networking.k8s.io; docs/gateway-api.md)",
 }
+POOL_CONDITIONS = {"Accepted": "InferencePoolAccepted", "ResolvedRefs": "InferencePoolResolvedRefs"}
 KEDA_CONDITIONS = {"Ready": "AutoscalerReady", "Active": "AutoscalerActive", "Fallback": "AutoscalerFallback"}
 
 Object = dict[str, Any]
@@ -145,7 +151,8 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
                     missing_kinds: frozenset[str] | set[str] = frozenset(),
                     problems: Sequence[ApplyProblem] = (), previous: Object | None = None,
                     now: str, cfg: OperatorConfig | None = None, model_cache: CacheState | None = None,
-                    adapters: Mapping[str, frozenset[str] | str] | None = None) -> Object:
+                    adapters: Mapping[str, frozenset[str] | str] | None = None,
+                    inference_pool: Object | None = None) -> Object:
     """The endpoint's status from its live serving workload, warm pool, KEDA ScaledObject and serving pods.
 
     `pods` None: the pods were not read (the workload's counts stand in for them; Scheduled is Unknown).
@@ -157,6 +164,7 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     None: not asked.
     `prefill`: a disaggregated endpoint's prefill workload. The endpoint serves once a decode (serving) replica
     is ready: a decode engine computes prompts itself while no prefill replica is.
+    `inference_pool`: the live InferencePool (spec.routing.inferencePool), None where it does not exist (yet).
     """
     cfg = cfg or OperatorConfig()
     gen, prev = ep.metadata.generation, list((previous or {}).get("conditions") or [])
@@ -241,6 +249,11 @@ def endpoint_status(ep: InferenceEndpoint, *, serving: Object | None, standby: O
     if ep.spec.scaling is not None:
         for keda_type, type_ in KEDA_CONDITIONS.items():
             state = _keda(scaled_object, keda_type, "ScaledObject" in missing_kinds)
+            conditions.append(condition(type_, *state, gen, prev, now))
+
+    if ep.spec.routing is not None and ep.spec.routing.inference_pool is not None:
+        for pool_type, type_ in POOL_CONDITIONS.items():
+            state = pool_condition(inference_pool, pool_type, "InferencePool" in missing_kinds)
             conditions.append(condition(type_, *state, gen, prev, now))
 
     listed = adapter_status(ep, adapters)
@@ -377,6 +390,40 @@ def _keda(scaled_object: Object | None, keda_type: str, missing: bool) -> tuple[
     return "Unknown", "AwaitingKeda", f"KEDA has not reported {keda_type} on the ScaledObject yet"
 
 
+def _parent_name(parent: Object) -> str:
+    ref = parent.get("parentRef") or {}
+    where = f"{ref['namespace']}/" if ref.get("namespace") else ""
+    return f"{ref.get('kind') or 'Gateway'} {where}{ref.get('name', '?')}"
+
+
+def pool_condition(pool: Object | None, pool_type: str, missing: bool) -> tuple[str, str, str]:
+    """One of the InferencePool's conditions (Accepted, ResolvedRefs) over all its parents: False when any parent
+    says False (its reason; every such parent's message), True when every parent says True, else Unknown."""
+    if missing:
+        return "False", "InferencePoolNotInstalled", (
+            f"the cluster does not serve InferencePools: install {PROVIDERS['InferencePool']}")
+    if pool is None:
+        return "Unknown", "InferencePoolMissing", "the InferencePool does not exist yet"
+    parents = ((pool.get("status") or {}).get("parents")) or []
+    if not parents:
+        return "Unknown", "NoParents", ("no gateway has reported on the InferencePool yet: an HTTPRoute attached to "
+                                        "a Gateway of an Inference Extension implementation must reference it")
+    states = []
+    for parent in parents:
+        c = next((c for c in parent.get("conditions") or [] if c.get("type") == pool_type), None)
+        states.append((_parent_name(parent), c or {}))
+    failed = [(name, c) for name, c in states if c.get("status") == "False"]
+    if failed:
+        message = "; ".join(f"{name}: {c.get('message') or c.get('reason') or 'False'}" for name, c in failed)
+        return "False", failed[0][1].get("reason") or f"Not{pool_type}", message
+    if all(c.get("status") == "True" for _, c in states):
+        names = ", ".join(name for name, _ in states)
+        return "True", states[0][1].get("reason") or pool_type, f"{pool_type} by {names}"
+    pending = [(name, c) for name, c in states if c.get("status") != "True"]
+    message = "; ".join(f"{name}: {c.get('message') or 'not reported yet'}" for name, c in pending)
+    return "Unknown", pending[0][1].get("reason") or "Pending", message
+
+
 def invalid_status(generation: int | None, message: str, previous: Object | None, now: str,
                    reason: str = "InvalidSpec") -> Object:
     """An endpoint the operator cannot serve as written: Failed, with the validation message. `reason`:
@@ -442,6 +489,8 @@ def transitions(old: Object | None, new: Object) -> list[Event]:
         events.append(Event("Warning", c["reason"], c.get("message") or ""))
     if c := became("Reconciled", "False"):
         events.append(Event("Warning", c["reason"], c.get("message") or ""))
+    if c := became("InferencePoolAccepted", "False"):
+        events.append(Event("Warning", "InferencePoolNotAccepted", c.get("message") or c.get("reason") or ""))
     if c := became("AutoscalerFallback", "True"):
         events.append(Event("Warning", "AutoscalerFallback", c.get("message") or c.get("reason") or ""))
     elif _cond(old, "AutoscalerFallback").get("status") == "True" and \

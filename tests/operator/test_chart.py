@@ -19,6 +19,7 @@ import yaml
 from helm import CHART, RELEASE, RELEASE_NS, run_helm
 
 from sluice_engine.entrypoints.cli import main as sluice_main
+from sluice_operator.routing import PICKER_RULES
 
 ROOT = Path(__file__).parents[2]
 CRD_FILE = ROOT / "crds" / "sluice.dev_inferenceendpoints.yaml"
@@ -40,6 +41,11 @@ CHILD_RESOURCES = {
     "ServiceMonitor": ("monitoring.coreos.com", "servicemonitors"),
     "PrometheusRule": ("monitoring.coreos.com", "prometheusrules"),
     "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
+    "ServiceAccount": ("", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
+    "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "httproutes"),
 }
 # What the operator does to every child (apply.py): server-side apply is a patch (and a create, the first
 # time); get reads its status; list and delete are the prune pass's (e.g. the ScaledObject when scaling is
@@ -234,6 +240,12 @@ def allowed(rules: list[dict[str, Any]], group: str, resource: str) -> set[str]:
     return {verb for r in rules if group in r["apiGroups"] and resource in r["resources"] for verb in r["verbs"]}
 
 
+def delegated(group: str, resource: str) -> set[str]:
+    """The verbs the endpoint picker's Role (spec.routing.inferencePool) grants on a resource: the operator must
+    hold them to create that Role (RBAC escalation prevention)."""
+    return allowed([dict(r) for r in PICKER_RULES], group, resource)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_rbac_covers_every_child(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     _, scope, served = MODES[mode]
@@ -251,7 +263,12 @@ def test_rbac_covers_every_child(rendered: dict[str, list[dict[str, Any]]], mode
             assert group == (api_version.rsplit("/", 1)[0] if "/" in api_version else "")
             # Exactly what the code uses: no verb missing, none to spare.
             expected = CHILD_VERBS | ({"watch"} if (group, resource) in watched else set())
+            expected |= delegated(group, resource)
             assert allowed(rules, group, resource) == expected, f"{kind} in {namespace}"
+        # What the endpoint picker's Role grants, the operator holds (a Role grants only its creator's verbs).
+        for group, resource in {(g, r) for rule in PICKER_RULES for g in rule["apiGroups"] for r in rule["resources"]}:
+            assert delegated(group, resource) <= allowed(rules, group, resource), f"{resource}.{group}"
+        assert allowed(rules, "discovery.k8s.io", "endpointslices") == {"get", "list", "watch"}
         assert allowed(rules, "sluice.dev", "inferenceendpoints") == {"get", "list", "watch", "patch"}
         assert allowed(rules, "sluice.dev", "inferenceendpoints/status") == {"patch"}
         assert allowed(rules, "sluice.dev", "inferenceendpoints/finalizers") == {"update"}
@@ -719,6 +736,8 @@ def pods_of(manifests: list[dict[str, Any]], ep: Any) -> list[dict[str, Any]]:
             continue
         for t, group in templates:
             labels = dict(t["metadata"]["labels"])
+            if "sluice.dev/role" not in labels:
+                continue  # the endpoint picker's (routing.py): test_operator_routing.py checks its policy
             pod = {"labels": labels, "role": labels["sluice.dev/role"],
                    "ports": {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}}
             if group is not None:

@@ -125,8 +125,13 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
   resources: [inferenceendpoints/finalizers]
   verbs: [update]
 - apiGroups: [""]
-  resources: [configmaps, services]
+  resources: [configmaps]
   verbs: [get, list, create, patch, delete]
+# watch: the endpoint picker's Role (spec.routing.inferencePool) grants it, and a Role may only grant what its
+# creator holds (RBAC escalation prevention).
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
@@ -145,6 +150,25 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, create, patch, delete]
+# spec.routing.inferencePool (Gateway API Inference Extension): the InferencePool, the HTTPRoute, and the endpoint
+# picker's ServiceAccount, Role and RoleBinding. The picker's Role reads InferenceEndpoints, Services and
+# EndpointSlices (get, list, watch) in the endpoint's namespace: the operator holds exactly that (above and
+# below), so the API server lets it create the Role without escalate or bind.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
 # The KV key of a disaggregated endpoint: created once, never read back (no get, list or watch: the operator
 # cannot read any Secret); the garbage collector deletes it with its endpoint.
 - apiGroups: [""]
