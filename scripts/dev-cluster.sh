@@ -5,7 +5,10 @@
 # run pods as Running and Ready. Everything listens on 127.0.0.1 only, on free ports (but for the /metrics port
 # of KEDA's metrics server, which binds every interface). Where scripts/get-control-plane.sh built it, also the
 # LeaderWorkerSet controller (sigs.k8s.io/lws): its CRDs, its admission webhooks (reached by URL on 127.0.0.1,
-# served with a cert from this cluster's CA), and its manager.
+# served with a cert from this cluster's CA), and its manager. Where scripts/get-gateway-crds.sh can fetch them
+# (Go and the module proxy, or its cache), also the Gateway API (standard) and Inference Extension CRDs
+# (GatewayClass, Gateway, HTTPRoute, InferencePool, InferenceObjective; no controller: an endpoint's
+# spec.routing objects are stored and validated, nothing routes) ($STATE/gateway-crds: their directory).
 # The apiserver's aggregation layer is on (a front-proxy CA and client cert; aggregator routing to endpoints,
 # so an APIService can name a selector-less Service whose EndpointSlice points at 127.0.0.1:<port>). With
 # --keda, also KEDA (built only by `scripts/get-control-plane.sh --keda`): its CRDs, keda-operator and its
@@ -212,6 +215,15 @@ EOF
     wait_for "LWS's webhooks to answer the apiserver" 30 lws_probe
 }
 
+# --- Gateway API and Inference Extension CRDs (scripts/get-gateway-crds.sh) ------------------------------------
+# The projects' own CRDs, as an install of Envoy Gateway or Istio with the Inference Extension would put them.
+start_gateway_crds() {  # dir
+    "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" apply --server-side -f "$1" >/dev/null
+    wait_for "the Gateway API CRDs to be Established" 60 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" wait -f "$1" \
+        --for=condition=Established --timeout=1s
+    echo "$1" >"$STATE/gateway-crds"
+}
+
 # --- KEDA: CRDs, operator, metrics API server ----------------------------------------------------------------
 # Its CRDs from the module (get-control-plane.sh --keda copied them to <keda>/share/crds). In a cluster the
 # operator makes a CA and certs for itself and for the metrics server (--enable-cert-rotation) and patches the
@@ -372,6 +384,14 @@ up() {  # [--keda] [--engines]
         --all --for=condition=Ready --timeout=1s
     wait_for "the nodes' not-ready taints to be lifted" 30 untainted
     wait_for "the default ServiceAccount" 30 "$KUBECTL" --kubeconfig="$KUBECONFIG_FILE" get serviceaccount default
+    local gateway_crds gateway="no Gateway API CRDs (scripts/get-gateway-crds.sh: $STATE/logs/gateway-crds.log)"
+    if gateway_crds=$(bash "$HERE/get-gateway-crds.sh" 2>"$STATE/logs/gateway-crds.log" | tail -n 1) \
+            && [[ -d $gateway_crds ]]; then
+        start_gateway_crds "$gateway_crds"
+        gateway="Gateway API and Inference Extension CRDs"
+    else
+        say "skipping the Gateway API CRDs: $(tail -n 1 "$STATE/logs/gateway-crds.log")"
+    fi
     local lws="no LeaderWorkerSet controller (not built: see scripts/get-control-plane.sh)"
     if [[ -n $LWS_BIN ]]; then
         start_lws
@@ -386,7 +406,7 @@ up() {  # [--keda] [--engines]
         start_engines
         keda+=$(engines_summary)
     fi
-    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs), $lws$keda"
+    say "up in $((SECONDS - start)) s: Kubernetes $k8s at https://127.0.0.1:$API_PORT, 6 kwok nodes (4 with 8 GPUs), $lws, $gateway$keda"
     say "state and logs: $STATE"
     echo "export KUBECONFIG=$KUBECONFIG_FILE"
     [[ ! -f $STATE/engines/env ]] || cat "$STATE/engines/env"

@@ -270,7 +270,7 @@ def _require_lws(cluster: Cluster) -> None:
 MULTI_NODE = {"multinode-70b.yaml": ("llama-70b", "inference", "NVIDIA-H100-80GB-HBM3"),
               "cpu-pipeline-2node.yaml": ("smollm2-pp2", "default", None)}  # name, namespace, GPU product
 EXPECTED_PHASE = {"cpu-smollm2.yaml": {"Ready"}, "cpu-scale-to-zero.yaml": {"Ready", "Idle"}, "cpu-disaggregated.yaml": {"Ready"}, "gpu-8b.yaml": {"Ready"}, "gpu-8b-lora.yaml": {"Ready"},
-                  "scale-to-zero.yaml": {"Ready"},
+                  "scale-to-zero.yaml": {"Ready"}, "gateway-api-inference-pool.yaml": {"Ready"},
                   **{example: {"Ready"} for example in MULTI_NODE}}
 
 
@@ -306,6 +306,48 @@ def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> No
     nodes = {p["spec"]["nodeName"] for p in _serving_pods(stack, "llama-8b", "inference")}
     assert nodes and all(stack.cluster.json("get", "node", n)["metadata"]["labels"]["nvidia.com/gpu.product"]
                          == "NVIDIA-L40S" for n in nodes), nodes
+
+
+# -- spec.routing.inferencePool: the Gateway API Inference Extension objects -----------------------------------
+def test_routing_objects_applied_and_pool_status_folded(stack: Stack) -> None:
+    """examples/gateway-api-inference-pool.yaml (applied above), against the projects' own CRDs (dev-cluster.sh):
+    the operator, under the chart's RBAC, made the picker's Role (a Role grants only what its creator holds) and
+    the InferencePool; what a gateway writes into the pool's status reaches the endpoint's conditions at the
+    next resync; without spec.routing the objects are pruned."""
+    cluster = stack.cluster
+    if cluster.gateway_crds is None:
+        pytest.skip("no Gateway API CRDs in this cluster (scripts/get-gateway-crds.sh could not fetch them)")
+    doc = load_yaml(ROOT / "examples" / "gateway-api-inference-pool.yaml")
+    name, ns = doc["metadata"]["name"], "default"
+    ep = _wait_phase(stack, name, ns, {"Ready"})
+    pool = cluster.get("inferencepool", name, "-n", ns)
+    assert pool is not None and pool["metadata"]["ownerReferences"][0]["uid"] == ep["metadata"]["uid"]
+    assert _condition(ep, "InferencePoolAccepted")["reason"] == "NoParents", ep["status"]
+    role = cluster.get("role", f"{name}-epp", "-n", ns)
+    assert role is not None and {r for rule in role["rules"] for r in rule["resources"]} == {
+        "inferenceendpoints", "endpointslices", "services"}
+    cluster.kubectl("rollout", "status", f"deployment/{name}-epp", "-n", ns, "--timeout=60s", timeout=70)
+    parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "infra", "name": "shared-gw"}
+    status = {"parents": [{"parentRef": parent, "controllerName": "gateway.example/controller", "conditions": [
+        {"type": "Accepted", "status": "True", "reason": "Accepted", "message": "routing",
+         "lastTransitionTime": "2026-01-01T00:00:00Z"},
+        {"type": "ResolvedRefs", "status": "False", "reason": "InvalidExtensionRef",
+         "message": "the picker Service has no ready endpoint", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}]}
+    cluster.kubectl("patch", "inferencepool", name, "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": status}))
+
+    def folded() -> Any:
+        ep = _endpoint(stack, name, ns)
+        accepted, refs = _condition(ep, "InferencePoolAccepted"), _condition(ep, "InferencePoolResolvedRefs")
+        return ep if accepted.get("status") == "True" and refs.get("reason") == "InvalidExtensionRef" else None
+    ep = wait_until("the pool's status in the endpoint's conditions", folded, 30)
+    assert "Gateway infra/shared-gw" in _condition(ep, "InferencePoolResolvedRefs")["message"]
+    # Without spec.routing: the pool, the route and the picker go.
+    cluster.kubectl("patch", "inferenceendpoint", name, "-n", ns, "--type=merge", "-p",
+                    json.dumps({"spec": {"routing": None}}))
+    wait_until("the routing objects to be pruned", lambda: all(cluster.get(kind, obj, "-n", ns) is None for kind, obj in (
+        ("inferencepool", name), ("httproute", name), ("deployment", f"{name}-epp"), ("role", f"{name}-epp"))), 30)
+    assert not _forbidden(stack.logs()), _forbidden(stack.logs())
 
 
 # -- issue 39: the KV key and the NetworkPolicies, as the operator makes them under the chart's RBAC --------------

@@ -1,7 +1,8 @@
 """The real control plane the cluster tests run against (marker `cluster`): scripts/get-control-plane.sh builds
 kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok from their Go modules (once per machine,
 cached), and scripts/dev-cluster.sh runs them on 127.0.0.1 with kwok's simulated nodes, and the LeaderWorkerSet
-controller with its webhooks where it could be built (`Cluster.lws`). One cluster per test session (the
+controller with its webhooks where it could be built (`Cluster.lws`), and the Gateway API and Inference Extension
+CRDs where scripts/get-gateway-crds.sh could fetch them (`Cluster.gateway_crds`). One cluster per test session (the
 `cluster` fixture, registered in conftest.py); each test module cleans up what it creates.
 
 Skipped, saying why, only where the control plane cannot be built (no Go, or the build failed)."""
@@ -59,6 +60,13 @@ class Cluster:
         """Whether KEDA's operator and metrics API server run behind the external metrics APIService
         (dev-cluster.sh up --keda, which the fixture passes where get-control-plane.sh --keda built them)."""
         return (self.state / "keda" / "ready").is_file()
+
+    @property
+    def gateway_crds(self) -> Path | None:
+        """The Gateway API (standard) and Inference Extension CRDs dev-cluster.sh installed (their directory, from
+        scripts/get-gateway-crds.sh), or None where they could not be fetched (no Go, no module proxy)."""
+        marker = self.state / "gateway-crds"
+        return Path(marker.read_text().strip()) if marker.is_file() else None
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60,
                 kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
