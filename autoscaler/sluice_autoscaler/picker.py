@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -423,7 +423,7 @@ class PickerStream:
         try:
             while True:
                 candidates = self._candidates(ep)
-                room = [b for b in candidates if b.inflight < cap]
+                room = [b for b in candidates if self._has_room(b, cap)]
                 first = turn is None and not flow.waiting
                 if room and (first or (turn is not None and (turn.done() or flow.head() is turn))):
                     if turn is not None:
@@ -485,15 +485,25 @@ class PickerStream:
     def _take(self, b: Backend) -> None:
         b.inflight += 1
         self.backend = b
+        self.p.priorities_on(b)[self.priority] += 1
         self.demand.add(inflight=1)
 
     def _release(self) -> None:
         if self.backend is not None:
             self.backend.inflight -= 1
+            self.p.forget_priority(self.backend, self.priority)
             self.backend = None
             self.demand.add(inflight=-1)
             if self.ep is not None:
                 self.p.flow(self.ep.key).wake()  # room on a backend: the next in the flow queue may take it
+
+    def _has_room(self, b: Backend, cap: int) -> bool:
+        """Under the cap; or, up to twice the cap, while the backend runs a request of a lower priority than this
+        one: the engine's priority scheduling preempts that one for it, so waiting here for a slot to free
+        would only add a whole low-priority answer to this request's time to first token."""
+        if b.inflight < cap:
+            return True
+        return b.inflight < 2 * cap and self.p.runs_lower_priority(b, self.priority)
 
     def _response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         served = served_endpoint(req.metadata_context)
@@ -502,7 +512,9 @@ class PickerStream:
             other = next((b for b in self.ep.backends.values() if hostport(b.url) == served), None)
             if other is not None:
                 self.backend.inflight -= 1
+                self.p.forget_priority(self.backend, self.priority)
                 other.inflight += 1
+                self.p.priorities_on(other)[self.priority] += 1
                 self.backend = other
         try:
             self.status = int(headers_of(req.response_headers.headers).get(":status", "0"))
@@ -531,6 +543,28 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.objectives = Objectives.parse(cfg.objectives)
         self.streams = 0
         self._flows: dict[str, FlowQueue] = {}
+        # backend -> the priorities of the requests this picker has in flight on it, counted (an entry goes when
+        # its last request does: no backend outlives its requests here)
+        self._priorities: dict[Backend, Counter[int]] = {}
+
+    def priorities_on(self, b: Backend) -> Counter[int]:
+        counts = self._priorities.get(b)
+        if counts is None:
+            counts = self._priorities[b] = Counter()
+        return counts
+
+    def runs_lower_priority(self, b: Backend, priority: int) -> bool:
+        return any(p < priority for p in self._priorities.get(b, ()))
+
+    def forget_priority(self, b: Backend, priority: int) -> None:
+        counts = self._priorities.get(b)
+        if counts is None:
+            return
+        counts[priority] -= 1
+        if counts[priority] <= 0:
+            del counts[priority]
+        if not counts:
+            del self._priorities[b]
 
     def flow(self, key: str) -> FlowQueue:
         flow = self._flows.get(key)

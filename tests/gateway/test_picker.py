@@ -205,6 +205,40 @@ async def test_when_every_backend_is_full_sheddable_requests_get_429_and_others_
         await backends[0].stop()
 
 
+async def test_a_higher_priority_request_goes_past_the_cap_where_the_engine_can_preempt_a_lower_one():
+    backends = [await FakeBackend("A").start()]
+    gw, channel, stub = await picker(backends, objectives=["critical=10"], picker_max_inflight=1)
+    try:
+        low = Exchange(stub)
+        dest = destination(await low.request(chat("m", "standard")))[0]
+        # critical: picked at once, over the cap of 1 (the engine preempts the standard one for it)
+        crit = Exchange(stub)
+        r = await crit.request(chat("m", "urgent"), **{"x-gateway-inference-objective": "critical"})
+        assert r[0].WhichOneof("response") == "request_headers" and gw.demand["m"].held == 0
+        # another standard one is not: it waits for a turn
+        waiting = asyncio.create_task(Exchange(stub).request(chat("m", "standard 2")))
+        await wait_until(lambda: gw.demand["m"].held == 1)
+        # never past twice the cap: a second critical waits too (first in the queue: higher priority)
+        crit2_ex = Exchange(stub)
+        crit2 = asyncio.create_task(crit2_ex.request(chat("m", "urgent 2"),
+                                                     **{"x-gateway-inference-objective": "critical"}))
+        await wait_until(lambda: gw.demand["m"].held == 2)
+        await crit.respond(dest, [b"data: [DONE]\n\n"])
+        r = await asyncio.wait_for(crit2, 5)
+        assert r[0].WhichOneof("response") == "request_headers" and not waiting.done()
+        await low.respond(dest, [b"data: [DONE]\n\n"])
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # the critical one in flight holds the one slot: no lower one to preempt
+        await crit2_ex.respond(dest, [b"data: [DONE]\n\n"])
+        await asyncio.wait_for(waiting, 5)
+        # counted: only what is in flight now (the last standard one); the finished ones are forgotten
+        assert [dict(c) for c in gw.picker._priorities.values()] == [{0: 1}]
+    finally:
+        await channel.close()
+        await gw.stop()
+        await backends[0].stop()
+
+
 async def test_queued_requests_go_by_priority_then_tenant_by_tenant():
     """One backend with room for one: a tenant that queued six requests does not starve one that queued two
     after them, and a critical request queued last goes first."""
