@@ -11,7 +11,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from operator_schemas import CRD_FILE, EXAMPLES, ROOT, api_server_errors, crd_schema, load_yaml
+from operator_schemas import CRD_FILE, EXAMPLES, ROOT, api_server_errors, crd_schema, gateway_crd, load_yaml
 
 from sluice_operator.config import PROMETHEUS_PEERS, OperatorConfig
 from sluice_operator.meta import ENDPOINT_LABEL, ROLE_LABEL
@@ -197,6 +197,17 @@ def test_gateway_namespaces_default_to_the_parent_refs() -> None:
 def test_no_routing_policies_with_network_policy_off() -> None:
     cfg = OperatorConfig(network_policy=False)
     assert not [m for m in reconcile(parse_endpoint(load_yaml(EXAMPLE)), cfg) if m["kind"] == "NetworkPolicy"]
+
+
+@pytest.mark.parametrize(("kind", "filename"), [
+    ("InferencePool", "inference.networking.k8s.io_inferencepools.yaml"),
+    ("HTTPRoute", "gateway.networking.k8s.io_httproutes.yaml")])
+def test_pool_and_route_validate_against_the_projects_crds(rendered, kind: str, filename: str) -> None:
+    crd = gateway_crd(filename)
+    manifest = rendered[kind, "smollm2-gie"]
+    group, version = manifest["apiVersion"].split("/")
+    assert crd["spec"]["group"] == group
+    assert api_server_errors(crd_schema(crd, version), manifest) == []
 
 
 def test_rendered_core_objects_validate_strictly(rendered) -> None:
