@@ -70,6 +70,9 @@ PASSTHROUGH_FLAGS: dict[str, type | tuple[str, ...]] = {
     # A decode engine's hop to the prefill pool (spec.disaggregation): past this, the prompt is computed there.
     "prefill-timeout": float,
     "max-queue-len": int,
+    # The waiting queue's order: fcfs, or priority (a request's `priority`, lower first; e.g. what a Gateway API
+    # Inference Extension picker passes on from an InferenceObjective).
+    "scheduling-policy": ("fcfs", "priority"),
     "step-timeout": float,
     "shutdown-timeout": float,
     "attention-backend": ("auto", "cpu", "torch", "triton"),
