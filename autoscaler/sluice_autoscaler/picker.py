@@ -186,6 +186,10 @@ class FlowQueue:
         self._where[turn] = (priority, tenant)
         return turn
 
+    def highest(self) -> float:
+        """The highest priority waiting (-inf when none waits)."""
+        return max(self._bands, default=float("-inf"))
+
     def head(self) -> asyncio.Future[None] | None:
         """The first turn in serving order (one given already, and not yet used, included)."""
         for priority in sorted(self._bands, reverse=True):
@@ -194,23 +198,25 @@ class FlowQueue:
         return None
 
     def wake(self) -> None:
-        """Give the next waiter not woken yet its turn; its tenant goes to the back of its band."""
+        """Give the next waiter not woken yet its turn. Its tenant goes to the back of the band only when the turn
+        is used (remove(used=True)): a waiter woken for room another took keeps its place."""
         for priority in sorted(self._bands, reverse=True):
-            tenants = self._bands[priority]
-            for tenant, queue in tenants.items():
+            for queue in self._bands[priority].values():
                 turn = next((t for t in queue if not t.done()), None)
                 if turn is not None:
                     turn.set_result(None)
-                    tenants[tenant] = tenants.pop(tenant)  # the others of the band come first next time
                     return
 
-    def remove(self, turn: asyncio.Future[None]) -> bool:
-        """A waiter leaves the queue; True when it had been given a turn (the caller passes an unused one on)."""
+    def remove(self, turn: asyncio.Future[None], used: bool = False) -> bool:
+        """A waiter leaves the queue; True when it had been given a turn (the caller passes an unused one on).
+        `used`: it got room: its tenant goes to the back of the band, so the band's others come first next."""
         where = self._where.pop(turn, None)
         if where is None:
             return False
         priority, tenant = where
         tenants = self._bands[priority]
+        if used:
+            tenants[tenant] = tenants.pop(tenant)
         tenants[tenant].remove(turn)
         if not tenants[tenant]:
             del tenants[tenant]
@@ -424,10 +430,11 @@ class PickerStream:
             while True:
                 candidates = self._candidates(ep)
                 room = [b for b in candidates if self._has_room(b, cap)]
-                first = turn is None and not flow.waiting
+                # Nobody of this priority or above waits: it need not queue (it may still preempt, above).
+                first = turn is None and flow.highest() < self.priority
                 if room and (first or (turn is not None and (turn.done() or flow.head() is turn))):
                     if turn is not None:
-                        flow.remove(turn)
+                        flow.remove(turn, used=True)
                         turn = None
                     return room
                 if self.priority < 0:

@@ -218,7 +218,7 @@ async def test_a_higher_priority_request_goes_past_the_cap_where_the_engine_can_
         # another standard one is not: it waits for a turn
         waiting = asyncio.create_task(Exchange(stub).request(chat("m", "standard 2")))
         await wait_until(lambda: gw.demand["m"].held == 1)
-        # never past twice the cap: a second critical waits too (first in the queue: higher priority)
+        # never past twice the cap: a second critical waits too (ahead of the standard one: higher priority)
         crit2_ex = Exchange(stub)
         crit2 = asyncio.create_task(crit2_ex.request(chat("m", "urgent 2"),
                                                      **{"x-gateway-inference-objective": "critical"}))
@@ -226,10 +226,15 @@ async def test_a_higher_priority_request_goes_past_the_cap_where_the_engine_can_
         await crit.respond(dest, [b"data: [DONE]\n\n"])
         r = await asyncio.wait_for(crit2, 5)
         assert r[0].WhichOneof("response") == "request_headers" and not waiting.done()
-        await low.respond(dest, [b"data: [DONE]\n\n"])
-        await asyncio.sleep(0.2)
-        assert not waiting.done()  # the critical one in flight holds the one slot: no lower one to preempt
         await crit2_ex.respond(dest, [b"data: [DONE]\n\n"])
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # the standard one in flight holds the one slot: nothing lower to preempt
+        # a queue of lower priorities does not hold a critical one back
+        crit3 = Exchange(stub)
+        r = await crit3.request(chat("m", "urgent 3"), **{"x-gateway-inference-objective": "critical"})
+        assert r[0].WhichOneof("response") == "request_headers" and gw.demand["m"].held == 1, r[0]
+        await crit3.respond(dest, [b"data: [DONE]\n\n"])
+        await low.respond(dest, [b"data: [DONE]\n\n"])
         await asyncio.wait_for(waiting, 5)
         # counted: only what is in flight now (the last standard one); the finished ones are forgotten
         assert [dict(c) for c in gw.picker._priorities.values()] == [{0: 1}]
@@ -241,7 +246,7 @@ async def test_a_higher_priority_request_goes_past_the_cap_where_the_engine_can_
 
 async def test_queued_requests_go_by_priority_then_tenant_by_tenant():
     """One backend with room for one: a tenant that queued six requests does not starve one that queued two
-    after them, and a critical request queued last goes first."""
+    after them, and a critical request sent last goes first."""
     backends = [await FakeBackend("A").start()]
     gw, channel, stub = await picker(backends, objectives=["critical=5"], picker_max_inflight=1)
     order: list[str] = []
@@ -266,8 +271,11 @@ async def test_queued_requests_go_by_priority_then_tenant_by_tenant():
         for i in range(2):
             tasks.append(asyncio.create_task(one(f"b{i}", "tenant-b")))
             await wait_until(lambda n=7 + i: gw.demand["m"].held == n)
+        # a critical one is not queued behind them: the one in flight is of a lower priority, which the engine
+        # preempts for it (it goes past the cap of 1)
         tasks.append(asyncio.create_task(one("urgent", "tenant-a", "critical")))
-        await wait_until(lambda: gw.demand["m"].held == 9)
+        await wait_until(lambda: order == ["urgent"])
+        assert gw.demand["m"].held == 8
         await holder.respond(dest, [b"data: [DONE]\n\n"])
         await asyncio.wait_for(asyncio.gather(*tasks), 20)
         assert order[0] == "urgent"
