@@ -28,9 +28,10 @@ from servers import stop_process
 SERVING_KINDS = ("ConfigMap", "Deployment", "Service", "PodDisruptionBudget")
 
 
-def pod_cidr() -> str:
-    """One /24 per process, apart from the 198.18.0.0/16 docs/operator.md uses."""
-    return f"198.19.{os.getpid() % 250}.0/24"
+def pod_cidr(offset: int = 0) -> str:
+    """One /24 per process (and `offset`: modules of one session that each start a cluster keep apart), apart
+    from the 198.18.0.0/16 docs/operator.md uses."""
+    return f"198.19.{(os.getpid() + offset) % 250}.0/24"
 
 
 def can_route_locally(cidr: str) -> str | None:
