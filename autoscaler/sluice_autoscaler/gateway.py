@@ -26,7 +26,7 @@ from .demand import DemandBoard
 from .kube import KubeAPI, KubeDiscovery, KubePeerDiscovery, own_namespace
 from .metrics import GatewayMetrics
 from .peers import PeerSync, peer_app, replica_id
-from .picker import EndpointPicker, start_picker
+from .picker import EndpointPicker, ObjectiveWatch, start_picker
 from .proxy import Proxy, build_app
 from .registry import Registry
 from .scaler import ExternalScaler, start_scaler
@@ -52,8 +52,10 @@ class Gateway:
                               lambda: self.registry.endpoints)
         self.discovery: StaticDiscovery | KubeDiscovery
         self.peer_discovery: KubePeerDiscovery | None = None
+        self.kube_api: KubeAPI | None = None
+        self.objective_watch: ObjectiveWatch | None = None
         if cfg.kubernetes:
-            api = KubeAPI(cfg.kube_api)
+            api = self.kube_api = KubeAPI(cfg.kube_api)
             self.discovery = KubeDiscovery(api, cfg.namespaces, self._apply)
             if cfg.peer_service:
                 namespace = cfg.peer_namespace or own_namespace()
@@ -132,6 +134,9 @@ class Gateway:
             self.picker = EndpointPicker(cfg, self.registry, self.demand, self.metrics, self.keys, self.proxy.router,
                                          self.proxy.budget, self.ready)
             self._picker_grpc, self.picker_port = await start_picker(self.picker, cfg.host, cfg.picker_port, tls)
+            if self.kube_api is not None and cfg.pool:
+                self.objective_watch = ObjectiveWatch(self.kube_api, cfg.pool, self.picker.objectives)
+                self.objective_watch.start()
             log.info("endpoint picker (Envoy ext-proc) on %s:%d%s", cfg.host, self.picker_port,
                      f" for {cfg.pool}" if cfg.pool else "")
         log.info("gateway %s on %s/v1 (routing %s), KEDA external scaler on %s:%d, peer port %d", self.replica,
@@ -141,6 +146,8 @@ class Gateway:
         self.registry.close()  # held requests get 503 + Retry-After now; streams in flight may finish
         if self._picker_grpc is not None:
             await self._picker_grpc.stop(grace=self.cfg.shutdown_timeout)
+        if self.objective_watch is not None:
+            await self.objective_watch.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace=1)
         if self._runner is not None:

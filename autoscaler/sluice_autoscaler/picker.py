@@ -34,7 +34,7 @@ import json
 import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import grpc
@@ -45,6 +45,7 @@ from . import ext_proc_pb2_grpc as pb_grpc
 from .auth import ApiKeys
 from .config import GatewayConfig
 from .demand import DemandBoard
+from .kube import Informer, KubeAPI
 from .metrics import GatewayMetrics
 from .prefix import routing_key
 from .proxy import BodyBudget, error_body
@@ -68,11 +69,18 @@ FALLBACKS = 2  # endpoints after the chosen one, for the gateway's retry policy
 OVERWRITE = pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-@dataclass(frozen=True, slots=True)
+OBJECTIVES_API = "/apis/inference.networking.x-k8s.io/v1alpha2"
+POOL_GROUP = "inference.networking.k8s.io"
+
+
+@dataclass(slots=True)
 class Objectives:
-    """InferenceObjective name -> priority (GIE: higher is more important; below zero: sheddable)."""
+    """InferenceObjective name -> priority (GIE: higher is more important; below zero: sheddable): the
+    --objective flags, and with --kubernetes --pool the InferenceObjectives whose poolRef names the pool (they
+    win over a flag of the same name; watched, so a change applies to the next request)."""
 
     priorities: dict[str, int]
+    watched: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, pairs: Iterable[str]) -> Objectives:
@@ -89,7 +97,25 @@ class Objectives:
 
     def priority(self, name: str | None) -> int:
         """An unknown or absent objective is priority 0, as GIE's default objective."""
-        return self.priorities.get(name, 0) if name else 0
+        if not name:
+            return 0
+        return self.watched.get(name, self.priorities.get(name, 0))
+
+
+def pool_objectives(objects: Iterable[dict], pool: str) -> dict[str, int]:
+    """name -> priority of the InferenceObjectives whose poolRef is the InferencePool `pool` (the endpoint's
+    name: the operator names the pool after it). Pure."""
+    out: dict[str, int] = {}
+    for obj in objects:
+        spec = obj.get("spec") or {}
+        ref = spec.get("poolRef") or {}
+        if ref.get("name") != pool or ref.get("group", POOL_GROUP) != POOL_GROUP:
+            continue
+        priority = spec.get("priority", 0)
+        name = (obj.get("metadata") or {}).get("name")
+        if isinstance(name, str) and isinstance(priority, int) and not isinstance(priority, bool):
+            out[name] = priority
+    return out
 
 
 def hostport(url: str) -> str:
@@ -539,6 +565,29 @@ class PickerStream:
         if self.outcome is None:
             self.outcome = "ok" if self.status is not None and self.status < 400 else "backend_error"
         self._release()
+
+
+class ObjectiveWatch:
+    """The InferenceObjectives of the picker's namespace, kept current (kube.Informer); where the CRD is not
+    installed or RBAC forbids it, the informer retries with back-off and the flags alone apply."""
+
+    def __init__(self, api: KubeAPI, pool: str, objectives: Objectives):
+        namespace, _, self.name = pool.partition("/")
+        self.objectives = objectives
+        self.informer = Informer(api, f"{OBJECTIVES_API}/namespaces/{namespace}/inferenceobjectives", None,
+                                 self._changed)
+        self._task: asyncio.Task | None = None
+
+    def _changed(self) -> None:
+        self.objectives.watched = pool_objectives(self.informer.objects.values(), self.name)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.informer.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):

@@ -6,7 +6,8 @@
 - The picker (EPP): ServiceAccount, Role and RoleBinding, Deployment and Service `<name>-epp`, running
   `sluice gateway --endpoint-picker`: gRPC ext-proc on 9002; /metrics, /health and /ready on 8080. It finds the
   endpoint's ready pods as the Sluice gateway does in --kubernetes mode, so its Role grants, in this namespace,
-  what the chart's gateway role grants (PICKER_RULES; a test compares them).
+  what the chart's gateway role grants (DISCOVERY_RULES; a test compares them), and the InferenceObjectives
+  that name its pool (their priorities).
 - HTTPRoute `<name>` (gateway.networking.k8s.io/v1), with httpRoute: the listeners' traffic (path prefix /) to
   the pool.
 
@@ -35,11 +36,16 @@ PICKER_HTTP_PORT = 8080  # /metrics, /health, /ready
 H2C = "kubernetes.io/h2c"  # gRPC without TLS: what a gateway's ext-proc client speaks to the picker
 # What `sluice gateway --kubernetes` reads (the chart's sluice.gateway.rules): the InferenceEndpoint (its served
 # name and scaling), the Services labelled with it, and their EndpointSlices (the ready pods, by role).
-PICKER_RULES = (
+DISCOVERY_RULES = (
     {"apiGroups": ["sluice.dev"], "resources": ["inferenceendpoints"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
 )
+# The picker's own: the InferenceObjectives whose poolRef names its pool, for their priorities (picker.py,
+# ObjectiveWatch).
+OBJECTIVE_RULE = {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"],
+                  "verbs": ["get", "list", "watch"]}
+PICKER_RULES = (*DISCOVERY_RULES, OBJECTIVE_RULE)
 PICKER_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 PICKER_GRACE_S = 30
 
@@ -104,8 +110,13 @@ def http_route(ep: InferenceEndpoint, routing: InferencePoolRouting) -> dict[str
 
 
 def picker_args(ep: InferenceEndpoint) -> list[str]:
-    return ["--endpoint-picker", "--picker-port", str(PICKER_GRPC_PORT), "--port", str(PICKER_HTTP_PORT),
+    args = ["--endpoint-picker", "--picker-port", str(PICKER_GRPC_PORT), "--port", str(PICKER_HTTP_PORT),
             "--kubernetes", "-n", ep.namespace, "--pool", f"{ep.namespace}/{ep.name}"]
+    routing = pool_of(ep)
+    if routing is not None and routing.max_inflight_per_pod:
+        args += ["--picker-max-inflight", str(routing.max_inflight_per_pod)]
+    return args
+
 
 
 def picker_deployment(ep: InferenceEndpoint, routing: InferencePoolRouting, cfg: OperatorConfig) -> dict[str, Any]:

@@ -749,6 +749,11 @@ class InferencePoolRouting(_Object):
         "What the gateway does when the picker does not answer (the InferencePool's endpointPickerRef."
         "failureMode). FailClose: the request fails, so no request bypasses the picker's choice (load, prefix "
         "affinity, a replica still loading). FailOpen: the gateway picks a pool pod itself."))
+    max_inflight_per_pod: int = Field(0, ge=0, le=4096, description=(
+        "Flow control in the picker: no engine pod gets more than this many requests in flight from it; beyond, "
+        "requests wait in the picker's queue by priority (InferenceObjective), tenant by tenant within a "
+        "priority (x-gateway-inference-fairness-id), and sheddable ones (priority below 0) get 429. Set it near "
+        "the engines' max-num-seqs. 0: no limit (queueing is left to each engine)."))
     http_route: HttpRoute | None = Field(None, description=(
         "An HTTPRoute `<name>` attaching the pool to a Gateway the platform runs. Unset: no route; a platform "
         "team may write its own with backendRefs [{group: inference.networking.k8s.io, kind: InferencePool, "

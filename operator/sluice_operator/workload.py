@@ -56,6 +56,16 @@ POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
                 "seccompProfile": {"type": "RuntimeDefault"}}
 
 
+def engine_scheduling_args(ep: InferenceEndpoint) -> list[str]:
+    """A pooled endpoint's engines schedule by priority (spec.routing.inferencePool: the picker sends each
+    request's InferenceObjective priority), unless engine.args chooses a policy itself. A request without one is
+    priority 0: first come, first served, as under fcfs."""
+    pooled = ep.spec.routing is not None and ep.spec.routing.inference_pool is not None
+    if not pooled or "scheduling-policy" in ep.spec.engine.args:
+        return []
+    return ["--scheduling-policy", "priority"]
+
+
 def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     """`sluice serve` flags (docs/engine-flags.md) for this endpoint."""
     spec = ep.spec
@@ -79,6 +89,7 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     # rollout that reloads every model).
     args += ["--objectives-file", OBJECTIVES_PATH]
     args += render_args({k: v for k, v in spec.engine.args.items() if k != "enable-lora"})
+    args += engine_scheduling_args(ep)
     # LoRA adapters: which ones is the ConfigMap's adapters.json, re-read while the engine runs (adapters.py);
     # the flags depend only on LoRA being on, so adding or removing an adapter keeps them. Last: the switch
     # takes no value.

@@ -315,3 +315,20 @@ async def test_a_pick_at_zero_is_held_counts_for_keda_and_goes_on_when_a_backend
         await channel.close()
         await gw.stop()
         await backend.stop()
+
+
+def test_the_pools_inference_objectives_set_priorities_over_the_flags():
+    from sluice_autoscaler.picker import Objectives, pool_objectives
+
+    def objective(name: str, pool: str, priority, group: str | None = None) -> dict:
+        ref = {"name": pool, **({"group": group} if group else {})}
+        return {"metadata": {"name": name}, "spec": {"poolRef": ref, "priority": priority}}
+
+    found = pool_objectives([objective("critical", "pool-a", 10), objective("batch", "pool-a", -1),
+                             objective("other-pool", "pool-b", 5), objective("odd", "pool-a", "high"),
+                             objective("foreign", "pool-a", 3, group="example.com"),
+                             {"metadata": {"name": "no-spec"}}], "pool-a")
+    assert found == {"critical": 10, "batch": -1}
+    objectives = Objectives.parse(["critical=1", "standard=0", "flag-only=4"])
+    objectives.watched = found
+    assert [objectives.priority(n) for n in ("critical", "batch", "flag-only", "unknown", None)] == [10, -1, 4, 0, 0]

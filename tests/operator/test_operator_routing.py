@@ -16,7 +16,7 @@ from operator_schemas import CRD_FILE, EXAMPLES, ROOT, api_server_errors, crd_sc
 from sluice_operator.config import PROMETHEUS_PEERS, OperatorConfig
 from sluice_operator.meta import ENDPOINT_LABEL, ROLE_LABEL
 from sluice_operator.reconcile import reconcile
-from sluice_operator.routing import PICKER_RULES, picker_args
+from sluice_operator.routing import DISCOVERY_RULES, OBJECTIVE_RULE, PICKER_RULES, picker_args
 from sluice_operator.spec import SpecError, parse_endpoint
 from sluice_operator.status import endpoint_status, transitions
 from sluice_operator.workload import PORT
@@ -133,7 +133,9 @@ def test_picker_rbac_is_what_the_charts_gateway_reads_in_this_namespace_only(ren
     helpers = (ROOT / "charts" / "sluice" / "templates" / "_helpers.tpl").read_text()
     block = re.search(r'define "sluice.gateway.rules" -}}\n(.*?)\{\{- end', helpers, re.S)
     assert block is not None
-    assert yaml.safe_load(block.group(1)) == role["rules"]
+    assert yaml.safe_load(block.group(1)) == [dict(r) for r in DISCOVERY_RULES]
+    # and, the picker's own, the InferenceObjectives (their priorities)
+    assert role["rules"][-1] == OBJECTIVE_RULE and len(role["rules"]) == len(DISCOVERY_RULES) + 1
 
 
 def test_http_route_attaches_the_pool_to_the_gateway(rendered) -> None:
@@ -320,3 +322,21 @@ def test_a_pool_refused_posts_a_warning() -> None:
 def test_picker_args_name_the_pool() -> None:
     ep = parse_endpoint({**copy.deepcopy(load_yaml(EXAMPLE)), "metadata": {"name": "x", "namespace": "team-a"}})
     assert picker_args(ep)[-4:] == ["-n", "team-a", "--pool", "team-a/x"]
+
+
+def test_flow_control_and_priority_scheduling_follow_the_pool() -> None:
+    d = doc(gatewayNamespaces=["infra"])
+    d["spec"]["routing"]["inferencePool"]["maxInflightPerPod"] = 16
+    out = by_kind_name(reconcile(parse_endpoint(d)))
+    args = out["Deployment", "smollm2-gie-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--picker-max-inflight") + 1] == "16"
+    engine = out["Deployment", "smollm2-gie"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert engine[engine.index("--scheduling-policy") + 1] == "priority"  # the picker sends priorities
+    d["spec"]["engine"]["args"]["scheduling-policy"] = "fcfs"  # the user's choice stands
+    engine = by_kind_name(reconcile(parse_endpoint(d)))["Deployment", "smollm2-gie"]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert engine.count("--scheduling-policy") == 1 and engine[engine.index("--scheduling-policy") + 1] == "fcfs"
+    del d["spec"]["routing"], d["spec"]["engine"]["args"]["scheduling-policy"]
+    plain = by_kind_name(reconcile(parse_endpoint(d)))
+    assert "--scheduling-policy" not in plain["Deployment", "smollm2-gie"]["spec"]["template"]["spec"][
+        "containers"][0]["args"]  # no picker: the engine's default (fcfs)

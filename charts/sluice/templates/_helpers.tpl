@@ -151,12 +151,17 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
   resources: [networkpolicies]
   verbs: [get, list, create, patch, delete]
 # spec.routing.inferencePool (Gateway API Inference Extension): the InferencePool, the HTTPRoute, and the endpoint
-# picker's ServiceAccount, Role and RoleBinding. The picker's Role reads InferenceEndpoints, Services and
-# EndpointSlices (get, list, watch) in the endpoint's namespace: the operator holds exactly that (above and
-# below), so the API server lets it create the Role without escalate or bind.
+# picker's ServiceAccount, Role and RoleBinding. The picker's Role reads InferenceEndpoints, Services,
+# EndpointSlices and InferenceObjectives (get, list, watch) in the endpoint's namespace: the operator holds
+# exactly that (above and below), so the API server lets it create the Role without escalate or bind.
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, create, patch, delete]
+# Read only, and only because the picker's Role grants it: the picker takes the priorities of the
+# InferenceObjectives that name its pool.
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferenceobjectives]
+  verbs: [get, list, watch]
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [get, list, create, patch, delete]
