@@ -111,8 +111,11 @@ def start_picker(mode: str, c: Cluster, log_dir: Path, procs: list[Proc]) -> lis
     """The picker of `mode`, started; the data plane's arguments to reach it."""
     if mode == "round-robin":
         return []
+    assert mode.startswith("sluice") or mode == "gie-epp", mode
     grpc_port = free_port()
-    if mode == "sluice":
+    if mode.startswith("sluice"):
+        # sluice@load-floor=8: the picker with --load-floor 8 (any picker flag, `@flag=value`, repeatable)
+        extra = [a for opt in mode.split("@")[1:] for a in (f"--{opt.split('=')[0]}", opt.split("=", 1)[1])]
         proxy_port = free_port()
         procs.append(Proc("kubectl-proxy", [c.kubectl_path, f"--kubeconfig={c.kubeconfig}", "proxy",
                                             "--address=127.0.0.1", f"--port={proxy_port}"], log_dir))
@@ -121,7 +124,8 @@ def start_picker(mode: str, c: Cluster, log_dir: Path, procs: list[Proc]) -> lis
             sys.executable, "-m", "sluice_engine.entrypoints.cli", "gateway", "--endpoint-picker", "--kubernetes",
             "--kube-api", f"http://127.0.0.1:{proxy_port}", "-n", NAMESPACE, "--pool", f"{NAMESPACE}/{NAME}",
             "--host", "127.0.0.1", "--port", str(http_port), "--picker-port", str(grpc_port),
-            "--scaler-port", str(free_port()), "--peer-port", str(free_port()), "--log-level", "warning"], log_dir))
+            "--scaler-port", str(free_port()), "--peer-port", str(free_port()), "--log-level", "warning", *extra],
+            log_dir))
         wait_until("the Sluice picker to be ready", lambda: _ok(f"http://127.0.0.1:{http_port}/ready"), 60)
     else:
         epp_dir = subprocess.run(["bash", str(SCRIPTS / "get-gie-epp.sh"), "--bin"], capture_output=True,
@@ -206,8 +210,8 @@ def run_mode(mode: str, c: Cluster, runner: Runner, args: argparse.Namespace, lo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["sluice", "gie-epp", "round-robin"],
-                    choices=["sluice", "gie-epp", "round-robin"])
+    ap.add_argument("--modes", nargs="+", default=["sluice", "sluice@load-floor=8", "gie-epp", "round-robin"],
+                    help="sluice (picker flags as sluice@flag=value@...), gie-epp, round-robin")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--per-group", type=int, default=4)

@@ -33,6 +33,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                        help="prefix: consistent hashing with bounded loads on the prompt prefix")
     route.add_argument("--load-factor", type=float, default=d.load_factor,
                        help="prefix routing: no backend takes more than this times the average load")
+    route.add_argument("--load-floor", type=int, default=d.load_floor,
+                       help="prefix routing: a backend with fewer requests in flight than this keeps its prefixes "
+                            "whatever the average (set it to what an engine runs at once without queueing)")
     route.add_argument("--prefix-chars", type=int, default=d.prefix_chars,
                        help="prefix routing: leading characters of the prompt (chat: rendered messages) hashed")
     route.add_argument("--max-attempts", type=int, default=d.max_attempts,

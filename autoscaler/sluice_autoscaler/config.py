@@ -24,6 +24,7 @@ class GatewayConfig:
     # Routing.
     routing: str = "prefix"
     load_factor: float = 1.25  # CHWBL: no backend takes more than ceil(c * average load)
+    load_floor: int = 0  # ... unless it has fewer than this in flight (idle batch slots: no need to spill)
     prefix_chars: int = 256  # the routing key: this many leading characters of the prompt
     max_attempts: int = 3  # backends tried per request (retries happen only before any byte reached the client)
     # Holding while an endpoint has no ready backend (scale from zero).
@@ -82,6 +83,8 @@ class GatewayConfig:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing}")
         if self.load_factor < 1:
             raise ValueError(f"--load-factor must be >= 1, got {self.load_factor}")
+        if self.load_floor < 0:
+            raise ValueError(f"--load-floor must be >= 0, got {self.load_floor}")
         if self.prefix_chars < 1:
             raise ValueError(f"--prefix-chars must be >= 1, got {self.prefix_chars}")
         if self.max_attempts < 1:

@@ -152,7 +152,7 @@ class Proxy:
     def __init__(self, cfg: GatewayConfig, registry: Registry, demand: DemandBoard, metrics: GatewayMetrics,
                  keys: ApiKeys):
         self.cfg, self.registry, self.demand, self.metrics, self.keys = cfg, registry, demand, metrics, keys
-        self.router = Router(cfg.routing, cfg.load_factor)
+        self.router = Router(cfg.routing, cfg.load_factor, cfg.load_floor)
         self.session: aiohttp.ClientSession | None = None
         self.started = int(time.time())
         self.budget = BodyBudget(cfg.max_buffered_bytes)

@@ -85,9 +85,12 @@ def chwbl_pick(ring: HashRing, key: str, loads: dict[str, int], load_factor: flo
 
 
 class Router:
-    def __init__(self, mode: str = "prefix", load_factor: float = 1.25):
+    def __init__(self, mode: str = "prefix", load_factor: float = 1.25, load_floor: int = 0):
         self.mode = mode
         self.load_factor = load_factor
+        # A backend with fewer requests in flight than this is never over the bound: while every engine has
+        # idle batch slots, spilling a prefix to another backend only costs a cache miss (0: CHWBL as published).
+        self.load_floor = load_floor
         self._rings: dict[tuple[str, ...], HashRing] = {}
         self._turn = 0
 
@@ -108,7 +111,7 @@ class Router:
         self._turn += 1
         if self.mode == "round-robin":
             return ordered[self._turn % len(ordered)]
-        bound = load_bound(sum(b.inflight for b in ordered), len(ordered), self.load_factor)
+        bound = max(load_bound(sum(b.inflight for b in ordered), len(ordered), self.load_factor), self.load_floor)
         if prefer:
             # NOTE: the bound stays that of every candidate, so a preferred backend never takes more than any
             # backend may; among the preferred, the same walk (or least load) decides as among all.

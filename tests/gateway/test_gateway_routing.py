@@ -36,6 +36,17 @@ def test_same_prefix_same_backend():
     assert router.pick(list(reversed(backends)), KEYS[0]) is router.pick(backends, KEYS[0])
 
 
+def test_below_the_load_floor_a_prefix_stays_on_its_backend():
+    backends = [B(u) for u in IDS]
+    key = KEYS[0]
+    owner = Router("prefix", 1.25).pick(backends, key)
+    owner.inflight = 3  # the bound with 3 in flight over 5 backends is ceil(1.25 * 4 / 5) = 1: CHWBL spills
+    assert Router("prefix", 1.25).pick(backends, key) is not owner
+    assert Router("prefix", 1.25, load_floor=4).pick(backends, key) is owner  # 3 + 1 <= 4: it keeps the prefix
+    owner.inflight = 4
+    assert Router("prefix", 1.25, load_floor=4).pick(backends, key) is not owner  # past the floor: the bound
+
+
 def test_keys_spread_over_backends():
     ring = HashRing(IDS)
     owners = Counter(next(ring.walk(k)) for k in KEYS)
