@@ -310,22 +310,22 @@ def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> No
 
 # -- spec.routing.inferencePool: the Gateway API Inference Extension objects -----------------------------------
 def test_routing_objects_applied_and_pool_status_folded(stack: Stack) -> None:
-    """examples/gateway-api-inference-pool.yaml (applied above), against the projects' own CRDs (dev-cluster.sh):
+    """examples/gateway-api-inference-pool.yaml (as the examples test applied it), against the projects' own CRDs (dev-cluster.sh):
     the operator, under the chart's RBAC, made the picker's Role (a Role grants only what its creator holds) and
     the InferencePool; what a gateway writes into the pool's status reaches the endpoint's conditions at the
     next resync; without spec.routing the objects are pruned."""
+    from sluice_operator.routing import PICKER_RULES
+
     cluster = stack.cluster
     if cluster.gateway_crds is None:
         pytest.skip("no Gateway API CRDs in this cluster (scripts/get-gateway-crds.sh could not fetch them)")
-    doc = load_yaml(ROOT / "examples" / "gateway-api-inference-pool.yaml")
-    name, ns = doc["metadata"]["name"], "default"
+    name, ns = _apply_endpoint(stack, load_yaml(ROOT / "examples" / "gateway-api-inference-pool.yaml"))  # as above
     ep = _wait_phase(stack, name, ns, {"Ready"})
     pool = cluster.get("inferencepool", name, "-n", ns)
     assert pool is not None and pool["metadata"]["ownerReferences"][0]["uid"] == ep["metadata"]["uid"]
     assert _condition(ep, "InferencePoolAccepted")["reason"] == "NoParents", ep["status"]
     role = cluster.get("role", f"{name}-epp", "-n", ns)
-    assert role is not None and {r for rule in role["rules"] for r in rule["resources"]} == {
-        "inferenceendpoints", "endpointslices", "services"}
+    assert role is not None and role["rules"] == [dict(r) for r in PICKER_RULES], role
     cluster.kubectl("rollout", "status", f"deployment/{name}-epp", "-n", ns, "--timeout=60s", timeout=70)
     parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "infra", "name": "shared-gw"}
     status = {"parents": [{"parentRef": parent, "controllerName": "gateway.example/controller", "conditions": [
