@@ -9,8 +9,10 @@ The stack: a dev cluster (real kube-apiserver, kwok nodes) whose engine pods ser
 thread each, a KV cache (--kv-cache) with room for about 6 of the prompts' prefixes. The data plane is
 e2e/extproc_gateway (a gateway built from Envoy's go-control-plane types, as GIE's conformant gateways speak
 ext-proc: full-duplex streamed bodies), which asks a picker for every request:
-  - `sluice`: `sluice gateway --endpoint-picker --kubernetes --pool default/<name>` (through `kubectl proxy`):
-    prefix affinity under the load bound (CHWBL), from the endpoint's EndpointSlices;
+  - `sluice@load-floor=8`: `sluice gateway --endpoint-picker --kubernetes --pool default/<name> --load-floor 8`
+    (through `kubectl proxy`), as the operator renders it for these engines (half their --max-num-seqs 16):
+    prefix affinity (CHWBL) that holds while a pod runs under 8 requests; `sluice`: the same with the plain
+    CHWBL bound (--load-floor 0, the gateway's default);
   - `gie-epp`: GIE v1.5.0's reference picker (scripts/get-gie-epp.sh; cmd/epp, standalone mode: pods by label
     selector), its default profile: queue-depth, KV-utilisation and prefix-cache scorers, reading the engines'
     vllm:* metrics;
@@ -210,8 +212,9 @@ def run_mode(mode: str, c: Cluster, runner: Runner, args: argparse.Namespace, lo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["sluice", "sluice@load-floor=8", "gie-epp", "round-robin"],
-                    help="sluice (picker flags as sluice@flag=value@...), gie-epp, round-robin")
+    ap.add_argument("--modes", nargs="+", default=["sluice@load-floor=8", "sluice", "gie-epp", "round-robin"],
+                    help="sluice (picker flags as sluice@flag=value@...; the operator renders --load-floor as half "
+                         "the engines' max-num-seqs: 8 here), gie-epp, round-robin")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--per-group", type=int, default=4)

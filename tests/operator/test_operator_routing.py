@@ -95,7 +95,7 @@ def test_picker_deployment_and_service(rendered) -> None:
     assert c["image"] == cfg.engine_image
     assert [*c["command"], *c["args"]] == [
         "sluice", "gateway", "--endpoint-picker", "--picker-port", "9002", "--port", "8080", "--kubernetes",
-        "-n", "default", "--pool", "default/smollm2-gie"]
+        "-n", "default", "--pool", "default/smollm2-gie", "--load-floor", "8"]  # the example: max-num-seqs 16
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
@@ -321,7 +321,7 @@ def test_a_pool_refused_posts_a_warning() -> None:
 
 def test_picker_args_name_the_pool() -> None:
     ep = parse_endpoint({**copy.deepcopy(load_yaml(EXAMPLE)), "metadata": {"name": "x", "namespace": "team-a"}})
-    assert picker_args(ep)[-4:] == ["-n", "team-a", "--pool", "team-a/x"]
+    assert picker_args(ep)[-6:-2] == ["-n", "team-a", "--pool", "team-a/x"]
 
 
 def test_flow_control_and_priority_scheduling_follow_the_pool() -> None:
@@ -340,3 +340,19 @@ def test_flow_control_and_priority_scheduling_follow_the_pool() -> None:
     plain = by_kind_name(reconcile(parse_endpoint(d)))
     assert "--scheduling-policy" not in plain["Deployment", "smollm2-gie"]["spec"]["template"]["spec"][
         "containers"][0]["args"]  # no picker: the engine's default (fcfs)
+
+
+def test_the_picker_keeps_prefix_affinity_up_to_half_the_engines_batch() -> None:
+    from sluice_engine.config import EngineConfig
+    from sluice_operator.routing import ENGINE_MAX_NUM_SEQS
+
+    assert ENGINE_MAX_NUM_SEQS == EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    d = doc(gatewayNamespaces=["infra"])
+    d["spec"]["engine"]["args"]["max-num-seqs"] = 16
+    args = by_kind_name(reconcile(parse_endpoint(d)))["Deployment", "smollm2-gie-epp"]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--load-floor") + 1] == "8"
+    del d["spec"]["engine"]["args"]["max-num-seqs"]
+    args = by_kind_name(reconcile(parse_endpoint(d)))["Deployment", "smollm2-gie-epp"]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args[args.index("--load-floor") + 1] == str(ENGINE_MAX_NUM_SEQS // 2)
