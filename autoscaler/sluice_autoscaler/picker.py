@@ -46,7 +46,7 @@ from .auth import ApiKeys
 from .config import GatewayConfig
 from .demand import DemandBoard
 from .kube import Informer, KubeAPI
-from .metrics import GatewayMetrics
+from .metrics import REFUSALS, GatewayMetrics
 from .prefix import routing_key
 from .proxy import BodyBudget, error_body
 from .registry import Backend, Endpoint, Registry, Route
@@ -279,6 +279,7 @@ class PickerStream:
         self.priority = 0  # the objective's (GIE convention: higher is more important)
         self.tenant = ""  # x-gateway-inference-fairness-id: shares within a priority are per tenant
         self.taken = 0  # request-body bytes counted against the picker's buffer budget
+        self.answered = False  # refused before the pick: the rest of the request is not read
 
     async def run(self, requests: AsyncIterator[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingResponse]:
         try:
@@ -286,13 +287,32 @@ class PickerStream:
                 for resp in await self._one(req):
                     yield resp
         finally:  # the stream ended, was cancelled, or failed: nothing may stay counted
-            self.p.budget.give(self.taken)
+            self._drop_body()
             self._end_hold()
             self._release()
             if self.ep is not None:
                 self.p.metrics.finished(self.ep.key, self.outcome or "client_gone")
 
+    def _drop_body(self) -> None:
+        self.p.budget.give(self.taken)
+        self.taken = 0
+        self.body = bytearray()
+
+    def _refuse_body(self, response: pb.ProcessingResponse, outcome: str) -> list[pb.ProcessingResponse]:
+        """An answer before the pick: the body read so far is dropped, and what the gateway still sends of the
+        request is ignored (it should stop, having the answer)."""
+        self.outcome, self.answered = outcome, True
+        self._drop_body()
+        self._count_refusal()
+        return [response]
+
+    def _count_refusal(self) -> None:
+        if self.ep is None and self.outcome in REFUSALS:  # before an endpoint was known, as the proxy counts
+            self.p.metrics.refused.labels(self.outcome).inc()
+
     async def _one(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.answered:
+            return []
         if req.HasField("protocol_config"):
             self.request_mode = req.protocol_config.request_body_mode
             self.response_mode = req.protocol_config.response_body_mode
@@ -314,13 +334,12 @@ class PickerStream:
                 return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse()))]
             chunk = req.request_body.body
             if len(self.body) + len(chunk) > self.cfg.max_body_bytes:
-                self.outcome = "too_large"
-                return [immediate(413, f"request body is larger than {self.cfg.max_body_bytes} bytes "
-                                  "(--max-body-bytes)", "request_too_large")]
+                return self._refuse_body(immediate(413, f"request body is larger than {self.cfg.max_body_bytes} "
+                                                   "bytes (--max-body-bytes)", "request_too_large"), "too_large")
             if not self.p.budget.take(len(chunk)):
-                self.outcome = "overloaded"
-                return [immediate(503, "the picker holds as many request bodies as it may (--max-buffered-bytes)",
-                                  "gateway_overloaded", retry_after=self.cfg.retry_after)]
+                return self._refuse_body(immediate(
+                    503, "the picker holds as many request bodies as it may (--max-buffered-bytes)",
+                    "gateway_overloaded", retry_after=self.cfg.retry_after), "overloaded")
             self.body += chunk
             self.taken += len(chunk)
             if not req.request_body.end_of_stream:
@@ -328,9 +347,7 @@ class PickerStream:
             try:
                 return await self._decide(bytes(self.body), in_body=self.request_mode == pb.BUFFERED)
             finally:
-                self.p.budget.give(self.taken)
-                self.taken = 0
-                self.body = bytearray()
+                self._drop_body()
         if kind == "response_headers":
             return self._response_headers(req)
         if kind == "response_body":
@@ -357,6 +374,7 @@ class PickerStream:
             dest = await self._pick(route, key)
         except Refusal as r:
             self.outcome = r.outcome
+            self._count_refusal()
             self._end_hold()  # answered: no longer waiting, though the gateway may keep the stream open a while
             return [r.response]
         return destination_responses(dest, forwarded, in_body)

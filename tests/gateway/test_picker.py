@@ -158,6 +158,19 @@ async def test_bad_requests_get_immediate_answers_naming_the_cause():
         code, err = await answer(chat("m", "x" * 2000))
         assert code == 413 and "--max-body-bytes" in err["message"]
         assert gw.proxy.budget.used == 0  # nothing stays counted against the buffer budget
+        refused = {r: gw.metrics.refused.labels(r)._value.get() for r in ("invalid_request", "model_not_found")}
+        assert refused == {"invalid_request": 2, "model_not_found": 1}
+        # a gateway that goes on sending after the 413 is not answered again, and nothing is kept
+        ex = Exchange(stub)
+        await ex.call.write(pb.ProcessingRequest(request_headers=headers()))
+        await ex.call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"y" * 900)))
+        await ex.call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"y" * 900)))
+        assert (await ex.call.read()).immediate_response.status.code == 413
+        for _ in range(5):
+            await ex.call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"y" * 900)))
+        await ex.call.done_writing()
+        assert await ex.call.read() is grpc.aio.EOF
+        assert gw.proxy.budget.used == 0
     finally:
         await channel.close()
         await gw.stop()
@@ -317,7 +330,7 @@ async def test_a_pick_at_zero_is_held_counts_for_keda_and_goes_on_when_a_backend
         await backend.stop()
 
 
-def test_the_pools_inference_objectives_set_priorities_over_the_flags():
+async def test_the_pools_inference_objectives_set_priorities_over_the_flags():
     from sluice_autoscaler.picker import Objectives, pool_objectives
 
     def objective(name: str, pool: str, priority, group: str | None = None) -> dict:
