@@ -73,6 +73,20 @@ def adapter_names(ie: dict[str, Any], served: str) -> list[str]:
     return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and "/" not in n and n != served))
 
 
+def objective_priorities(routing: Any, where: str) -> dict[str, int]:
+    """spec.routing.objectives -> {name: priority}; entries the CRD would refuse are skipped, saying so."""
+    out: dict[str, int] = {}
+    objectives = routing.get("objectives") if isinstance(routing, dict) else None
+    for o in objectives if isinstance(objectives, list) else ():
+        name = o.get("name") if isinstance(o, dict) else None
+        priority = o.get("priority") if isinstance(o, dict) else None
+        if isinstance(name, str) and name and isinstance(priority, int) and not isinstance(priority, bool):
+            out[name] = priority
+        else:
+            log.warning("%s: spec.routing.objectives entry %r skipped (want {name, priority})", where, o)
+    return out
+
+
 def _port(ports: list[dict[str, Any]] | None) -> int | None:
     ports = [p for p in ports or [] if p.get("port")]
     for p in ports:
@@ -102,7 +116,8 @@ def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[st
         # where the served name is plain too.
         adapters = {a: model_names(namespace, a, scope, only_namespace) for a in adapter_names(ie, served)}
         specs[key] = EndpointSpec(key, served, names=names, namespace=namespace,
-                                  created=str(meta.get("creationTimestamp") or ""), adapters=adapters)
+                                  created=str(meta.get("creationTimestamp") or ""), adapters=adapters,
+                                  priorities=objective_priorities((ie.get("spec") or {}).get("routing"), key))
     for s in slices:
         meta = s.get("metadata") or {}
         labels = meta.get("labels") or {}

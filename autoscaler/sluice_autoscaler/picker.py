@@ -48,6 +48,7 @@ from .demand import DemandBoard
 from .kube import Informer, KubeAPI
 from .metrics import REFUSALS, GatewayMetrics
 from .prefix import routing_key
+from .priorities import OBJECTIVE_HEADER, set_engine_priority
 from .proxy import BodyBudget, error_body
 from .registry import Backend, Endpoint, Registry, Route
 from .router import Router
@@ -60,7 +61,6 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 MAX_TENANT_CHARS = 256
 # Streamed body chunks sent back: under the 64 KiB Envoy buffers per stream by default.
@@ -95,11 +95,15 @@ class Objectives:
                 raise ValueError(f"--objective takes NAME=PRIORITY, got {text!r}")
         return cls(out)
 
-    def priority(self, name: str | None) -> int:
-        """An unknown or absent objective is priority 0, as GIE's default objective."""
+    def priority(self, name: str | None, endpoint: dict[str, int] | None = None) -> int:
+        """The pool's InferenceObjective, else the endpoint's spec.routing.objectives, else the flag; an unknown
+        or absent objective is priority 0, as GIE's default objective."""
         if not name:
             return 0
-        return self.watched.get(name, self.priorities.get(name, 0))
+        for source in (self.watched, endpoint or {}, self.priorities):
+            if name in source:
+                return source[name]
+        return 0
 
 
 def pool_objectives(objects: Iterable[dict], pool: str) -> dict[str, int]:
@@ -409,13 +413,8 @@ class PickerStream:
             parsed["model"] = route.model
             changed = True
         # The objective decides the priority, never the client: a tenant may not jump the queue.
-        priority = self.priority = self.p.objectives.priority(self.headers.get(OBJECTIVE_HEADER))
-        if "priority" in parsed:
-            del parsed["priority"]
-            changed = True
-        if priority:
-            parsed["priority"] = -priority  # engine (vLLM) convention: lower is sooner
-            changed = True
+        self.priority = self.p.objectives.priority(self.headers.get(OBJECTIVE_HEADER), route.endpoint.priorities)
+        changed = set_engine_priority(parsed, self.priority) or changed
         forwarded = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode() if changed else body
         return route, forwarded, key
 

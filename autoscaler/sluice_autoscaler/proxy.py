@@ -33,6 +33,7 @@ from .config import GatewayConfig
 from .demand import DemandBoard
 from .metrics import GatewayMetrics
 from .prefix import routing_key
+from .priorities import OBJECTIVE_HEADER, set_engine_priority
 from .registry import STANDBY, Backend, Endpoint, Registry
 from .router import Router
 
@@ -247,13 +248,16 @@ class Proxy:
             return json_error(401, denied, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         key = routing_key(body, self.cfg.prefix_chars, adapter) if self.cfg.routing == "prefix" else None
         stream = body.get("stream") is True
-        if model == route.model:
+        # An endpoint with objectives (spec.routing.objectives): the header's objective sets the priority.
+        prioritised = bool(ep.priorities) and set_engine_priority(
+            body, ep.priorities.get(request.headers.get(OBJECTIVE_HEADER, ""), 0))
+        if model == route.model and not prioritised:
             del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
             return await Exchange(self, request, ep, raw, stream, key, adapter).run()
         # The engine answers to its served name and its adapters' names only: the name the client sent
         # (`<namespace>/<name>`) is replaced before the request goes on. The answer's `model` is then the
         # engine's name.
-        body["model"] = route.model
+        body["model"] = route.model  # (the same, where only the priority changed)
         forwarded = encode_body(body)
         del body
         if not self.budget.take(len(forwarded)):

@@ -57,6 +57,8 @@ class EndpointSpec:
     # LoRA adapters the backends serve beside the model (the engine answers to each by its own name), with the
     # names clients may send for each, the namespaced one first (empty: the adapter's name alone, as locally).
     adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # spec.routing.objectives: objective name (header x-gateway-inference-objective) -> priority (higher first)
+    priorities: dict[str, int] = field(default_factory=dict)
 
     def claimed(self) -> tuple[str, ...]:
         return self.names or (self.model,)
@@ -147,6 +149,7 @@ class Endpoint:
         self.names: tuple[str, ...] = (model,)  # what clients may send (only those it holds route here)
         self.adapters: dict[str, tuple[str, ...]] = {}  # LoRA adapter -> the names clients may send for it
         self.adapter_use = AdapterUse()
+        self.priorities: dict[str, int] = {}  # objective -> priority (spec.routing.objectives); empty: none set
         self.namespace: str | None = None
         self.created = ""
         self.backends: dict[str, Backend] = {}
@@ -266,6 +269,7 @@ class Registry:
                 log.info("endpoint %s (model %r) added", spec.key, spec.model)
             ep.model, ep.names, ep.namespace, ep.created = spec.model, spec.claimed(), spec.namespace, spec.created
             ep.adapters = spec.claimed_adapters()
+            ep.priorities = dict(spec.priorities)
             ep.adapter_use.keep(ep.adapters)
             if self._sync_backends(ep, spec):
                 ep.notify()

@@ -7,6 +7,7 @@ YAML file re-read when it changes:
         serving: [http://127.0.0.1:8001, http://127.0.0.1:8002]
         standby: [http://127.0.0.1:8003]
         adapters: [sql, support]      # optional: LoRA adapters the backends serve (`sluice serve --lora-modules`)
+        objectives: [{name: critical, priority: 10}]   # optional: as spec.routing.objectives
 
 Locally an endpoint's key is its model name unless the file names it, and an adapter answers to its own name.
 """
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -61,6 +62,21 @@ def _adapters(value: Any, model: str, where: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _objectives(value: Any, where: str) -> dict[str, int]:
+    """[{name, priority}] as an InferenceEndpoint's spec.routing.objectives."""
+    if value is None:
+        return {}
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: expected a list of {{name, priority}}")
+    out: dict[str, int] = {}
+    for o in value:
+        if not (isinstance(o, dict) and isinstance(o.get("name"), str) and o["name"]
+                and isinstance(o.get("priority"), int) and not isinstance(o["priority"], bool)):
+            raise ValueError(f"{where}: expected {{name: <string>, priority: <integer>}}, got {o!r}")
+        out[o["name"]] = o["priority"]
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class FileEntry:
     """One endpoint of a backends file."""
@@ -70,6 +86,7 @@ class FileEntry:
     serving: list[str]
     standby: list[str]
     adapters: list[str]
+    priorities: dict[str, int] = field(default_factory=dict)
 
 
 def parse_backends_file(text: str) -> list[FileEntry]:
@@ -84,7 +101,8 @@ def parse_backends_file(text: str) -> list[FileEntry]:
         key = e.get("name") or e["model"]
         out.append(FileEntry(str(key), e["model"], _urls(e.get("serving"), f"endpoints[{i}].serving"),
                              _urls(e.get("standby"), f"endpoints[{i}].standby"),
-                             _adapters(e.get("adapters"), e["model"], f"endpoints[{i}].adapters")))
+                             _adapters(e.get("adapters"), e["model"], f"endpoints[{i}].adapters"),
+                             _objectives(e.get("objectives"), f"endpoints[{i}].objectives")))
     return out
 
 
@@ -93,6 +111,7 @@ def build_specs(backends: list[str], standby: list[str], file_entries: Sequence[
     """Flags and file merged, one spec per endpoint key. `adapters`: --adapter MODEL=NAME, for endpoints the
     flags declare."""
     merged: dict[str, tuple[str, dict[str, bool], dict[str, bool], dict[str, None]]] = {}
+    priorities: dict[str, dict[str, int]] = {}
 
     def add(key: str, model: str, serving: list[str], warm: list[str], loras: list[str]) -> None:
         _, s, w, a = merged.setdefault(key, (model, {}, {}, {}))
@@ -118,7 +137,9 @@ def build_specs(backends: list[str], standby: list[str], file_entries: Sequence[
         add(model, model, [], [], [name])
     for e in file_entries:
         add(e.key, e.model, e.serving, e.standby, e.adapters)
-    return [EndpointSpec(k, m, s, w, adapters=dict.fromkeys(a, ())) for k, (m, s, w, a) in sorted(merged.items())]
+        priorities.setdefault(e.key, {}).update(e.priorities)
+    return [EndpointSpec(k, m, s, w, adapters=dict.fromkeys(a, ()), priorities=priorities.get(k, {}))
+            for k, (m, s, w, a) in sorted(merged.items())]
 
 
 class StaticDiscovery:

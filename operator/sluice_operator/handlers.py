@@ -39,6 +39,7 @@ from .model_cache import MODEL_CACHE_LABEL
 from .operator_metrics import OperatorMetrics
 from .policy import check as check_policy
 from .reconcile import reconcile
+from .routing import pool_of
 from .scale_in_hold import hold_scale_in, replicas_to_hold
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
 from .status import adapters_pending, changed, endpoint_status, invalid_status, status_patch, transitions
@@ -242,7 +243,7 @@ class Loop:
             pods=pods, missing_kinds=missing,
             problems=self._problems.get(key, ()), previous=previous, now=_now(), cfg=self.cfg,
             model_cache=cache.state if cache is not None else None, adapters=adapters,
-            inference_pool=await live(ep.name, ("InferencePool",)) if ep.spec.routing is not None else None)
+            inference_pool=await live(ep.name, ("InferencePool",)) if pool_of(ep) is not None else None)
 
     async def _serving_pods(self, api: KubeApi, ep: InferenceEndpoint,
                             logger: logging.Logger | logging.LoggerAdapter) -> list[Object] | None:

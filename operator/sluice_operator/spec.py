@@ -773,9 +773,31 @@ class InferencePoolRouting(_Object):
         return sorted({ref.namespace or own for ref in self.http_route.parent_refs})
 
 
+class Objective(_Object):
+    """A request class and its priority, as a Gateway API Inference Extension InferenceObjective has them."""
+
+    name: str = Field(..., min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", description=(
+        "What requests name in the header x-gateway-inference-objective."))
+    priority: int = Field(..., ge=-(2**31 - 1), le=2**31 - 1, description=(
+        "Higher is more important; below 0 is sheddable (the picker's flow control answers 429 rather than queue "
+        "it). The engine receives it as its request priority (lower is sooner): -priority."))
+
+
 class Routing(_Object):
     """How clients reach the engines besides the endpoint's Service and the Sluice gateway."""
 
+    RULES = (
+        Rule("!has(self.objectives) || self.objectives.all(o, self.objectives.exists_one(p, p.name == o.name))",
+             "routing.objectives names must be unique", lambda r: len({o.name for o in r.objectives})
+             == len(r.objectives), field_path=".objectives"),
+    )
+
+    objectives: list[Objective] = Field(default_factory=list, max_length=64, description=(
+        "Request priorities by the header x-gateway-inference-objective, for the Sluice gateway and the endpoint "
+        "picker alike (users without the Inference Extension get its InferenceObjectives this way; where both "
+        "name one, the InferenceObjective wins in the picker). A request naming none, or one not listed, is "
+        "priority 0; a client's own `priority` field is replaced. Set: the engines run --scheduling-policy "
+        "priority (unless engine.args sets one)."))
     inference_pool: InferencePoolRouting | None = Field(None, description=(
         "Gateway API Inference Extension routing (inference.networking.k8s.io/v1): set, the operator renders an "
         "InferencePool, its endpoint picker and, with httpRoute, an HTTPRoute, so a Gateway the platform runs "

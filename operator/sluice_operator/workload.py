@@ -57,11 +57,13 @@ POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
 
 
 def engine_scheduling_args(ep: InferenceEndpoint) -> list[str]:
-    """A pooled endpoint's engines schedule by priority (spec.routing.inferencePool: the picker sends each
-    request's InferenceObjective priority), unless engine.args chooses a policy itself. A request without one is
+    """The engines schedule by priority where requests get one (spec.routing.inferencePool: the picker sends each
+    request's InferenceObjective priority; spec.routing.objectives: the gateway and the picker send those),
+    unless engine.args chooses a policy itself. A request without one is
     priority 0: first come, first served, as under fcfs."""
-    pooled = ep.spec.routing is not None and ep.spec.routing.inference_pool is not None
-    if not pooled or "scheduling-policy" in ep.spec.engine.args:
+    routing = ep.spec.routing
+    prioritised = routing is not None and (routing.inference_pool is not None or bool(routing.objectives))
+    if not prioritised or "scheduling-policy" in ep.spec.engine.args:
         return []
     return ["--scheduling-policy", "priority"]
 

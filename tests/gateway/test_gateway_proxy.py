@@ -354,3 +354,31 @@ async def test_hostile_bodies_get_4xx_never_5xx():
     finally:
         await gw.stop()
         await backend.stop()
+
+
+async def test_an_endpoints_objectives_set_the_priority_the_engine_gets(tmp_path):
+    """spec.routing.objectives (here the backends file's): the header's objective decides the request's priority,
+    in the engine's convention; a client's own is dropped; an endpoint without objectives passes it on."""
+    a, b = await FakeBackend("A").start(), await FakeBackend("B", model="plain").start()
+    path = tmp_path / "backends.yaml"
+    path.write_text(json.dumps({"endpoints": [
+        {"model": "m", "serving": [a.url], "objectives": [{"name": "critical", "priority": 10},
+                                                          {"name": "batch", "priority": -1}]},
+        {"model": "plain", "serving": [b.url]}]}))
+    gw = await start_gateway(backends_file=str(path))
+    try:
+        await wait_until(lambda: gw.registry.by_model("m") and gw.registry.by_model("m").candidates()[0]
+                         and gw.registry.by_model("plain").candidates()[0])
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+            for objective, sent in (("critical", -10), ("batch", 1), ("unknown", None), (None, None)):
+                headers = {"x-gateway-inference-objective": objective} if objective else {}
+                r = await c.post("/v1/chat/completions", json=chat("m", "hi", priority=-99), headers=headers)
+                assert r.status_code == 200
+                assert a.requests[-1].get("priority") == sent, (objective, a.requests[-1])
+            r = await c.post("/v1/chat/completions", json=chat("plain", "hi", priority=3),
+                             headers={"x-gateway-inference-objective": "critical"})
+            assert r.status_code == 200 and b.requests[-1]["priority"] == 3  # no objectives: the client's own
+    finally:
+        await gw.stop()
+        await a.stop()
+        await b.stop()

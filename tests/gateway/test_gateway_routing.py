@@ -186,7 +186,9 @@ endpoints:
 
 def test_kubernetes_specs_from_endpoints_and_slices():
     ies = [
-        {"metadata": {"namespace": "ns", "name": "chat"}, "spec": {"model": {"uri": "hf://org/SmolLM2", "servedName": "smol"}}},
+        {"metadata": {"namespace": "ns", "name": "chat"}, "spec": {
+            "model": {"uri": "hf://org/SmolLM2", "servedName": "smol"},
+            "routing": {"objectives": [{"name": "critical", "priority": 10}, {"name": "odd", "priority": "high"}]}}},
         {"metadata": {"namespace": "ns", "name": "plain"}, "spec": {"model": {"uri": "hf://org/Qwen3-8B/"}}},
     ]
 
@@ -213,6 +215,7 @@ def test_kubernetes_specs_from_endpoints_and_slices():
                             "http://10.1.0.3:8000": True, "http://10.1.0.4:8000": False}
     assert chat.standby == {"http://10.1.0.9:8000": True}
     assert plain.serving == {"http://10.1.1.1:9000": True} and plain.standby == {}
+    assert chat.priorities == {"critical": 10} and plain.priorities == {}  # the entry the CRD would refuse: skipped
     assert served_model_name({"metadata": {"name": "n"}, "spec": {"model": {}}}) == "n"
 
 

@@ -342,6 +342,9 @@ async def test_the_pools_inference_objectives_set_priorities_over_the_flags():
                              objective("foreign", "pool-a", 3, group="example.com"),
                              {"metadata": {"name": "no-spec"}}], "pool-a")
     assert found == {"critical": 10, "batch": -1}
-    objectives = Objectives.parse(["critical=1", "standard=0", "flag-only=4"])
+    objectives = Objectives.parse(["critical=1", "standard=0", "flag-only=4", "spec=1"])
     objectives.watched = found
     assert [objectives.priority(n) for n in ("critical", "batch", "flag-only", "unknown", None)] == [10, -1, 4, 0, 0]
+    # the endpoint's spec.routing.objectives: under the pool's InferenceObjectives, over the flags
+    endpoint = {"critical": 3, "spec": 7}
+    assert [objectives.priority(n, endpoint) for n in ("critical", "spec", "flag-only")] == [10, 7, 4]

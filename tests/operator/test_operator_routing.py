@@ -356,3 +356,15 @@ def test_the_picker_keeps_prefix_affinity_up_to_half_the_engines_batch() -> None
     args = by_kind_name(reconcile(parse_endpoint(d)))["Deployment", "smollm2-gie-epp"]["spec"]["template"]["spec"][
         "containers"][0]["args"]
     assert args[args.index("--load-floor") + 1] == str(ENGINE_MAX_NUM_SEQS // 2)
+
+
+def test_objectives_without_a_pool_schedule_the_engines_by_priority() -> None:
+    d = load_yaml(ROOT / "examples" / "cpu-smollm2.yaml")
+    d["spec"]["routing"] = {"objectives": [{"name": "critical", "priority": 10}, {"name": "batch", "priority": -1}]}
+    out = by_kind_name(reconcile(parse_endpoint(d)))
+    engine = out["Deployment", "smollm2"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert engine[engine.index("--scheduling-policy") + 1] == "priority"
+    assert not any(m["kind"] in ("InferencePool", "HTTPRoute") for m in out.values())  # no pool: nothing of GIE's
+    d["spec"]["routing"]["objectives"].append({"name": "critical", "priority": 1})
+    with pytest.raises(SpecError, match="names must be unique"):
+        parse_endpoint(d)
