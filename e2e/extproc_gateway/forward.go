@@ -57,15 +57,16 @@ func copyHeaders(dst, src http.Header) {
 	}
 }
 
-// isConnectError says whether err is a failure to connect, after which the next endpoint may be tried: the
-// request has certainly not reached the backend.
+// isConnectError says whether err is a failure to connect: the request has certainly not reached the backend.
 func isConnectError(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && op.Op == "dial"
 }
 
-// forward sends the request to the first endpoint that accepts a connection. Errors are 503 when none did
-// (Envoy's "no healthy upstream"), 502 when one did and then failed.
+// forward sends the request to the endpoints in turn until one answers with response headers: a failure to
+// connect, or a connection reset before any header (a kept-alive connection to a backend that has just died),
+// moves on to the next, as Envoy does with retry_on "connect-failure,reset" over the EPP's fallback list. The
+// body is buffered, so it can be sent again. Errors are 503 when no endpoint answered, naming each failure.
 func (g *gateway) forward(ctx context.Context, r *http.Request, header http.Header, path string, body []byte,
 	endpoints []string) (*http.Response, string, *httpError) {
 	var refused []string
@@ -89,13 +90,13 @@ func (g *gateway) forward(ctx context.Context, r *http.Request, header http.Head
 		if ctx.Err() != nil {
 			return nil, "", &httpError{499, "the client went away"}
 		}
+		what := "failed before answering"
 		if isConnectError(err) {
-			refused = append(refused, fmt.Sprintf("%s: %v", ep, unwrapURLError(err)))
-			continue
+			what = "refused the connection"
 		}
-		return nil, "", &httpError{http.StatusBadGateway, fmt.Sprintf("upstream %s failed: %v", ep, unwrapURLError(err))}
+		refused = append(refused, fmt.Sprintf("%s %s: %v", ep, what, unwrapURLError(err)))
 	}
-	return nil, "", &httpError{http.StatusServiceUnavailable, "no endpoint accepted a connection: " + strings.Join(refused, "; ")}
+	return nil, "", &httpError{http.StatusServiceUnavailable, "no endpoint answered: " + strings.Join(refused, "; ")}
 }
 
 // unwrapURLError drops the client's "Post \"http://...\":" prefix: the message names the endpoint already.

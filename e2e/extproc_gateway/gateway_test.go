@@ -420,7 +420,7 @@ func TestAllEndpointsRefuse(t *testing.T) {
 	epp := &fakeEPP{destHeader: closedAddr(t) + "," + closedAddr(t)}
 	gw := startGateway(t, "--epp", startEPP(t, epp))
 	resp, body := post(t, gw.URL, `{}`)
-	if resp.StatusCode != 503 || !strings.Contains(body, "no endpoint accepted") {
+	if resp.StatusCode != 503 || !strings.Contains(body, "no endpoint answered") || !strings.Contains(body, "refused the connection") {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
 }
@@ -779,5 +779,36 @@ func BenchmarkRequest(b *testing.B) {
 				}
 			})
 		})
+	}
+}
+
+// A backend that resets the connection before any response header (a kept-alive connection to a backend that
+// has just died): the next endpoint of the EPP's list answers, as with Envoy's retry_on "reset".
+func TestResetBeforeHeadersGoesToTheNextEndpoint(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			buf := make([]byte, 4096)
+			_, _ = c.Read(buf) // the request arrives; the backend dies before answering
+			if tc, ok := c.(*net.TCPConn); ok {
+				_ = tc.SetLinger(0) // RST, not FIN
+			}
+			c.Close()
+		}
+	}()
+	be := startBackend(t)
+	epp := &fakeEPP{destHeader: ln.Addr().String() + "," + be.addr()}
+	gw := startGateway(t, "--epp", startEPP(t, epp))
+	resp, body := post(t, gw.URL, `{"model":"m"}`)
+	if resp.StatusCode != 200 || resp.Header.Get("x-gateway-destination-endpoint-served") != be.addr() {
+		t.Fatalf("status %d, served %q: %s", resp.StatusCode, resp.Header.Get("x-gateway-destination-endpoint-served"), body)
 	}
 }
