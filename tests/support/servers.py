@@ -11,10 +11,21 @@ from pathlib import Path
 SERVED_NAME = "smollm2"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before by this process. Callers bind it later (often in a
+    subprocess), and the kernel may give a closed probe's port to the next probe: a gateway started with three
+    ports from three calls in a row once got one port twice and could not bind its second listener (CI)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no loopback port left that this process has not handed out already")
 
 
 class ServerProcess:
