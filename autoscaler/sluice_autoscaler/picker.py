@@ -52,7 +52,7 @@ from .priorities import OBJECTIVE_HEADER, set_engine_priority
 from .proxy import BodyBudget, error_body
 from .registry import Backend, Endpoint, Registry, Route
 from .router import Router
-from .scaler_tls import ScalerTLS
+from .scaler_tls import ScalerTLS, add_port
 
 log = logging.getLogger("sluice.gateway")
 
@@ -84,16 +84,8 @@ class Objectives:
 
     @classmethod
     def parse(cls, pairs: Iterable[str]) -> Objectives:
-        out: dict[str, int] = {}
-        for text in pairs:
-            name, sep, value = text.partition("=")
-            try:
-                out[name] = int(value)
-            except ValueError:
-                raise ValueError(f"--objective takes NAME=PRIORITY with an integer priority, got {text!r}") from None
-            if not sep or not name:
-                raise ValueError(f"--objective takes NAME=PRIORITY, got {text!r}")
-        return cls(out)
+        """--objective NAME=PRIORITY flags (GatewayConfig has checked their form)."""
+        return cls({name: int(value) for name, _, value in (p.partition("=") for p in pairs)})
 
     def priority(self, name: str | None, endpoint: dict[str, int] | None = None) -> int:
         """The pool's InferenceObjective, else the endpoint's spec.routing.objectives, else the flag; an unknown
@@ -444,9 +436,7 @@ class PickerStream:
             if self.p.registry.closing:
                 raise Refusal(immediate(503, "the picker is shutting down; retry", "shutting_down", retry_after=1),
                               "unavailable")
-            self._begin_hold(loop)
-            assert self.held_since is not None
-            left = self.held_since + self.cfg.picker_hold_timeout - loop.time()
+            left = self._hold_left(loop)
             if left <= 0:
                 raise Refusal(immediate(503, f"no backend of model '{ep.model}' became ready within "
                                         f"{self.cfg.picker_hold_timeout:g}s (it may still be scaling up from "
@@ -488,9 +478,7 @@ class PickerStream:
                 if self.p.registry.closing or ep.removed:
                     raise Refusal(immediate(503, "the picker is shutting down; retry", "shutting_down",
                                             retry_after=1), "unavailable")
-                self._begin_hold(loop)  # queued: counted as held for KEDA (queue depth is what it scales on)
-                assert self.held_since is not None
-                left = self.held_since + self.cfg.picker_hold_timeout - loop.time()
+                left = self._hold_left(loop)  # queued: held for KEDA too (queue depth is what it scales on)
                 if left <= 0:
                     raise Refusal(immediate(503, f"every backend of model '{ep.model}' stayed full for "
                                             f"{self.cfg.picker_hold_timeout:g}s (--picker-hold-timeout); retry "
@@ -520,10 +508,13 @@ class PickerStream:
         return eps[0]
 
     # -- counting -------------------------------------------------------------------------------------------
-    def _begin_hold(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _hold_left(self, loop: asyncio.AbstractEventLoop) -> float:
+        """Counted as held from its first wait (KEDA hears of it now: StreamIsActive); the seconds of
+        --picker-hold-timeout left, from then."""
         if self.held_since is None:
             self.held_since = loop.time()
-            self.demand.add(held=1)  # KEDA hears of it now (StreamIsActive)
+            self.demand.add(held=1)
+        return self.held_since + self.cfg.picker_hold_timeout - loop.time()
 
     def _end_hold(self) -> None:
         if self.held_since is not None and self.ep is not None:
@@ -663,9 +654,6 @@ async def start_picker(picker: EndpointPicker, host: str, port: int,
                        tls: ScalerTLS | None = None) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(maximum_concurrent_rpcs=picker.cfg.picker_max_streams + 16)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-    if bound == 0:
-        raise ValueError(f"cannot listen on {host}:{port} for the endpoint picker")
+    bound = add_port(server, host, port, tls, "the endpoint picker")
     await server.start()
     return server, bound

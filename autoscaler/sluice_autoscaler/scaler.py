@@ -45,7 +45,7 @@ from . import externalscaler_pb2_grpc as pb_grpc
 from .auth import ScalerToken, bearer
 from .demand import DemandBoard
 from .registry import Registry
-from .scaler_tls import ScalerTLS
+from .scaler_tls import ScalerTLS, add_port
 
 log = logging.getLogger("sluice.gateway")
 METRIC_NAME = SCALER_METRIC_NAME
@@ -148,9 +148,6 @@ async def start_scaler(service: ExternalScaler, host: str, port: int,
         ("grpc.keepalive_timeout_ms", 10_000),
     ])
     pb_grpc.add_ExternalScalerServicer_to_server(service, server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-    if bound == 0:
-        raise ValueError(f"cannot listen on {host}:{port} for the external scaler")
+    bound = add_port(server, host, port, tls, "the external scaler")
     await server.start()
     return server, bound

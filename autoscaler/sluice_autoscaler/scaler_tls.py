@@ -67,3 +67,12 @@ class ScalerTLS:
 
         return grpc.dynamic_ssl_server_credentials(self._initial, fetch,
                                                    require_client_authentication=self.requires_client_certificate)
+
+
+def add_port(server: grpc.aio.Server, host: str, port: int, tls: ScalerTLS | None, what: str) -> int:
+    """Bind a gRPC server's port, TLS when given (the scaler's and the picker's ports); the port bound."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    if bound == 0:
+        raise ValueError(f"cannot listen on {host}:{port} for {what}")
+    return bound

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from dev_cluster import tail
+from servers import stop_process
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "get-extproc-gateway.sh"
@@ -30,10 +32,6 @@ LISTENING = re.compile(r"^listening on (http://\S+)$", re.MULTILINE)
 
 _built: str | None = None
 _skip_reason: str | None = None  # a failed build is not retried for every test of the session
-
-
-def _tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def extproc_gateway_bin() -> str:
@@ -56,7 +54,7 @@ def extproc_gateway_bin() -> str:
     build = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=1800)
     if build.returncode != 0 or not build.stdout.strip():
         _skip_reason = (f"extproc-gateway could not be built (scripts/get-extproc-gateway.sh exited "
-                        f"{build.returncode}); ext-proc tests skipped. Its output ends:\n{_tail(build.stderr)}")
+                        f"{build.returncode}); ext-proc tests skipped. Its output ends:\n{tail(build.stderr)}")
         pytest.skip(_skip_reason)
     _built = build.stdout.strip().splitlines()[-1]
     return _built
@@ -69,17 +67,6 @@ def _accepts(url: str) -> bool:
             return True
     except OSError:
         return False
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 5) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @contextmanager
@@ -105,11 +92,11 @@ def run_extproc_gateway(args: list[str], timeout: float = 15) -> Iterator[str]:
                     break
                 if proc.poll() is not None:
                     raise RuntimeError(f"extproc-gateway {' '.join(args)} exited with {proc.returncode} before it "
-                                       f"accepted connections:\n{_tail(err_path.read_text(errors='replace'))}")
+                                       f"accepted connections:\n{tail(err_path.read_text(errors='replace'))}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"extproc-gateway {' '.join(args)} did not accept connections within "
-                                       f"{timeout}s:\n{_tail(err_path.read_text(errors='replace'))}")
+                                       f"{timeout}s:\n{tail(err_path.read_text(errors='replace'))}")
                 time.sleep(0.05)
             yield url
         finally:
-            _stop(proc)
+            stop_process(proc, timeout=5)
