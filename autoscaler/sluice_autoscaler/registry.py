@@ -18,6 +18,12 @@ request naming it goes to the endpoint's backends, is held and counts in its dem
 adapter name never takes a name from a model: the order of claims is namespaced names before plain ones, within
 each the served names before adapter names, then the endpoint created first. A name resolves to a `Route`:
 the endpoint, and the model its engines answer to for that name (the served name, or the adapter's).
+
+Model versions by weight (issue 42, versions.py): a split model's name (a ServedModel's, or a backends file's
+`models:` entry) leads to one of its versions per request, and an alias to one version always. A split claims
+its names before any endpoint does (it is the explicit intent; a version's own claim on the split's name is not
+a conflict, since versions usually share the served name); the chosen version's served name is what the engines
+are sent.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -33,6 +39,7 @@ import aiohttp
 from sluice_contract import SERVING, STANDBY, namespaced_model
 
 from .config import GatewayConfig
+from .versions import Split, SplitSpec
 
 log = logging.getLogger("sluice.gateway")
 
@@ -84,6 +91,7 @@ class Route:
     endpoint: Endpoint
     model: str  # the endpoint's served name, or one of its LoRA adapters
     parent: str | None = None  # an adapter's: the name clients send for the base model (as /v1/models shows)
+    split: str | None = None  # a split model's (or its alias's) key: the name chose this version
 
     @property
     def adapter(self) -> str | None:
@@ -192,6 +200,11 @@ class Registry:
         self.endpoints: dict[str, Endpoint] = {}
         self._by_name: dict[str, Route] = {}  # every name a client may send -> its one holder
         self.conflicts: list[NameConflict] = []
+        self.splits: dict[str, Split] = {}  # split model key -> its routing state (versions.py)
+        # every name of a split model -> (the split, None), or of an alias -> (the split, the version's key)
+        self._split_names: dict[str, tuple[Split, str | None]] = {}
+        self._split_conflicts: set[tuple[str, str, str]] = set()  # (name, claimant, holder) logged once
+        self.version_requests: dict[tuple[str, str], int] = {}  # (model, version endpoint) -> requests routed
         self.closing = False  # shutting down: held requests are answered (503) instead of waiting on
         self._session: aiohttp.ClientSession | None = None
 
@@ -215,22 +228,61 @@ class Registry:
             await self._session.close()
 
     # -- lookups ---------------------------------------------------------------------------------------
-    def route(self, name: str) -> Route | None:
-        """Where a request's `model` leads: the endpoint holding the name, and the model to forward."""
-        return self._by_name.get(name)
+    def route(self, name: str, headers: Mapping[str, str] | None = None) -> Route | None:
+        """Where a request's `model` leads: the endpoint holding the name, and the model to forward. A split
+        model's name picks one of its versions now (by the split's session header in `headers`, if sent) and
+        counts the request for that version: call it once per request."""
+        held = self._split_names.get(name)
+        if held is None:
+            return self._by_name.get(name)
+        split, alias_of = held
+        if alias_of is not None:
+            key: str | None = alias_of if alias_of in self.endpoints else None
+        else:
+            session = headers.get(split.spec.session_header) if headers is not None else None
+            key = split.pick(self._version_ready, session or None, known=self.endpoints.__contains__)
+        if key is None:
+            return None
+        ep = self.endpoints[key]
+        count = (split.spec.claimed()[0], key)
+        self.version_requests[count] = self.version_requests.get(count, 0) + 1
+        return Route(ep, ep.model, split=split.spec.key)
+
+    def _version_ready(self, key: str) -> bool:
+        ep = self.endpoints.get(key)
+        return ep is not None and bool(ep.candidates()[0])
+
+    def _split_route(self, split: Split, alias_of: str | None) -> Route | None:
+        """A split name's route as /v1/models shows it (nothing picked, nothing counted): an alias's version, or
+        the version the most new requests go to now."""
+        if alias_of is None:
+            known = split.eligible(self._version_ready, self.endpoints.__contains__)
+            alias_of = max(known, key=lambda v: v.weight).endpoint if known else None
+        ep = self.endpoints.get(alias_of) if alias_of else None
+        return Route(ep, ep.model, split=split.spec.key) if ep is not None else None
 
     def by_model(self, name: str) -> Endpoint | None:
-        """The endpoint a request's `model` names (one of the names it holds, its adapters' included)."""
-        route = self._by_name.get(name)
+        """The endpoint a request's `model` names (one of the names it holds, its adapters' included; a split
+        model's: the version most of its requests go to now)."""
+        route = self._current_routes().get(name)
         return route.endpoint if route is not None else None
 
     def models(self) -> list[Endpoint]:
         """The endpoints reachable by some name, by key."""
-        return sorted({id(r.endpoint): r.endpoint for r in self._by_name.values()}.values(), key=lambda e: e.key)
+        return sorted({id(r.endpoint): r.endpoint for r in self._current_routes().values()}.values(),
+                      key=lambda e: e.key)
+
+    def _current_routes(self) -> dict[str, Route]:
+        routes = dict(self._by_name)
+        for name, (split, alias_of) in self._split_names.items():
+            route = self._split_route(split, alias_of)
+            if route is not None:
+                routes[name] = route
+        return routes
 
     def routes(self) -> list[tuple[str, Route]]:
-        """(name, route) for every name a client may send, sorted."""
-        return sorted(self._by_name.items(), key=lambda item: item[0])
+        """(name, route) for every name a client may send, sorted (a split model's: see _split_route)."""
+        return sorted(self._current_routes().items(), key=lambda item: item[0])
 
     def names(self) -> list[tuple[str, Endpoint]]:
         """(name, endpoint) for every name a client may send, sorted."""
@@ -251,8 +303,20 @@ class Registry:
         return endpoint or scaled_object
 
     # -- discovery updates -----------------------------------------------------------------------------
-    def apply(self, specs: list[EndpointSpec]) -> None:
-        """Make the endpoints and backends match discovery's list."""
+    def apply(self, specs: Sequence[EndpointSpec | SplitSpec]) -> None:
+        """Make the endpoints, their backends and the split models match discovery's list."""
+        splits = [s for s in specs if isinstance(s, SplitSpec)]
+        specs = [s for s in specs if isinstance(s, EndpointSpec)]
+        for key in [k for k in self.splits if k not in {s.key for s in splits}]:
+            log.info("split model %s removed", key)
+            del self.splits[key]
+        for sp in splits:
+            if sp.key in self.splits:
+                self.splits[sp.key].update(sp)
+            else:
+                self.splits[sp.key] = Split(sp)
+                log.info("split model %s (%r) added: %s", sp.key, sp.model,
+                         ", ".join(f"{v.endpoint} {v.weight}" for v in sp.versions))
         wanted = {s.key: s for s in specs}
         for key in list(self.endpoints):
             if key not in wanted:
@@ -301,12 +365,44 @@ class Registry:
         for name, route in list(by_name.items()):  # a parent name another endpoint holds: show the namespaced one
             if route.parent is not None and by_name.get(route.parent, route).endpoint is not route.endpoint:
                 by_name[name] = Route(route.endpoint, route.model, route.endpoint.names[0])
+        self._claim_split_names(by_name, conflicts)
         for c in set(conflicts) - set(self.conflicts):
             what = "its model" if c.model == self.endpoints[c.endpoint].model else f"its LoRA adapter {c.model!r}"
             log.warning("model name %r: endpoint %s claims it for %s, but %s holds it (namespaced names before plain "
                         "ones, models before adapters, then the endpoint created first); %s is not reachable by "
                         "that name", c.name, c.endpoint, what, c.holder, c.endpoint)
         self._by_name, self.conflicts = by_name, conflicts
+
+    def _claim_split_names(self, by_name: dict[str, Route], conflicts: list[NameConflict]) -> None:
+        """Split models' names and aliases, over the endpoints' claims: namespaced names before plain ones, a
+        model's names before aliases, then by key. An endpoint that loses a name to a split is a conflict unless
+        it is one of that split's versions (versions usually share the served name)."""
+        names: dict[str, tuple[Split, str | None]] = {}
+        splits = sorted(self.splits.values(), key=lambda s: s.spec.key)
+        passes: tuple[Callable[[Split], Iterable[tuple[str, str | None]]], ...] = (
+            lambda s: ((n, None) for n in s.spec.claimed()[:1]),
+            lambda s: ((ns[0], s.spec.aliases[a]) for a, ns in s.spec.claimed_aliases().items()),
+            lambda s: ((n, None) for n in s.spec.claimed()[1:]),
+            lambda s: ((n, s.spec.aliases[a]) for a, ns in s.spec.claimed_aliases().items() for n in ns[1:]),
+        )
+        split_conflicts = set()
+        for claims_of in passes:
+            for split in splits:
+                for name, alias_of in claims_of(split):
+                    holder = names.setdefault(name, (split, alias_of))
+                    if holder[0] is not split:
+                        split_conflicts.add((name, split.spec.key, holder[0].spec.key))
+        for c in split_conflicts - self._split_conflicts:
+            log.warning("model name %r: split model %s claims it, but split model %s holds it", *c)
+        self._split_conflicts = split_conflicts
+        for name, (split, _) in names.items():
+            route = by_name.pop(name, None)
+            versions = {v.endpoint for v in split.spec.versions} | set(split.spec.aliases.values())
+            if route is not None and route.endpoint.key not in versions:
+                conflicts.append(NameConflict(name, route.endpoint.key, split.spec.key, route.model))
+        conflicts[:] = [c for c in conflicts if not (c.name in names and c.endpoint in
+                                                     {v.endpoint for v in names[c.name][0].spec.versions})]
+        self._split_names = names
 
     def _sync_backends(self, ep: Endpoint, spec: EndpointSpec) -> bool:
         listed = {**{u: (STANDBY, r) for u, r in spec.standby.items()},

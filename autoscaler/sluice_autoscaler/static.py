@@ -8,6 +8,13 @@ YAML file re-read when it changes:
         standby: [http://127.0.0.1:8003]
         adapters: [sql, support]      # optional: LoRA adapters the backends serve (`sluice serve --lora-modules`)
         objectives: [{name: critical, priority: 10}]   # optional: as spec.routing.objectives
+    models:                           # optional: split models (versions by weight), as a ServedModel's spec
+      - model: chat                   # the name clients send
+        versions:                     # each an endpoint above, by its key (`name`, else its model)
+          - {endpoint: chat-v1, weight: 90}
+          - {endpoint: chat-v2, weight: 10}
+        aliases: {chat-canary: chat-v2}   # optional: a name that leads to one version always
+        sessionHeader: x-session-id       # optional (the default): requests with one stick to a version
 
 Locally an endpoint's key is its model name unless the file names it, and an adapter answers to its own name.
 """
@@ -24,6 +31,7 @@ from typing import Any
 import yaml
 
 from .registry import EndpointSpec
+from .versions import DEFAULT_SESSION_HEADER, SplitSpec, Version
 
 log = logging.getLogger("sluice.gateway")
 FILE_POLL_S = 0.5
@@ -106,6 +114,56 @@ def parse_backends_file(text: str) -> list[FileEntry]:
     return out
 
 
+def parse_split(e: Any, where: str) -> SplitSpec:
+    """One `models:` entry (a ServedModel's spec: model, versions, aliases?, sessionHeader?) as a SplitSpec keyed
+    by its model name. The rules are the CRD's: at least one version, endpoints unique, weights integers >= 0
+    with a positive sum, every alias naming one of the versions."""
+    if not isinstance(e, dict) or not isinstance(e.get("model"), str) or not e["model"]:
+        raise ValueError(f"{where}: `model` (a string) is required")
+    unknown = set(e) - {"model", "versions", "aliases", "sessionHeader", "name"}
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+    versions = e.get("versions")
+    if not isinstance(versions, list) or not versions:
+        raise ValueError(f"{where}.versions: at least one {{endpoint, weight}} is required")
+    out: list[Version] = []
+    for i, v in enumerate(versions):
+        if not (isinstance(v, dict) and isinstance(v.get("endpoint"), str) and v["endpoint"]
+                and isinstance(v.get("weight"), int) and not isinstance(v["weight"], bool) and v["weight"] >= 0):
+            raise ValueError(f"{where}.versions[{i}]: expected {{endpoint: <string>, weight: <integer >= 0>}}, "
+                             f"got {v!r}")
+        out.append(Version(v["endpoint"], v["weight"]))
+    if len({v.endpoint for v in out}) != len(out):
+        raise ValueError(f"{where}.versions: each endpoint may be listed once")
+    if sum(v.weight for v in out) <= 0:
+        raise ValueError(f"{where}.versions: the weights must add up to more than 0")
+    aliases = e.get("aliases") or {}
+    if not isinstance(aliases, dict) or not all(isinstance(a, str) and a and isinstance(t, str)
+                                                for a, t in aliases.items()):
+        raise ValueError(f"{where}.aliases: expected a map of alias name -> endpoint")
+    for a, target in aliases.items():
+        if target not in {v.endpoint for v in out}:
+            raise ValueError(f"{where}.aliases.{a}: {target!r} is not one of the versions")
+        if a == e["model"]:
+            raise ValueError(f"{where}.aliases.{a}: the alias is the model's own name")
+    header = e.get("sessionHeader", DEFAULT_SESSION_HEADER)
+    if not isinstance(header, str) or not header:
+        raise ValueError(f"{where}.sessionHeader: expected a header name")
+    return SplitSpec(str(e.get("name") or e["model"]), e["model"], tuple(out), aliases=dict(aliases),
+                     session_header=header.lower())
+
+
+def parse_models(text: str) -> list[SplitSpec]:
+    """The `models:` of a backends file (split models)."""
+    doc = yaml.safe_load(text) or {}
+    models = doc.get("models") if isinstance(doc, dict) else None
+    if models is None:
+        return []
+    if not isinstance(models, list):
+        raise ValueError("`models:` is a list of {model, versions, aliases?, sessionHeader?}")
+    return [parse_split(m, f"models[{i}]") for i, m in enumerate(models)]
+
+
 def build_specs(backends: list[str], standby: list[str], file_entries: Sequence[FileEntry],
                 adapters: Sequence[str] = ()) -> list[EndpointSpec]:
     """Flags and file merged, one spec per endpoint key. `adapters`: --adapter MODEL=NAME, for endpoints the
@@ -144,10 +202,11 @@ def build_specs(backends: list[str], standby: list[str], file_entries: Sequence[
 
 class StaticDiscovery:
     def __init__(self, backends: list[str], standby: list[str], path: str | None,
-                 apply: Callable[[list[EndpointSpec]], None], adapters: Sequence[str] = ()):
+                 apply: Callable[[list[EndpointSpec | SplitSpec]], None], adapters: Sequence[str] = ()):
         self.backends, self.standby, self.path, self._apply = backends, standby, path, apply
         self.adapters = adapters
         self._file_entries: list[FileEntry] = []
+        self._file_models: list[SplitSpec] = []
         self._stamp: tuple[int, int, int] | None = None
         self._task: asyncio.Task | None = None
         build_specs(backends, standby, [], adapters)  # flag errors surface before anything starts
@@ -166,18 +225,20 @@ class StaticDiscovery:
         self._stamp = stamp
         try:
             with open(self.path) as f:
-                entries = parse_backends_file(f.read())
+                text = f.read()
+            entries, models = parse_backends_file(text), parse_models(text)
         except FileNotFoundError:
-            entries = []
+            entries, models = [], []
         except (OSError, ValueError, yaml.YAMLError) as e:
             log.error("backends file %s: %s; keeping the previous backends", self.path, e)
             return False
-        changed = entries != self._file_entries
-        self._file_entries = entries
+        changed = (entries, models) != (self._file_entries, self._file_models)
+        self._file_entries, self._file_models = entries, models
         return changed
 
-    def specs(self) -> list[EndpointSpec]:
-        return build_specs(self.backends, self.standby, self._file_entries, self.adapters)
+    def specs(self) -> list[EndpointSpec | SplitSpec]:
+        """The endpoints, then the split models."""
+        return [*build_specs(self.backends, self.standby, self._file_entries, self.adapters), *self._file_models]
 
     async def start(self) -> None:
         if self.path:
