@@ -28,6 +28,7 @@ from .metrics import GatewayMetrics
 from .peers import PeerSync, peer_app, replica_id
 from .picker import EndpointPicker, ObjectiveWatch, start_picker
 from .proxy import Proxy, build_app
+from .quota import UsageBoard
 from .registry import Registry
 from .scaler import ExternalScaler, start_scaler
 from .scaler_tls import ScalerTLS
@@ -46,10 +47,11 @@ class Gateway:
         self.scaler_token = ScalerToken(cfg.scaler_token_file)
         self.scaler_tls = (ScalerTLS(cfg.scaler_tls_cert, cfg.scaler_tls_key, cfg.scaler_tls_client_ca)
                            if cfg.scaler_tls_cert and cfg.scaler_tls_key else None)
-        self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys)
+        self.usage = UsageBoard()
+        self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys, self.usage)
         self.replica = replica_id()
         self.peers = PeerSync(self.demand, self.replica, cfg.peer_interval, cfg.peer_timeout, cfg.connect_timeout,
-                              lambda: self.registry.endpoints)
+                              lambda: self.registry.endpoints, self.usage, lambda: self.keys.tenants)
         self.discovery: StaticDiscovery | KubeDiscovery
         self.peer_discovery: KubePeerDiscovery | None = None
         self.kube_api: KubeAPI | None = None
@@ -107,7 +109,7 @@ class Gateway:
         await self.proxy.start()
         await self.peers.start()
         # The peer port first: the other replicas may ask before this one has listed anything.
-        self._peer_runner = web.AppRunner(peer_app(self.demand, self.replica), access_log=None, shutdown_timeout=1)
+        self._peer_runner = web.AppRunner(peer_app(self.demand, self.replica, self.usage), access_log=None, shutdown_timeout=1)
         await self._peer_runner.setup()
         await web.TCPSite(self._peer_runner, self.cfg.host, self.cfg.peer_port).start()
         self.peer_port = self._peer_runner.addresses[0][1]

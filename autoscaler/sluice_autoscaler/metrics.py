@@ -12,6 +12,13 @@ hold histogram are kept as requests finish.
     sluice_gateway_refused_requests_total{reason}     answered before an endpoint was known (see REFUSALS)
     sluice_gateway_peers                              other gateway replicas whose demand this one adds up
     sluice_gateway_model_name_conflicts{name,endpoint,holder}  1: `endpoint` claims `name`, `holder` has it
+    sluice_gateway_tenant_requests_total{tenant,endpoint}       requests a tenant sent (metered: tenants configured)
+    sluice_gateway_tenant_tokens_total{tenant,endpoint,type}    tokens by type (prompt|completion), from the engines'
+                                                                usage
+    sluice_gateway_tenant_rate_limited_total{tenant,endpoint,limit}  429s by the limit hit (requests|tokens)
+
+Tenant labels are the API keys file's tenant names (configured, bounded), or "none" for requests no tenant's key
+carried.
 
 The request gauges are this replica's own: Prometheus scrapes every replica and sums them itself.
 """
@@ -43,6 +50,7 @@ OUTCOMES = (
     "backend_failed",  # the backend went away after the response began (streams end with an error event)
     "unavailable",  # no backend could be reached in --max-attempts tries (502)
     "rejected",  # 429: --max-held requests already waiting
+    "rate_limited",  # 429: the tenant is over a requests or tokens per minute limit
     "hold_timeout",  # 503: no backend became ready within --hold-timeout
     "unauthorized",  # 401
     "client_gone",  # the client disconnected first
@@ -117,6 +125,21 @@ class GatewayMetrics:
             self.refused.labels(reason)
         self.hold_seconds = Histogram("sluice_gateway_hold_seconds", "Time a request was held before a "
                                       "backend took it.", ["endpoint"], buckets=HOLD_BUCKETS, registry=self.prom)
+
+        self.tenant_requests = Counter("sluice_gateway_tenant_requests", "Requests by tenant (API keys file "
+                                       "tenants; 'none': no tenant's key).", ["tenant", "endpoint"],
+                                       registry=self.prom)
+        self.tenant_tokens = Counter("sluice_gateway_tenant_tokens", "Tokens by tenant and type (prompt, "
+                                     "completion), from the engines' usage.", ["tenant", "endpoint", "type"],
+                                     registry=self.prom)
+        self.tenant_limited = Counter("sluice_gateway_tenant_rate_limited", "Requests refused with 429 for a "
+                                      "tenant's limit, by limit (requests, tokens).", ["tenant", "endpoint", "limit"],
+                                      registry=self.prom)
+
+    def tenant_used(self, tenant: str, endpoint: str, prompt: int, completion: int) -> None:
+        self.tenant_requests.labels(tenant, endpoint).inc()
+        self.tenant_tokens.labels(tenant, endpoint, "prompt").inc(prompt)
+        self.tenant_tokens.labels(tenant, endpoint, "completion").inc(completion)
 
     def finished(self, endpoint: str, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome

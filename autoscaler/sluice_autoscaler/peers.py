@@ -5,11 +5,13 @@ StreamIsActive and GetMetrics call of a ScaledObject lands on the one replica th
 replica holds only its own requests. So every replica serves its own counts on the peer port
 
     GET /peer/demand?since=<epoch>&wait=<seconds>
-    -> {"replica": "<id>", "epoch": <n>, "demand": {"<endpoint key>": [held, in_flight, hold_starts]}}
+    -> {"replica": "<id>", "epoch": <n>, "demand": {"<endpoint key>": [held, in_flight, hold_starts]},
+        "usage": {"<tenant>\t<scope>": [[second, requests, tokens], ...]}}
 
 and follows every other replica's with a long poll: the answer comes at once when the replica's epoch is no
 longer `since` (a new edge: an endpoint's activity flipped or a hold began), else after `wait` seconds with
-fresh counts. A hold on any replica therefore reaches the replica KEDA streams from within one round trip,
+fresh counts. `usage` is each tenant's last minute on this replica (quota.py): the others add it to their
+own when they admit a tenant's request, so limits hold across replicas (at most --peer-interval late). A hold on any replica therefore reaches the replica KEDA streams from within one round trip,
 and counts are never older than --peer-interval.
 
 Peers come from discovery: `--peer URL` (static), or the EndpointSlices of the gateway's headless peers
@@ -36,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from .demand import DemandBoard, PeerCounts
+from .quota import UsageBoard, parse_snapshot
 
 log = logging.getLogger("sluice.gateway")
 
@@ -51,7 +54,7 @@ def replica_id() -> str:
 
 
 # -- serving this replica's counts ------------------------------------------------------------------------------
-def peer_app(board: DemandBoard, replica: str) -> web.Application:
+def peer_app(board: DemandBoard, replica: str, usage: UsageBoard | None = None) -> web.Application:
     async def demand(request: web.Request) -> web.Response:
         try:
             since = int(request.query.get("since", "-1"))
@@ -63,7 +66,10 @@ def peer_app(board: DemandBoard, replica: str) -> web.Application:
                                      status=400)
         await board.wait_epoch(since, min(max(wait, 0.0), MAX_WAIT_S))
         counts = {k: [c.held, c.inflight, c.hold_starts] for k, c in board.local_counts().items()}
-        return web.json_response({"replica": replica, "epoch": board.epoch, "demand": counts})
+        answer: dict[str, Any] = {"replica": replica, "epoch": board.epoch, "demand": counts}
+        if usage is not None:
+            answer["usage"] = usage.local_snapshot()
+        return web.json_response(answer)
 
     app = web.Application()
     app.router.add_get(PEER_PATH, demand)
@@ -89,8 +95,10 @@ class PeerSync:
     """One long-poll task per peer URL; `set_peers` follows discovery."""
 
     def __init__(self, board: DemandBoard, replica: str, interval: float, stale_after: float,
-                 connect_timeout: float, known: Callable[[], Container[str]]):
+                 connect_timeout: float, known: Callable[[], Container[str]], usage: UsageBoard | None = None,
+                 tenants: Callable[[], Iterable[str]] = tuple):
         self.board, self.replica = board, replica
+        self.usage, self.tenants = usage, tenants  # tenants' windows; the tenant names this replica knows
         self.interval, self.stale_after, self.connect_timeout = interval, stale_after, connect_timeout
         self.known = known  # endpoint keys this replica serves: a peer's other keys are not kept
         self.selves: set[str] = set()  # URLs that turned out to be this replica
@@ -135,7 +143,7 @@ class PeerSync:
         if not self._first_pending:
             self.synced.set()
 
-    async def _fetch(self, url: str, since: int) -> tuple[str, int, dict[str, PeerCounts]]:
+    async def _fetch(self, url: str, since: int) -> tuple[str, int, dict[str, PeerCounts], Any]:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.interval + self.connect_timeout + 5,
                                         sock_connect=self.connect_timeout)
@@ -144,14 +152,16 @@ class PeerSync:
             body = await r.content.read(MAX_ANSWER_BYTES + 1)
             if r.status != 200 or len(body) > MAX_ANSWER_BYTES:
                 raise ValueError(f"answered {r.status} ({len(body)} bytes)")
-            return parse_answer(json.loads(body))
+            payload = json.loads(body)
+            usage = parse_snapshot(payload.get("usage", {}), self.tenants()) if self.usage is not None else None
+            return (*parse_answer(payload), usage)
 
     async def _follow(self, url: str) -> None:
         since, last_ok, backoff, failing = -1, None, 0.25, False
         try:
             while True:
                 try:
-                    replica, since, counts = await self._fetch(url, since)
+                    replica, since, counts, usage = await self._fetch(url, since)
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
                     if not failing:
                         log.warning("peer %s: %s: %s; retrying (its last counts stay for %gs)", url,
@@ -159,6 +169,8 @@ class PeerSync:
                     failing = True
                     if last_ok is None or time.monotonic() - last_ok > self.stale_after:
                         self.board.set_peer(url, None)
+                        if self.usage is not None:
+                            self.usage.set_peer(url, None)
                     self._tried(url)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX_S)
@@ -172,7 +184,11 @@ class PeerSync:
                     log.info("peer %s (replica %s) answers", url, replica)
                 known = self.known()
                 self.board.set_peer(url, {k: c for k, c in counts.items() if k in known})
+                if self.usage is not None:
+                    self.usage.set_peer(url, usage)
                 last_ok, backoff, failing = time.monotonic(), 0.25, False
                 self._tried(url)
         finally:
             self.board.set_peer(url, None)
+            if self.usage is not None:
+                self.usage.set_peer(url, None)

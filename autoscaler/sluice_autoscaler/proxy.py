@@ -28,14 +28,16 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .auth import ApiKeys
+from .auth import NO_TENANT, ApiKeys
 from .config import GatewayConfig
 from .demand import DemandBoard
 from .metrics import GatewayMetrics
 from .prefix import routing_key
 from .priorities import OBJECTIVE_HEADER, set_engine_priority
+from .quota import Refusal, RequestMeter, UsageBoard, reservation
 from .registry import STANDBY, Backend, Endpoint, Registry
 from .router import Router
+from .usage_tap import UsageTap, wants_usage
 
 log = logging.getLogger("sluice.gateway")
 
@@ -151,8 +153,9 @@ class Failure:
 
 class Proxy:
     def __init__(self, cfg: GatewayConfig, registry: Registry, demand: DemandBoard, metrics: GatewayMetrics,
-                 keys: ApiKeys):
+                 keys: ApiKeys, usage: UsageBoard | None = None):
         self.cfg, self.registry, self.demand, self.metrics, self.keys = cfg, registry, demand, metrics, keys
+        self.usage = usage if usage is not None else UsageBoard()  # tenants' windows (quota.py)
         self.router = Router(cfg.routing, cfg.load_factor, cfg.load_floor)
         self.session: aiohttp.ClientSession | None = None
         self.started = int(time.time())
@@ -248,12 +251,22 @@ class Proxy:
             return json_error(401, denied, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         key = routing_key(body, self.cfg.prefix_chars, adapter) if self.cfg.routing == "prefix" else None
         stream = body.get("stream") is True
+        meter = None
+        if self.keys.tenants:  # tenants configured: every request is metered, a tenant's against its limits
+            meter = self._meter(ep.key, model, body, len(raw), auth)
+            if isinstance(meter, Refusal):
+                self.metrics.tenant_limited.labels(meter.tenant, ep.key, meter.limit).inc()
+                self.metrics.finished(ep.key, "rate_limited")
+                return json_error(429, meter.message, "rate_limit_exceeded", headers={
+                    "Retry-After": str(meter.retry_after), f"X-RateLimit-Limit-{meter.limit.title()}": str(meter.value),
+                    f"X-RateLimit-Remaining-{meter.limit.title()}": str(max(0, meter.value - meter.used))})
+            meter.strip = stream and wants_usage(body)
         # An endpoint with objectives (spec.routing.objectives): the header's objective sets the priority.
         prioritised = bool(ep.priorities) and set_engine_priority(
             body, ep.priorities.get(request.headers.get(OBJECTIVE_HEADER, ""), 0))
-        if model == route.model and not prioritised:
+        if model == route.model and not prioritised and not (meter and meter.strip):
             del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
-            return await Exchange(self, request, ep, raw, stream, key, adapter).run()
+            return await Exchange(self, request, ep, raw, stream, key, adapter, meter).run()
         # The engine answers to its served name and its adapters' names only: the name the client sent
         # (`<namespace>/<name>`) is replaced before the request goes on. The answer's `model` is then the
         # engine's name.
@@ -263,9 +276,21 @@ class Proxy:
         if not self.budget.take(len(forwarded)):
             return self._refuse("overloaded", self._overloaded(), close=False)
         try:
-            return await Exchange(self, request, ep, forwarded, stream, key, adapter).run()
+            return await Exchange(self, request, ep, forwarded, stream, key, adapter, meter).run()
         finally:
             self.budget.give(len(forwarded))
+
+    def _meter(self, endpoint: str, model: str, body: dict[str, Any], size: int,
+               auth: str | None) -> RequestMeter | Refusal:
+        """A request's meter; a tenant's request reserves its worst case under its limits first (quota.py)."""
+        tenant = self.keys.tenant(auth)
+        meter = RequestMeter(self.usage, tenant.name if tenant else NO_TENANT, endpoint, -(-size // 4))
+        if tenant is not None:
+            ticket = self.usage.admit(tenant.name, tenant.scoped_limits(endpoint, model), reservation(body, size))
+            if isinstance(ticket, Refusal):
+                return ticket
+            meter.ticket = ticket
+        return meter
 
     async def models(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization")
@@ -296,9 +321,11 @@ class Exchange:
     """One client request: hold while nothing is ready, pick a backend, forward, maybe retry."""
 
     def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytes | bytearray, stream: bool,
-                 key: str | None, adapter: str | None = None):
+                 key: str | None, adapter: str | None = None, meter: RequestMeter | None = None):
         self.p, self.request, self.ep, self.raw, self.stream, self.key = proxy, request, ep, raw, stream, key
         self.adapter = adapter  # the LoRA adapter the request runs on (None: the base model)
+        self.meter = meter  # tenants' usage and limits (None: not metered)
+        self.tap: UsageTap | None = None  # the answer's usage, read as it passes
         self.cfg = proxy.cfg
         self.demand = proxy.demand[ep.key]
         self.resp: web.StreamResponse | None = None  # headers sent (a held stream's keep-alive, or a backend's)
@@ -320,6 +347,15 @@ class Exchange:
         finally:  # also on cancellation (the client went away while held or waiting)
             self._end_hold()
             self.p.metrics.finished(self.ep.key, self.outcome or "client_gone")
+            if self.meter is not None:
+                self._settle(self.meter)
+
+    def _settle(self, meter: RequestMeter) -> None:
+        tap = self.tap
+        usage = tap.usage if tap else None
+        prompt, completion = meter.finish(usage.prompt if usage else None, usage.completion if usage else None,
+                                          tap.events if tap else 0)
+        self.p.metrics.tenant_used(meter.tenant, self.ep.key, prompt, completion)
 
     async def _run(self) -> web.StreamResponse:
         tried: set[str] = set()
@@ -463,7 +499,15 @@ class Exchange:
                 if self.adapter:
                     self.ep.adapter_use.served(self.adapter, b.url)
                 sse = up.headers.get("Content-Type", "").startswith(SSE_TYPE)
+                tap = None
+                if self.meter is not None:
+                    tap = self.tap = UsageTap(self.meter.strip)
+                    tap.start(up.headers.get("Content-Type", ""))
                 async for chunk in up.content.iter_any():  # as the backend sends them: no buffering
+                    if tap is not None:
+                        chunk = tap.feed(chunk)  # an SSE event split across chunks waits for its end
+                        if not chunk:
+                            continue
                     if self.resp is None:
                         resp = web.StreamResponse(status=up.status, headers=self._headers(up.headers, b))
                         if not sse and up.content_length is not None:
@@ -471,6 +515,11 @@ class Exchange:
                         await self._prepare(resp)
                     await self._write(chunk)
                     self.committed = True
+                rest = tap.flush() if tap is not None else b""
+                if rest:
+                    if self.resp is None:
+                        await self._prepare(web.StreamResponse(status=up.status, headers=self._headers(up.headers, b)))
+                    await self._write(rest)
                 if self.resp is None:
                     await self._prepare(web.StreamResponse(status=up.status, headers=self._headers(up.headers, b)))
                 await self.resp.write_eof()  # type: ignore[union-attr]
