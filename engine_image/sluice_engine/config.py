@@ -110,6 +110,11 @@ class EngineConfig:
     gpu_hour_usd: float | None = None
     # A JSON file whose values replace the three above, re-read at every metrics scrape (objectives.py).
     objectives_file: str | None = None
+    # OpenTelemetry traces (entrypoints/openai/tracing.py, docs/metrics.md "Tracing"): an OTLP/HTTP collector's
+    # traces URL (None: off, nothing of the SDK imported) and the share of requests without a traceparent sampled
+    # (a traceparent's own sampled flag is always followed).
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
     attention_backend: str = "auto"  # auto | cpu | torch | triton
     # CUDA graphs of decode steps (worker/cuda_graphs.py): off with enforce_eager; captured for batch sizes up to
     # min(cuda_graph_max_batch, max_num_seqs).
@@ -201,6 +206,11 @@ class EngineConfig:
         for flag, v in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)):
             if v is not None and not v > 0:
                 raise ValueError(f"{flag} must be > 0, got {v}")
+        if not 0 <= self.trace_sample_ratio <= 1:
+            raise ValueError(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+            raise ValueError("--otlp-traces-endpoint must be an http:// or https:// URL (OTLP over HTTP, e.g. "
+                             f"http://collector:4318/v1/traces), got {self.otlp_traces_endpoint!r}")
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
             raise ValueError(f"--gpu-hour-usd must be >= 0, got {self.gpu_hour_usd}")
         for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size),

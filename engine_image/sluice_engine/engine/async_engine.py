@@ -135,7 +135,7 @@ class AsyncEngine:
         self._model_info = ready.model_info()
         self._stats = ready.stats
         self._tokenizer = Tokenizer.from_dir(self._model_info.model_dir)
-        core.texts = OutputProcessor(self._tokenizer, core.finish)
+        core.texts = OutputProcessor(self._tokenizer, core.finish, timed=cfg.otlp_traces_endpoint is not None)
         return self
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -136,7 +136,9 @@ class LLMEngine:
         # Token deltas to text (detokenization, stop strings). An engine core in its own process turns it
         # off (detokenize = False): the API process makes the text there (engine/output_processor.py).
         self.detokenize = True
-        self.output_processor = OutputProcessor(self.tokenizer, self.finish_request)
+        # Tracing on: a request's first delta carries its times (RequestOutput.timing); off, nothing more is done.
+        self.trace_timing = cfg.otlp_traces_endpoint is not None
+        self.output_processor = OutputProcessor(self.tokenizer, self.finish_request, timed=self.trace_timing)
         self._prompt_leaders = PromptLeaders()
         self.timeline: StepTimeline | None = None  # set_timeline(): where each step's time goes (benchmarks)
         self.model_info = ModelInfo(self.served_model_name, self.model_dir, self.max_model_len,
@@ -422,7 +424,8 @@ class LLMEngine:
             req.prompt_logprobs.extend(res.prompt_logprobs)
         if not res.token_ids:
             return None
-        if req.first_token_time is None:
+        first = req.first_token_time is None
+        if first:
             req.first_token_time = time.monotonic()
             self.stats.prompt_tokens += req.num_prompt_tokens
 
@@ -438,6 +441,9 @@ class LLMEngine:
                             finish_reason=finish.value if finish else None, stop_reason=got.stop_reason,
                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                             num_cached_tokens=max(req.num_cached_tokens, 0))
+        if first and self.trace_timing:  # the times the request's span is built from (API side), sent once
+            scheduled = req.first_scheduled_time
+            out.timing = (req.arrival_time, req.arrival_time if scheduled is None else scheduled, req.first_token_time)
         if req.params.prompt_logprobs is not None and req.request_id not in self._prompt_logprobs_sent:
             out.prompt_logprobs = list(req.prompt_logprobs)
             self._prompt_logprobs_sent.add(req.request_id)

@@ -24,6 +24,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, on the first delta, when asked
     error: str | None = None  # the request failed (finish_reason "error"): why
+    # Tracing on (--otlp-traces-endpoint) only: the core's (arrival, first scheduled, first token) times
+    # (time.monotonic(), one clock for the host's processes) on the request's first delta with tokens, and the API
+    # side's seconds spent detokenizing it on its last delta (entrypoints/openai/tracing.py builds the span).
+    timing: tuple[float, float, float] | None = None
+    detokenize_seconds: float | None = None
 
 
 def failed_output(request_id: str, num_prompt_tokens: int, num_output_tokens: int, e: Exception) -> RequestOutput:

@@ -9,6 +9,7 @@ at once when it runs in this process (`LLMEngine.step`) and a step or so later w
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,11 +28,16 @@ class _TextState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, finish: Callable[[str, str], None]):
-        """finish(request_id, stop_string): tell the engine core the request hit a stop string."""
+    def __init__(self, tokenizer: Tokenizer, finish: Callable[[str, str], None], timed: bool = False):
+        """finish(request_id, stop_string): tell the engine core the request hit a stop string. timed (tracing
+        on): each request's time here is summed and set on its last delta (RequestOutput.detokenize_seconds)."""
         self.tokenizer = tokenizer
         self.finish = finish
         self._states: dict[str, _TextState] = {}
+        self._seconds: dict[str, float] = {}
+        if timed:  # chosen once: untimed, process() is the plain method and costs nothing more
+            self._untimed = self.process
+            self.process = self._timed_process
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._states[request_id] = _TextState(
@@ -40,6 +46,18 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         """The request ended otherwise (aborted, refused, failed): forget its text."""
         self._states.pop(request_id, None)
+        self._seconds.pop(request_id, None)
+
+    def _timed_process(self, out: RequestOutput) -> RequestOutput | None:
+        t0 = time.perf_counter()
+        res = self._untimed(out)
+        seconds = self._seconds.get(out.request_id, 0.0) + time.perf_counter() - t0
+        if res is not None and res.finished:
+            self._seconds.pop(out.request_id, None)
+            res.detokenize_seconds = seconds
+        elif out.request_id in self._states:
+            self._seconds[out.request_id] = seconds
+        return res
 
     def process(self, out: RequestOutput) -> RequestOutput | None:
         """The core's token delta as a text delta (written into `out`); None for a delta of a request that

@@ -136,6 +136,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     obs.add_argument("--objectives-file", default=None, metavar="PATH",
                      help='JSON {"slo-ttft-ms", "slo-tpot-ms", "gpu-hour-usd"} replacing the three flags above, '
                           "re-read while running (the operator mounts it from the endpoint's ConfigMap)")
+    tr = p.add_argument_group("tracing (docs/metrics.md#tracing)")
+    tr.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send an OpenTelemetry span per request (queue, prefill, decode) to this OTLP/HTTP "
+                         "collector, e.g. http://collector:4318/v1/traces (a URL without a path gets /v1/traces); "
+                         "an incoming W3C traceparent is its parent (default: off)")
+    tr.add_argument("--trace-sample-ratio", type=float, default=1.0, metavar="RATIO",
+                    help="share of requests without a traceparent that are traced; a traceparent's sampled flag "
+                         "is always followed (default 1.0)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                       help="propose draft tokens and verify them in one forward (default: off; --draft-model "

@@ -34,6 +34,7 @@ from .protocol import (
     UnloadLoRAAdapterRequest,
 )
 from .serving import OpenAIServing
+from .tracing import EngineTracer, RequestTrace
 
 if TYPE_CHECKING:
     from ...engine.llm_engine import LLMEngine
@@ -88,6 +89,7 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None, ad
     serving = OpenAIServing(async_engine, info.served_model_name, cfg.max_queue_len, prefill_hop=hop, kv_key=kv_key)
     # Renders the engine's snapshots (docs/metrics.md), and this process's prefill hops.
     metrics = PrometheusExporter(engine, async_engine, prefill_hops=hop.counts if hop is not None else None)
+    tracer = EngineTracer.from_config(cfg, info.served_model_name)  # None unless --otlp-traces-endpoint
     started = int(time.time())
 
     @asynccontextmanager
@@ -99,6 +101,8 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None, ad
             if hop is not None:
                 await hop.close()
             async_engine.shutdown()
+            if tracer is not None:
+                tracer.shutdown()
 
     app = FastAPI(title="Sluice engine", lifespan=lifespan)
     app.state.engine = engine
@@ -131,37 +135,49 @@ def build_app(engine: LLMEngine | AsyncEngine, *, api_key: str | None = None, ad
     async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
         return APIError(500, str(exc), code="request_failed").response()
 
-    async def respond(request: Request, serve):
+    async def respond(request: Request, serve, trace: RequestTrace | None = None):
         # The client's connection is watched from here until the response is complete: a client
-        # that leaves aborts its engine requests at once (client_watch.py).
+        # that leaves aborts its engine requests at once (client_watch.py). A traced request's span ends with it.
         watch = ClientWatch(request.receive)
         try:
             result = await serve(watch)
-        except BaseException:
+        except BaseException as e:
             watch.close()
+            if trace is not None:
+                trace.end(e)
             raise
         if isinstance(result, dict):
             watch.close()
+            if trace is not None:
+                trace.end()
             return JSONResponse(result)
 
         async def events():
+            error = None
             try:
                 async for event in result:
                     yield event
+            except BaseException as e:
+                error = e
+                raise
             finally:
                 watch.close()
+                if trace is not None:
+                    trace.end(error)
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         refuse_while_draining()
-        return await respond(request, lambda watch: serving.completions(body, watch))
+        trace = tracer.start(request.headers, "text_completion", body) if tracer is not None else None
+        return await respond(request, lambda watch: serving.completions(body, watch, trace), trace)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         refuse_while_draining()
-        return await respond(request, lambda watch: serving.chat(body, watch))
+        trace = tracer.start(request.headers, "chat", body) if tracer is not None else None
+        return await respond(request, lambda watch: serving.chat(body, watch, trace), trace)
 
     @app.get("/v1/models")
     async def models():

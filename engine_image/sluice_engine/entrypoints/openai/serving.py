@@ -32,6 +32,7 @@ from ...structured import (
 from .client_watch import ClientWatch, NoWatch, client_left_error
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, CompletionRequest, invalid_text
+from .tracing import RequestTrace
 
 # chat_template_kwargs may not name what the request's own fields set (or the renderer's arguments).
 RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "tools", "add_generation_prompt"})
@@ -189,10 +190,11 @@ class OpenAIServing:
     async def _run_choices(self, prompts: list[list[int]], params_list: list[SamplingParams], n: int,
                            base_id: str, grammar: CompiledGrammar | None = None,
                            watch: ClientWatch | None = None, lora: str | None = None,
-                           kv_push_to: str | None = None,
-                           priority: int = 0) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+                           kv_push_to: str | None = None, priority: int = 0,
+                           trace: RequestTrace | None = None) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Runs len(prompts) * n engine requests concurrently; yields (choice, delta) as they come.
-        grammar: the request's grammar, or None (each choice gets its own grammar state).
+        grammar: the request's grammar, or None (each choice gets its own grammar state). trace: the request's
+        span when it is traced (tracing.py), which sees every choice's deltas.
         If the client leaves (watch), every unfinished choice is aborted in the engine at once and
         the iteration raises the 499 APIError."""
         watch = watch or NoWatch()
@@ -218,6 +220,9 @@ class OpenAIServing:
                                 kv_push_to=kv_push_to if ch.index % n == 0 else None,  # one push per prompt
                                 arrival_time=arrived, priority=priority)
                 for ch, p in zip(choices, params, strict=True)]
+        if trace is not None:
+            trace.set_request_id(base_id)
+            gens = [trace.wrap(ch.index, n, g) for ch, g in zip(choices, gens, strict=True)]
         queue: asyncio.Queue = asyncio.Queue()
 
         def client_left(left_at: float) -> None:
@@ -283,8 +288,10 @@ class OpenAIServing:
                 raise bad_request("prompt is empty", param="prompt")
         return prompts
 
-    async def completions(self, req: CompletionRequest, watch: ClientWatch | None = None) -> dict | AsyncIterator[str]:
-        """A completion: its response body, or (stream) its SSE events. watch: the client's connection."""
+    async def completions(self, req: CompletionRequest, watch: ClientWatch | None = None,
+                          trace: RequestTrace | None = None) -> dict | AsyncIterator[str]:
+        """A completion: its response body, or (stream) its SSE events. watch: the client's connection; trace: its
+        span when traced (the caller ends it)."""
         watch = watch or NoWatch()
         self.check_fields(req)
         lora = self.check_model(req.model)
@@ -300,7 +307,7 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         choices_iter = self._run_choices(prompts, params, req.n, rid, grammar, watch, lora, _push_to(req),
-                                         req.priority)
+                                         req.priority, trace)
         if req.stream:
             return await self._stream(rid, created, "text_completion", choices_iter, req, is_chat=False)
         choices = await _collect(choices_iter)
@@ -363,8 +370,10 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     # -- chat ----------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, watch: ClientWatch | None = None) -> dict | AsyncIterator[str]:
-        """A chat completion: its response body, or (stream) its SSE events. watch: the client's connection."""
+    async def chat(self, req: ChatCompletionRequest, watch: ClientWatch | None = None,
+                   trace: RequestTrace | None = None) -> dict | AsyncIterator[str]:
+        """A chat completion: its response body, or (stream) its SSE events. watch: the client's connection;
+        trace: its span when traced (the caller ends it)."""
         watch = watch or NoWatch()
         self.check_fields(req)
         lora = self.check_model(req.model)
@@ -397,7 +406,7 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         choices_iter = self._run_choices([prompt_ids], [params], req.n, rid, grammar, watch, lora, _push_to(req),
-                                         req.priority)
+                                         req.priority, trace)
         if req.stream:
             return await self._stream(rid, created, "chat.completion.chunk", choices_iter, req, is_chat=True,
                                       tools=plan is not None)
