@@ -62,7 +62,7 @@ def test_each_subcommand_help_through_the_console_entry(command: str, flag: str)
 def test_top_level_help_lists_every_subcommand_and_loads_no_component() -> None:
     out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "--help"], capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 0 and "{serve,render,operator,gateway,bench}" in out.stdout
+    assert out.returncode == 0 and "{serve,render,operator,gateway,usage,bench}" in out.stdout
     for name, command in SUBCOMMANDS.items():
         assert command.help.split()[0] in out.stdout, name
     assert imported_after(help_of()) == set()
@@ -97,7 +97,8 @@ def test_render_flags() -> None:
         build_parser(["render"]).parse_args(["render"])
 
 
-MINIMAL = {"serve": [], "render": ["-f", "-"], "operator": [], "gateway": [], "bench": []}
+MINIMAL = {"serve": [], "render": ["-f", "-"], "operator": [], "gateway": [], "bench": [],
+           "usage": ["--prometheus", "http://127.0.0.1:9", "--tenant", "a"]}
 
 
 @pytest.mark.parametrize("command", list(SUBCOMMANDS))

@@ -85,6 +85,10 @@ GATEWAY_INFLIGHT_METRIC = "sluice_gateway_inflight_requests"  # gauge {endpoint}
 GATEWAY_BACKENDS_METRIC = "sluice_gateway_backends"  # gauge {endpoint, role, state}
 GATEWAY_STANDBY_REQUESTS_METRIC = "sluice_gateway_standby_requests_total"  # counter {endpoint}: sent to the warm pool
 GATEWAY_SCALER_STREAMS_METRIC = "sluice_gateway_scaler_streams"  # gauge {endpoint}: KEDA's StreamIsActive streams open
+# counter {tenant, endpoint, type}: tokens by tenant (the API keys file's) and type (prompt, completion)
+GATEWAY_TENANT_TOKENS_METRIC = "sluice_gateway_tenant_tokens_total"
+GATEWAY_TENANT_REQUESTS_METRIC = "sluice_gateway_tenant_requests_total"  # counter {tenant, endpoint}
+GATEWAY_TENANT_LIMITED_METRIC = "sluice_gateway_tenant_rate_limited_total"  # counter {tenant, endpoint, limit}: 429s
 # The engines', one series per replica (the ServiceMonitor adds namespace, sluice_dev_endpoint, sluice_dev_role,
 # pod). The engine names them in sluice_engine/metrics.py; tests/operator/test_monitoring.py checks that it exports each.
 ENGINE_REQUESTS_WAITING_METRIC = "sluice_num_requests_waiting"  # gauge: the queue targetQueueDepth counts

@@ -270,6 +270,18 @@ def endpoint_dashboard() -> Dashboard:
                    f"{{{{{ROLE}}}}}")], "currencyUSD"),
         timeseries("GPUs by role", "Accelerators the replicas hold.", [
             target(f"sum by ({ROLE}) ({s.sel(ENGINE_GPUS_METRIC)})", f"{{{{{ROLE}}}}}")], "short"),
+        row("Tenants (the gateway's API keys file)"),
+        timeseries("USD per hour by tenant", "Each tenant's prompt and completion tokens at the endpoint's price "
+                   "per token (the cost rows above); 'none': requests no tenant's key carried.", [
+                       target(f"sum by (tenant) ({m.tenant_cost_per_second(s, W)}) * 3600", "{{tenant}}")],
+                   "currencyUSD"),
+        timeseries("Tokens/s by tenant", "Prompt and completion tokens per second, from the engines' usage as the "
+                   "gateway counted it.", [
+                       target(f"sum by (tenant, type) ({m.tenant_token_rate(s, W)})", "{{tenant}} {{type}}")],
+                   "short"),
+        timeseries("Rate-limited requests/s by tenant", "429s for a tenant's requests or tokens per minute limit.",
+                   [target(f"sum by (tenant, limit) ({m.tenant_limited_rate(s, W)})", "{{tenant}} {{limit}}")],
+                   "reqps"),
     ]
     return d
 

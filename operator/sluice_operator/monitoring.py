@@ -35,6 +35,8 @@ from sluice_contract import (
     GATEWAY_BACKENDS_METRIC,
     GATEWAY_PENDING_METRIC,
     GATEWAY_SCALER_STREAMS_METRIC,
+    GATEWAY_TENANT_LIMITED_METRIC,
+    GATEWAY_TENANT_TOKENS_METRIC,
 )
 
 from .autoscaling import ENDPOINT_METRIC_LABEL, QUEUE_METRIC, endpoint_key, engines_waiting, queue_query
@@ -158,12 +160,41 @@ def cost_per_million(s: Scope, kind: str, w: str = WINDOW) -> str:
     return f"{cost} * ({busy_share(s, phase, w)}) / {token_rate(s, kind, w)} * 1e6"
 
 
-def _gateway_by_endpoint(s: Scope, metric: str, *extra: str) -> str:
-    """A gateway gauge summed per endpoint, with the engines' labels (namespace, sluice_dev_endpoint) taken
-    from its `endpoint` label, so that it joins the engines' series."""
-    inner = f"sum by (endpoint) ({s.gw(metric, *extra)})"
-    return (f'label_replace(label_replace({inner}, "namespace", "$1", "endpoint", "([^/]+)/.*"), '
+def _with_engine_labels(expr: str) -> str:
+    """A gateway expression keeping `endpoint` ("<namespace>/<name>"), with the engines' labels (namespace,
+    sluice_dev_endpoint) taken from it, so that it joins the engines' series."""
+    return (f'label_replace(label_replace({expr}, "namespace", "$1", "endpoint", "([^/]+)/.*"), '
             f'"{EP}", "$1", "endpoint", "[^/]+/(.*)")')
+
+
+def _gateway_by_endpoint(s: Scope, metric: str, *extra: str) -> str:
+    """A gateway gauge summed per endpoint, joinable with the engines' series."""
+    return _with_engine_labels(f"sum by (endpoint) ({s.gw(metric, *extra)})")
+
+
+def tenant_token_rate(s: Scope, w: str = WINDOW, token_type: str | None = None) -> str:
+    """Tokens per second per tenant as the gateway counted them from the engines' usage (label `type`: prompt,
+    completion; one type only when `token_type` is given)."""
+    only = (f'type="{token_type}"',) if token_type else ()
+    inner = f"sum by (endpoint, tenant, type) (rate({s.gw(GATEWAY_TENANT_TOKENS_METRIC, *only)}[{w}]))"
+    return f"sum by ({BY}, tenant, type) ({_with_engine_labels(inner)})"
+
+
+def tenant_cost_per_second(s: Scope, w: str = WINDOW) -> str:
+    """USD per second per tenant: its prompt tokens at the endpoint's price per prompt token plus its completion
+    tokens at the price per generation token (cost_per_million). The tenants of an endpoint add up to its cost
+    when all its traffic comes through the gateway."""
+    parts = []
+    for token_type, kind in (("prompt", "prompt"), ("completion", "generation")):
+        tokens = f"sum by ({BY}, tenant) ({tenant_token_rate(s, w, token_type)})"
+        parts.append(f"({tokens} * on ({BY}) group_left () ({cost_per_million(s, kind, w)}) / 1e6)")
+    return " + ".join(parts)
+
+
+def tenant_limited_rate(s: Scope, w: str = WINDOW) -> str:
+    """Requests per second refused with 429 for a tenant's limit, by tenant and limit (requests, tokens)."""
+    inner = f"sum by (endpoint, tenant, limit) (rate({s.gw(GATEWAY_TENANT_LIMITED_METRIC)}[{w}]))"
+    return f"sum by ({BY}, tenant, limit) ({_with_engine_labels(inner)})"
 
 
 def queued(s: Scope) -> str:
@@ -223,6 +254,8 @@ def recording_rules(s: Scope) -> list[dict[str, Any]]:
         _record(f"cost_usd_per_1m_prompt_tokens:rate{w}", cost_per_million(s, "prompt")),
         _record(f"cost_usd_per_1m_generation_tokens:rate{w}", cost_per_million(s, "generation")),
         _record(f"cost_usd_per_1m_tokens:rate{w}", cost_per_million(s, "total")),
+        _record(f"tenant_tokens:rate{w}", tenant_token_rate(s)),
+        _record(f"tenant_cost_usd_per_second:rate{w}", tenant_cost_per_second(s)),
     ]
 
 

@@ -55,6 +55,7 @@ from sluice_contract import (
     ENGINE_SLO_MET_METRIC,
     GATEWAY_BACKENDS_METRIC,
     GATEWAY_PENDING_METRIC,
+    GATEWAY_TENANT_TOKENS_METRIC,
 )
 
 REFERENCE_CRDS = ROOT.parent / "shared" / "reference-crds"
@@ -85,6 +86,13 @@ MET = {"ttft": 1.75, "tpot": 1.5}
 COST_PER_1M = GPUS * GPU_HOUR_USD / 3600 / (RATES[ENGINE_PROMPT_TOKENS_METRIC]
                                             + RATES[ENGINE_GENERATION_TOKENS_METRIC]) * 1e6  # 3.858 USD
 WINDOW_S, STEP_S = 300, 30  # the rules' rate window; the fake clock's step
+# The gateway's tokens per second by tenant: together, the engine's prompt and generation rates.
+TENANT_RATES = {"team-a": {"prompt": 200.0, "completion": 40.0}, "team-b": {"prompt": 100.0, "completion": 20.0}}
+COST_PER_S = GPUS * GPU_HOUR_USD / 3600
+PROMPT_TOKEN_USD = COST_PER_S * BUSY["prefill"] / sum(BUSY.values()) / RATES[ENGINE_PROMPT_TOKENS_METRIC]
+GENERATION_TOKEN_USD = COST_PER_S * BUSY["decode"] / sum(BUSY.values()) / RATES[ENGINE_GENERATION_TOKENS_METRIC]
+TENANT_COST_PER_S = {t: r["prompt"] * PROMPT_TOKEN_USD + r["completion"] * GENERATION_TOKEN_USD
+                     for t, r in TENANT_RATES.items()}  # team-a 2/3 of the cost, team-b 1/3
 
 
 class SteppedClock:
@@ -128,11 +136,17 @@ def engine_exposition(clock: SteppedClock) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gateway_exposition() -> str:
+def gateway_exposition(clock: SteppedClock) -> str:
     ep = f'endpoint="{NS}/{NAME}"'
+    ts, elapsed = clock.tick()
+    stamp = int(ts * 1000)
+    tokens = [f"# TYPE {GATEWAY_TENANT_TOKENS_METRIC} counter"]
+    for tenant, rates in TENANT_RATES.items():
+        tokens += [f'{GATEWAY_TENANT_TOKENS_METRIC}{{{ep},tenant="{tenant}",type="{kind}"}} '
+                   f"{1e6 + rate * elapsed:.6f} {stamp}" for kind, rate in rates.items()]
     return (f"# TYPE {GATEWAY_PENDING_METRIC} gauge\n{GATEWAY_PENDING_METRIC}{{{ep}}} 0\n"
             f"# TYPE {GATEWAY_BACKENDS_METRIC} gauge\n"
-            f'{GATEWAY_BACKENDS_METRIC}{{{ep},role="serving",state="ready"}} 1\n')
+            f'{GATEWAY_BACKENDS_METRIC}{{{ep},role="serving",state="ready"}} 1\n' + "\n".join(tokens) + "\n")
 
 
 class MetricsServer:
@@ -216,7 +230,9 @@ def loop(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     cluster.wait_established(*(yaml.safe_load(p.read_text())["metadata"]["name"] for p in CRD_FILES))
     cluster.kubectl("create", "namespace", NS, check=False)
     clock = SteppedClock()
-    engine, gateway = MetricsServer(lambda: engine_exposition(clock)), MetricsServer(gateway_exposition)
+    gateway_clock = SteppedClock()
+    engine = MetricsServer(lambda: engine_exposition(clock))
+    gateway = MetricsServer(lambda: gateway_exposition(gateway_clock))
     rendered = {item["kind"]: item for item in render(tmp)}
     for kind in ("Service", "ServiceMonitor", "PrometheusRule"):
         cluster.apply(rendered[kind])
@@ -329,6 +345,38 @@ def test_recording_rules_match_the_counters_by_hand(loop: Loop) -> None:
     finally:
         print(f"recorded vs by hand after {time.monotonic() - start:.1f} s: "
               + "; ".join(f"{e.split('{')[0]}={seen.get(e)} (want {w:.6g})" for e, w in checks.items()))
+
+
+def test_tenant_cost_and_sluice_usage_match_the_tokens_sent(loop: Loop) -> None:
+    """Issue 42: the per-tenant cost rule gives each tenant its tokens at the endpoint's prices (team-a 2/3 of
+    the endpoint's cost, team-b 1/3), and `sluice usage` adds up the tokens and the cost over a window."""
+    seen: dict[str, float | None] = {}
+
+    def close() -> bool:
+        for tenant in TENANT_COST_PER_S:
+            result = query(loop, f'sluice_endpoint:tenant_cost_usd_per_second:rate5m{{tenant="{tenant}"}}')
+            seen[tenant] = float(result[0]["value"][1]) if len(result) == 1 else None
+        return all(seen[t] is not None and abs(seen[t] - w) <= 0.05 * w for t, w in TENANT_COST_PER_S.items())
+
+    try:
+        wait_until("the per-tenant cost rule to match the tokens sent within 5%", close, timeout=75, interval=1)
+    finally:
+        print(f"tenant cost USD/s recorded {seen} vs by hand {TENANT_COST_PER_S}")
+    assert abs(sum(TENANT_COST_PER_S.values()) - COST_PER_S) < 1e-12  # the tenants add up to the endpoint's cost
+    out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "usage", "--prometheus", loop.url,
+                          "--tenant", "team-a", "--since", "2m", "--step", "1s", "--output", "json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    usage = json.loads(out.stdout)["endpoints"][f"{NS}/{NAME}"]
+    # The cost integral covers the seconds the rule has had a value in the window (Prometheus started moments
+    # ago): count them the same way, and each is worth team-a's cost per second.
+    steps = query(loop, 'count_over_time((sluice_endpoint:tenant_cost_usd_per_second:rate5m{tenant="team-a"} '
+                        '< +Inf)[2m:1s])')
+    want_cost = float(steps[0]["value"][1]) * TENANT_COST_PER_S["team-a"]
+    print(f"sluice usage team-a over 2m: {usage}; cost by hand {want_cost:.6f}")
+    assert abs(usage["promptTokens"] - 200 * 120) <= 0.05 * 200 * 120
+    assert abs(usage["completionTokens"] - 40 * 120) <= 0.05 * 40 * 120
+    assert usage["costUSD"] is not None and abs(usage["costUSD"] - want_cost) <= 0.05 * want_cost
 
 
 def test_sigterm_stops_prometheus_and_the_program(loop: Loop) -> None:

@@ -39,6 +39,8 @@ SUBCOMMANDS = {
     "gateway": Subcommand("sluice_autoscaler.cli", "add_gateway_args", "run",
                           "run the gateway: OpenAI proxy that holds requests while an endpoint scales from zero, "
                           "routes by prompt prefix, and serves KEDA's external scaler"),
+    "usage": Subcommand("sluice_operator.usage_report", "add_usage_args", "run_usage",
+                        "a tenant's requests, tokens and cost per endpoint over a window, from Prometheus"),
     "bench": Subcommand("sluice_engine.bench.cli", "add_bench_args", "run",
                         "load an OpenAI-compatible server (or several, --compare) with a seeded workload; report "
                         "throughput, TTFT/TPOT/ITL percentiles and goodput"),
