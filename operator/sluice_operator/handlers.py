@@ -41,6 +41,7 @@ from .policy import check as check_policy
 from .reconcile import reconcile
 from .routing import pool_of
 from .scale_in_hold import hold_scale_in, replicas_to_hold
+from .served_model import SERVED_MODEL_KIND, SM_PLURAL, served_model_status, versions_of
 from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceEndpoint, SpecError, parse_endpoint
 from .status import adapters_pending, changed, endpoint_status, invalid_status, status_patch, transitions
 from .workload import LWS_API_VERSION
@@ -428,6 +429,43 @@ def build_registry(loop: Loop, *, namespaces: list[str] | None = None, login: Lo
 
     kopf.on.event("batch", "v1", "jobs", labels={MODEL_CACHE_LABEL: kopf.PRESENT}, registry=registry,
                   id="model_cache_job_event")(shared_cache_event)
+
+    # ServedModels (model versions by weight, served_model.py): their status follows their own events and those
+    # of the InferenceEndpoints they name. Nothing is applied for them: the gateway reads them itself.
+    async def refresh_served_models(namespace: str, wanted: Callable[[Object], bool], logger: Any) -> None:
+        async with loop.api() as api:
+            models = [m for m in await api.list_labelled(SERVED_MODEL_KIND, [namespace], {}) or [] if wanted(m)]
+            if not models:
+                return
+            endpoints = {e["metadata"]["name"]: e for e in await api.list_endpoints([namespace])}
+            for m in models:
+                status = served_model_status(m, endpoints, _now())
+                if status != m.get("status"):
+                    try:
+                        await api.patch(SERVED_MODEL_KIND, namespace, f"{m['metadata']['name']}/status",
+                                        {"status": status})
+                    except ApiError as e:
+                        if e.status != 404:  # deleted meanwhile
+                            raise
+
+    async def served_model_event(type: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
+        if type == "DELETED":
+            return
+        name = body.metadata.name
+        try:
+            await refresh_served_models(body.metadata.namespace, lambda m: m["metadata"]["name"] == name, logger)
+        except Exception:
+            logger.exception("status of ServedModel %s not written; its next event retries", name)
+
+    async def endpoint_event(body: kopf.Body, logger: Any, **_: Any) -> None:
+        name = body.metadata.name
+        try:
+            await refresh_served_models(body.metadata.namespace, lambda m: name in versions_of(m), logger)
+        except Exception:
+            logger.exception("status of the ServedModels naming %s not written; their next event retries", name)
+
+    kopf.on.event(GROUP, VERSION, SM_PLURAL, registry=registry, id="served_model_event")(served_model_event)
+    kopf.on.event(*endpoint, registry=registry, id="served_model_versions_event")(endpoint_event)
 
     children = {ENDPOINT_LABEL: kopf.PRESENT}
     kopf.on.event("apps", "v1", "deployments", labels=children, registry=registry)(child_event)

@@ -139,13 +139,16 @@ def test_crd_copy_is_identical() -> None:
     assert CHART_CRD_FILE.read_bytes() == CRD_FILE.read_bytes(), (
         f"{CHART_CRD_FILE.relative_to(ROOT)} differs from {CRD_FILE.relative_to(ROOT)}: "
         f"cp {CRD_FILE.relative_to(ROOT)} {CHART_CRD_FILE.relative_to(ROOT)}")
-    assert sorted(p.name for p in CHART_CRD_FILE.parent.iterdir()) == [CRD_FILE.name]
+    served = ROOT / "crds" / "sluice.dev_servedmodels.yaml"  # model versions by weight (served_model.py)
+    assert (CHART_CRD_FILE.parent / served.name).read_bytes() == served.read_bytes()
+    assert sorted(p.name for p in CHART_CRD_FILE.parent.iterdir()) == sorted([CRD_FILE.name, served.name])
 
 
 def test_crd_is_rendered(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for docs in rendered.values():
         crds = of_kind(docs, "CustomResourceDefinition")
-        assert [c["metadata"]["name"] for c in crds] == ["inferenceendpoints.sluice.dev"]
+        assert sorted(c["metadata"]["name"] for c in crds) == ["inferenceendpoints.sluice.dev", "servedmodels.sluice.dev"]
+        crds = [c for c in crds if c["metadata"]["name"] == "inferenceendpoints.sluice.dev"]
         assert crds[0] == yaml.safe_load(CRD_FILE.read_text())
 
 

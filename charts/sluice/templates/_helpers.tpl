@@ -104,6 +104,8 @@ What the operator does inside the namespaces it serves (least privilege: only wh
 Each verb is one the code uses (tests/test_chart.py checks them against the operator's client and handlers):
 - InferenceEndpoints: listed and watched by kopf (and read and listed by the resync); kopf patches its
   progress annotations; status is merge-patched through the status subresource. The operator never writes spec.
+- ServedModels (model versions by weight): watched by kopf (which patches its progress annotations); the
+  operator writes only their status (each version's readiness and traffic share), through the subresource.
 - inferenceendpoints/finalizers update: children's ownerReferences set blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin allows only to whoever can update this.
 - Children: applied server-side (patch; create for an object that does not exist yet), read for their status
@@ -124,6 +126,12 @@ Each verb is one the code uses (tests/test_chart.py checks them against the oper
 - apiGroups: [sluice.dev]
   resources: [inferenceendpoints/finalizers]
   verbs: [update]
+- apiGroups: [sluice.dev]
+  resources: [servedmodels]
+  verbs: [get, list, watch, patch]
+- apiGroups: [sluice.dev]
+  resources: [servedmodels/status]
+  verbs: [patch]
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, list, create, patch, delete]
@@ -208,7 +216,7 @@ EndpointSlices of their Services (the backends, by role), and the Services thems
 */}}
 {{- define "sluice.gateway.rules" -}}
 - apiGroups: [sluice.dev]
-  resources: [inferenceendpoints]
+  resources: [inferenceendpoints, servedmodels]
   verbs: [get, list, watch]
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
