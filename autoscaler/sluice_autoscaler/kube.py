@@ -11,7 +11,11 @@ Two list+watch loops over the API (plain HTTP on aiohttp, the pod's service acco
   its slices): `sluice.dev/role` = serving | standby says which pool, each endpoint's `conditions.ready`
   whether Kubernetes counts the pod ready.
 
-The gateway needs get/list/watch on both resources. `endpoint_specs` turns the two lists into what the
+A third list+watch loop reads ServedModels (sluice.dev/v1alpha1, issue 42): split models, each a name split over
+InferenceEndpoints of its namespace by weight, with aliases (`split_specs`, pure). The CRD is optional: while the
+cluster does not serve it (or RBAC refuses it) the gateway runs without splits, retrying in the background.
+
+The gateway needs get/list/watch on these resources. `endpoint_specs` turns the two lists into what the
 registry wants; it is pure and tested on its own.
 
 A third loop finds the other gateway replicas: the EndpointSlices of the gateway's headless peers Service
@@ -47,6 +51,7 @@ from sluice_contract import (
 )
 
 from .registry import EndpointSpec
+from .versions import DEFAULT_SESSION_HEADER, SplitSpec, Version
 
 log = logging.getLogger("sluice.gateway")
 
@@ -141,6 +146,46 @@ def endpoint_specs(endpoints: Iterable[dict[str, Any]], slices: Iterable[dict[st
     return [specs[k] for k in sorted(specs)]
 
 
+SERVED_MODELS = "servedmodels"
+
+
+def split_specs(models: Iterable[dict[str, Any]], only_namespace: bool = False) -> list[SplitSpec]:
+    """ServedModels -> one SplitSpec each, keyed <namespace>/<name>; versions and aliases name endpoints of the
+    same namespace. Read defensively (an older CRD, or none, may let anything in): a version without an endpoint
+    name or with a weight that is not an integer >= 0 is skipped, an alias to no version is skipped."""
+    out = []
+    for m in models:
+        meta, spec = m.get("metadata") or {}, m.get("spec") or {}
+        namespace = meta.get("namespace", "default")
+        key, model = endpoint_key(namespace, str(meta.get("name"))), spec.get("model")
+        if not isinstance(model, str) or not model or "/" in model:
+            log.warning("ServedModel %s: no usable spec.model; skipped", key)
+            continue
+        versions = []
+        for v in spec.get("versions") or []:
+            w = v.get("weight") if isinstance(v, dict) else None
+            e = v.get("endpoint") if isinstance(v, dict) else None
+            if isinstance(e, str) and e and isinstance(w, int) and not isinstance(w, bool) and w >= 0:
+                versions.append(Version(endpoint_key(namespace, e), w))
+            else:
+                log.warning("ServedModel %s: version %r skipped (want {endpoint, weight >= 0})", key, v)
+        scope = spec.get("nameScope") or NAME_SCOPE_NAMESPACE
+        try:
+            names = model_names(namespace, model, scope, only_namespace)
+        except ValueError:
+            scope, names = NAME_SCOPE_NAMESPACE, model_names(namespace, model, NAME_SCOPE_NAMESPACE, only_namespace)
+        known = {v.endpoint for v in versions}
+        aliases = {a: endpoint_key(namespace, t) for a, t in (spec.get("aliases") or {}).items()
+                   if isinstance(a, str) and a and "/" not in a and isinstance(t, str)
+                   and endpoint_key(namespace, t) in known}
+        header = spec.get("sessionHeader")
+        out.append(SplitSpec(key, model, tuple(versions), names=names, aliases=aliases,
+                             alias_names={a: model_names(namespace, a, scope, only_namespace) for a in aliases},
+                             session_header=header.lower() if isinstance(header, str) and header
+                             else DEFAULT_SESSION_HEADER, namespace=namespace))
+    return sorted(out, key=lambda s: s.key)
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -231,6 +276,7 @@ class Informer:
         self.api, self.path, self.label, self.on_change = api, path, label, on_change
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.synced = False
+        self.failed = False  # a list or watch failed since the last successful list (e.g. no CRD, no RBAC)
 
     def _wanted(self, obj: dict[str, Any]) -> bool:
         """The label selector (`key` or `key=value`) checked again: a watch may pass other objects."""
@@ -247,7 +293,7 @@ class Informer:
             try:
                 listing = await self.api.list(self.path, params)
                 self.objects = {_key(o): o for o in listing.get("items") or [] if self._wanted(o)}
-                self.synced = True
+                self.synced, self.failed = True, False
                 self.on_change()
                 watch = {**params, "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_TIMEOUT_S)}
                 version = (listing.get("metadata") or {}).get("resourceVersion")
@@ -273,12 +319,16 @@ class Informer:
                 raise
             except Exception as e:  # the API server restarting, RBAC missing, ...: keep the last view, retry
                 log.warning("watch %s: %s: %s; retrying in %.1fs", self.path, type(e).__name__, e, backoff)
+                if not self.failed:
+                    self.failed = True
+                    self.on_change()  # an optional resource (KubeDiscovery.models) does not hold the others back
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
 
 
 class KubeDiscovery:
-    def __init__(self, api: KubeAPI, namespaces: list[str], apply: Callable[[list[EndpointSpec]], None]):
+    def __init__(self, api: KubeAPI, namespaces: list[str],
+                 apply: Callable[[list[EndpointSpec | SplitSpec]], None]):
         self.api, self._apply = api, apply
         self.only_namespace = len(set(namespaces)) == 1
         scopes = [f"/namespaces/{ns}" for ns in namespaces] or [""]
@@ -286,21 +336,26 @@ class KubeDiscovery:
                           for s in scopes]
         self.slices = [Informer(api, f"{SLICES_API}{s}/endpointslices", ENDPOINT_LABEL, self._changed)
                        for s in scopes]
+        # Optional: a cluster without the ServedModel CRD has no split models (its failures do not hold back).
+        self.models = [Informer(api, f"{ENDPOINTS_API}{s}/{SERVED_MODELS}", None, self._changed) for s in scopes]
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     def _changed(self) -> None:
         informers = self.endpoints + self.slices
-        if not all(i.synced for i in informers):
-            return  # half a picture would drop endpoints that are there
-        self._apply(endpoint_specs([o for i in self.endpoints for o in i.objects.values()],
-                                   [o for i in self.slices for o in i.objects.values()], self.only_namespace))
+        if not all(i.synced for i in informers) or not all(i.synced or i.failed for i in self.models):
+            return  # half a picture would drop endpoints (or split names) that are there
+        specs: list[EndpointSpec | SplitSpec] = [*endpoint_specs(
+            [o for i in self.endpoints for o in i.objects.values()],
+            [o for i in self.slices for o in i.objects.values()], self.only_namespace)]
+        specs += split_specs([o for i in self.models for o in i.objects.values()], self.only_namespace)
+        self._apply(specs)
         self.ready.set()
 
     async def start(self) -> None:
         await self.api.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(i.run()) for i in self.endpoints + self.slices]
+        self._tasks = [loop.create_task(i.run()) for i in self.endpoints + self.slices + self.models]
 
     async def stop(self) -> None:
         for t in self._tasks:

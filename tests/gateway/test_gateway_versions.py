@@ -237,3 +237,22 @@ async def test_gateway_splits_by_weight_and_shifts_under_load(tmp_path):
         await gw.stop()
         for b in backends.values():
             await b.stop()
+
+
+# -- Kubernetes: ServedModels ----------------------------------------------------------------------------------------
+def test_split_specs_from_served_models():
+    from sluice_autoscaler.kube import split_specs
+
+    sm = {"metadata": {"namespace": "team-a", "name": "chat"},
+          "spec": {"model": "chat", "versions": [{"endpoint": "chat-v1", "weight": 90}, {"endpoint": "chat-v2",
+                                                                                           "weight": 10},
+                                                 {"endpoint": "bad", "weight": -1}],
+                   "aliases": {"chat-canary": "chat-v2", "nowhere": "chat-v9"}, "sessionHeader": "X-User"}}
+    [s] = split_specs([sm])
+    assert s.key == "team-a/chat" and s.names == ("team-a/chat",)
+    assert s.versions == (Version("team-a/chat-v1", 90), Version("team-a/chat-v2", 10))
+    assert s.aliases == {"chat-canary": "team-a/chat-v2"} and s.alias_names == {"chat-canary": ("team-a/chat-canary",)}
+    assert s.session_header == "x-user"
+    [s] = split_specs([sm], only_namespace=True)
+    assert s.names == ("team-a/chat", "chat")
+    assert split_specs([{"metadata": {"name": "x"}, "spec": {"model": "a/b"}}]) == []
