@@ -29,7 +29,7 @@ How the proxy calls it (every method is cheap and never raises for the proxy's s
                              if isinstance(result, Failure): self.span.attempt_end(result.status, result.reason)
                                                              self.span.retry(result.reason)   # if it goes on
                              else: self.span.attempt_end(result.status)
-    Exchange._exchange   (after `headers = {...}`):            headers.update(self.span.headers_for_upstream())
+    Exchange._exchange   (after `headers = {...}`):            self.span.apply_upstream(headers)
     Exchange.run finally:                                       self.span.end(status_code, self.outcome or "client_gone")
 """
 
@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 SERVICE_NAME = "sluice-gateway"
 SPAN_NAME = "gateway_request"
 _EMPTY: dict[str, str] = {}
+_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def otlp_traces_url(endpoint: str) -> str:
@@ -67,6 +68,15 @@ class _NoSpan:
 
     def headers_for_upstream(self) -> dict[str, str]:
         return _EMPTY
+
+    def apply_upstream(self, headers: dict[str, str]) -> None:
+        """Put headers_for_upstream() into the headers of the request to the backend, replacing the client's
+        traceparent/tracestate whatever their case (a no-op for an untraced request: the client's go on)."""
+        up = self.headers_for_upstream()
+        if up:
+            for k in [k for k in headers if k.lower() in _TRACE_HEADERS]:
+                del headers[k]
+            headers.update(up)
 
 
 NO_SPAN = _NoSpan()
@@ -195,6 +205,8 @@ class RequestSpan:
         if not self._upstream:
             self._t.propagator.inject(self._upstream, context=self._ctx)
         return self._upstream
+
+    apply_upstream = _NoSpan.apply_upstream
 
     def attempt_end(self, status: int | None = None, error: str | None = None) -> None:
         """The current attempt is over: the backend's status (if it answered) and why it failed (if it did)."""

@@ -106,3 +106,16 @@ def test_sampling_is_parent_based_and_passed_on(headers, ratio, recording):
     span.attempt_end(200)
     span.end(200, "ok")
     assert bool(exporter.get_finished_spans()) == recording
+
+
+def test_apply_upstream_replaces_the_clients_trace_headers():
+    tracer, _ = make()
+    span = tracer.start_request({"traceparent": traceparent()}, "ns/ep", "m")
+    span.attempt_start("http://b:1", 1)
+    headers = {"Traceparent": traceparent(), "TraceState": "a=b", "Content-Type": "application/json"}
+    span.apply_upstream(headers)
+    assert set(headers) == {"traceparent", "Content-Type"}
+    assert headers["traceparent"] == span.headers_for_upstream()["traceparent"] != traceparent()
+    untraced = {"Traceparent": traceparent()}
+    NO_SPAN.apply_upstream(untraced)
+    assert untraced == {"Traceparent": traceparent()}  # the client's own goes on
