@@ -133,3 +133,16 @@ def test_status_shares_are_the_gateways(weights, ready):
     assert sm.traffic_shares(weights, {v: v in ready for v in weights}) == versions.traffic_shares(
         weights, lambda v: v in ready)
     assert sm.DEFAULT_SESSION_HEADER == versions.DEFAULT_SESSION_HEADER
+
+
+def test_example_parses():
+    from operator_schemas import load_yaml
+
+    from sluice_operator.spec import parse_endpoint
+
+    folder = ROOT / "examples" / "model-versions"
+    served = load_yaml(folder / "servedmodel.yaml")
+    spec = sm.parse_served_model(served)
+    assert api_server_errors(crd_schema(sm.crd()), served) == []
+    endpoints = {p.stem: parse_endpoint(load_yaml(p)) for p in folder.glob("chat-v*.yaml")}
+    assert {v.endpoint for v in spec.versions} == set(endpoints) == {e.name for e in endpoints.values()}
