@@ -120,6 +120,14 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     epp.add_argument("--picker-tls-key", default=None, help="PEM private key of --picker-tls-cert")
     epp.add_argument("--picker-tls-client-ca", default=None,
                      help="PEM CA: every connection must present a client certificate it signed")
+    tr = p.add_argument_group("tracing (OpenTelemetry)")
+    tr.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send a span per request (its hold and backend attempts) to this OTLP/HTTP collector, "
+                         "e.g. http://collector:4318 (a URL without a path gets /v1/traces); the client's W3C "
+                         "traceparent is its parent, and the engine gets the attempt's (default: off)")
+    tr.add_argument("--trace-sample-ratio", type=float, default=d.trace_sample_ratio, metavar="RATIO",
+                    help="share of requests without a traceparent that are traced; a traceparent's sampled flag "
+                         "is always followed (default 1.0)")
     p.add_argument("--debug-headers", action="store_true",
                    help="add X-Sluice-Backend and X-Sluice-Role to responses (exposes backend addresses)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -69,6 +69,9 @@ class GatewayConfig:
     picker_tls_cert: str | None = None
     picker_tls_key: str | None = None
     picker_tls_client_ca: str | None = None
+    # OpenTelemetry traces (tracing.py): off without an endpoint.
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
     debug_headers: bool = False  # X-Sluice-Backend / X-Sluice-Role on responses (exposes pod addresses)
     # Other gateway replicas (peers.py): each serves its own demand on --peer-port and sums the others'.
     peer_port: int = 9091  # 0 picks a free port
@@ -147,6 +150,10 @@ class GatewayConfig:
             name, sep, value = text.partition("=")
             if not sep or not name or not value.lstrip("-").isdigit():
                 raise ValueError(f"--objective takes NAME=PRIORITY with an integer priority, got {text!r}")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"--trace-sample-ratio must be within [0, 1], got {self.trace_sample_ratio}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"--otlp-traces-endpoint takes an http(s) URL, got {self.otlp_traces_endpoint!r}")
         if self.kubernetes and (self.backends or self.standby or self.adapters or self.backends_file):
             raise ValueError("--kubernetes discovers backends itself (and adapters from spec.adapters); drop "
                              "--backend/--standby/--adapter/--backends-file")

@@ -12,6 +12,8 @@ hold histogram are kept as requests finish.
     sluice_gateway_refused_requests_total{reason}     answered before an endpoint was known (see REFUSALS)
     sluice_gateway_peers                              other gateway replicas whose demand this one adds up
     sluice_gateway_model_name_conflicts{name,endpoint,holder}  1: `endpoint` claims `name`, `holder` has it
+    sluice_gateway_version_requests_total{model,endpoint}  requests a split model (ServedModel) sent to a version
+    sluice_gateway_version_weight{model,endpoint}          a version's weight in its split
     sluice_gateway_tenant_requests_total{tenant,endpoint}       requests a tenant sent (metered: tenants configured)
     sluice_gateway_tenant_tokens_total{tenant,endpoint,type}    tokens by type (prompt|completion), from the engines'
                                                                 usage
@@ -41,6 +43,7 @@ from sluice_contract import (
 
 from .demand import DemandBoard
 from .registry import Registry
+from .versions import VersionCollector
 
 OUTCOMES = (
     "ok",  # the backend answered 2xx (streams: to the end)
@@ -113,6 +116,7 @@ class GatewayMetrics:
     def __init__(self, registry: Registry, demand: DemandBoard):
         self.prom = CollectorRegistry()
         self.prom.register(_Gauges(registry, demand))
+        self.prom.register(VersionCollector(registry))  # ServedModels: requests and weight per version
         self.requests = Counter("sluice_gateway_requests", "Finished requests by outcome.",
                                 ["endpoint", "outcome"], registry=self.prom)
         self.retries = Counter("sluice_gateway_retries", "Requests re-sent to another backend.",

@@ -37,6 +37,7 @@ from .priorities import OBJECTIVE_HEADER, set_engine_priority
 from .quota import Refusal, RequestMeter, UsageBoard, reservation
 from .registry import STANDBY, Backend, Endpoint, Registry
 from .router import Router
+from .tracing import NO_SPAN, GatewayTracer
 from .usage_tap import UsageTap, wants_usage
 
 log = logging.getLogger("sluice.gateway")
@@ -156,6 +157,7 @@ class Proxy:
                  keys: ApiKeys, usage: UsageBoard | None = None):
         self.cfg, self.registry, self.demand, self.metrics, self.keys = cfg, registry, demand, metrics, keys
         self.usage = usage if usage is not None else UsageBoard()  # tenants' windows (quota.py)
+        self.tracer = GatewayTracer.from_flags(cfg.otlp_traces_endpoint, cfg.trace_sample_ratio)  # None: off
         self.router = Router(cfg.routing, cfg.load_factor, cfg.load_floor)
         self.session: aiohttp.ClientSession | None = None
         self.started = int(time.time())
@@ -172,6 +174,8 @@ class Proxy:
     async def stop(self) -> None:
         if self.session:
             await self.session.close()
+        if self.tracer is not None:  # the last batch of spans
+            await asyncio.to_thread(self.tracer.shutdown)
 
     # -- routes ------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -261,12 +265,13 @@ class Proxy:
                     "Retry-After": str(meter.retry_after), f"X-RateLimit-Limit-{meter.limit.title()}": str(meter.value),
                     f"X-RateLimit-Remaining-{meter.limit.title()}": str(max(0, meter.value - meter.used))})
             meter.strip = stream and wants_usage(body)
+        span = self.tracer.start_request(request.headers, ep.key, model) if self.tracer is not None else NO_SPAN
         # An endpoint with objectives (spec.routing.objectives): the header's objective sets the priority.
         prioritised = bool(ep.priorities) and set_engine_priority(
             body, ep.priorities.get(request.headers.get(OBJECTIVE_HEADER, ""), 0))
         if model == route.model and not prioritised and not (meter and meter.strip):
             del body  # the parsed body is not kept while the request is held or in flight: the raw bytes are
-            return await Exchange(self, request, ep, raw, stream, key, adapter, meter).run()
+            return await Exchange(self, request, ep, raw, stream, key, adapter, meter, span).run()
         # The engine answers to its served name and its adapters' names only: the name the client sent
         # (`<namespace>/<name>`) is replaced before the request goes on. The answer's `model` is then the
         # engine's name.
@@ -276,7 +281,7 @@ class Proxy:
         if not self.budget.take(len(forwarded)):
             return self._refuse("overloaded", self._overloaded(), close=False)
         try:
-            return await Exchange(self, request, ep, forwarded, stream, key, adapter, meter).run()
+            return await Exchange(self, request, ep, forwarded, stream, key, adapter, meter, span).run()
         finally:
             self.budget.give(len(forwarded))
 
@@ -321,11 +326,12 @@ class Exchange:
     """One client request: hold while nothing is ready, pick a backend, forward, maybe retry."""
 
     def __init__(self, proxy: Proxy, request: web.Request, ep: Endpoint, raw: bytes | bytearray, stream: bool,
-                 key: str | None, adapter: str | None = None, meter: RequestMeter | None = None):
+                 key: str | None, adapter: str | None = None, meter: RequestMeter | None = None, span=NO_SPAN):
         self.p, self.request, self.ep, self.raw, self.stream, self.key = proxy, request, ep, raw, stream, key
         self.adapter = adapter  # the LoRA adapter the request runs on (None: the base model)
         self.meter = meter  # tenants' usage and limits (None: not metered)
         self.tap: UsageTap | None = None  # the answer's usage, read as it passes
+        self.span = span  # tracing.py: the request's span (NO_SPAN: not traced)
         self.cfg = proxy.cfg
         self.demand = proxy.demand[ep.key]
         self.resp: web.StreamResponse | None = None  # headers sent (a held stream's keep-alive, or a backend's)
@@ -336,17 +342,23 @@ class Exchange:
 
     # -- the loop --------------------------------------------------------------------------------------------
     async def run(self) -> web.StreamResponse:
+        resp: web.StreamResponse | None = None
         try:
-            return await self._run()
+            resp = await self._run()
+            return resp
         except Reject as r:
             self.outcome = r.outcome
-            return await self._error(r.status, error_body(r.status, r.message, r.code), r.headers)
+            resp = await self._error(r.status, error_body(r.status, r.message, r.code), r.headers)
+            return resp
         except ClientGone:
             self.outcome = "client_gone"
-            return self.resp or web.Response(status=499)
+            resp = self.resp or web.Response(status=499)
+            return resp
         finally:  # also on cancellation (the client went away while held or waiting)
             self._end_hold()
             self.p.metrics.finished(self.ep.key, self.outcome or "client_gone")
+            self.span.end(resp.status if resp is not None else (self.resp.status if self.resp else None),
+                          self.outcome or "client_gone")
             if self.meter is not None:
                 self._settle(self.meter)
 
@@ -380,14 +392,18 @@ class Exchange:
             assert isinstance(b, Backend)
             attempts += 1
             tried.add(b.url)
+            self.span.attempt_start(b.url, attempts)
             if attempts > 1:
                 self.p.metrics.retries.labels(self.ep.key).inc()
             result = await self._forward(b)
             if isinstance(result, Failure):
+                self.span.attempt_end(result.status, result.reason)
+                self.span.retry(result.reason)
                 log.info("endpoint %s: %s; %s", self.ep.key, result.reason,
                          "retrying on another backend" if attempts < self.cfg.max_attempts else "giving up")
                 last = result
                 continue
+            self.span.attempt_end(result.status)
             return result
 
     async def _give_up(self, last: Failure | None) -> web.StreamResponse:
@@ -408,6 +424,7 @@ class Exchange:
             self.held_since = self._next_keepalive = loop.time()
             self._next_keepalive += self.cfg.keepalive_interval
             self.holding = True
+            self.span.hold_start()
             board, size = self.p.demand, len(self.raw)
             board.held_total += 1
             board.held_bytes_total += size
@@ -450,6 +467,7 @@ class Exchange:
     def _end_hold(self) -> None:
         if self.holding:
             self.holding = False
+            self.span.hold_end()
             board, size = self.p.demand, len(self.raw)
             board.held_total -= 1
             board.held_bytes_total -= size
@@ -481,6 +499,7 @@ class Exchange:
         assert self.p.session is not None
         url = b.url + str(self.request.rel_url)
         headers = {k: v for k, v in self.request.headers.items() if k.lower() not in DROP_UPSTREAM}
+        self.span.apply_upstream(headers)
         try:
             async with self.p.session.post(url, data=self.raw, headers=headers) as up:
                 if up.status >= 400:
