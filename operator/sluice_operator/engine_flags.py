@@ -22,6 +22,8 @@ OPERATOR_OWNED_FLAGS: dict[str, str] = {
     "slo-ttft-ms": "slo.ttftMs",
     "slo-tpot-ms": "slo.tpotMs",
     "gpu-hour-usd": "cost.gpuHourUSD",
+    "otlp-traces-endpoint": "tracing.otlpEndpoint",
+    "trace-sample-ratio": "tracing.sampleRatio",
     "objectives-file": "slo and cost (the ConfigMap's objectives.json, re-read while the engine runs)",
     "tensor-parallel-size": "parallelism.tensor",
     "pipeline-parallel-size": "parallelism.pipeline",

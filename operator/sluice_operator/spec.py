@@ -459,6 +459,17 @@ class Cost(_Object):
         "Price of one GPU-hour, USD; on a CPU endpoint (no GPUs), the price of one replica-hour."))
 
 
+class Tracing(_Object):
+    """OpenTelemetry traces of the engines' requests (docs/metrics.md, Tracing)."""
+
+    otlp_endpoint: str = Field(max_length=512, pattern=r"^https?://[^\s]+$", description=(
+        "The OTLP/HTTP collector the engines send their spans to, e.g. http://otel-collector.observability:4318 "
+        "(a URL without a path gets /v1/traces). Rendered as the engines' --otlp-traces-endpoint."))
+    sample_ratio: float = Field(1.0, ge=0, le=1, description=(
+        "The share of requests without a W3C traceparent that are traced (--trace-sample-ratio). A traceparent's "
+        "sampled flag is always followed: behind the Sluice gateway, its --trace-sample-ratio decides."))
+
+
 class LocalObjectReference(_Object):
     name: str = Field(min_length=1, max_length=253)
 
@@ -951,6 +962,9 @@ class EndpointSpec(_Object):
             "so the first adapter added, and the last removed, roll the pods once; so does the first adapter on "
             "a pvc claim the pods do not mount yet, and the last one removed from it. One rank only "
             "(parallelism.tensor and pipeline 1)."))
+    tracing: Tracing | None = Field(None, description=(
+        "OpenTelemetry tracing: each request an engine serves becomes a span (queue, prefill, decode), under the "
+        "caller's traceparent (the gateway's, through the Sluice gateway). Unset: off. Changing it rolls the pods."))
     routing: Routing | None = Field(None, description=(
         "Routing through a Gateway API gateway (routing.inferencePool: docs/gateway-api.md). Unset: clients use "
         "the endpoint's Service or the Sluice gateway only."))

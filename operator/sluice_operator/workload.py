@@ -90,6 +90,9 @@ def serve_args(ep: InferenceEndpoint, model_path: str) -> list[str]:
     # engine re-reads while it runs, not from flags: editing them must not change the pod template (a
     # rollout that reloads every model).
     args += ["--objectives-file", OBJECTIVES_PATH]
+    if spec.tracing is not None:
+        args += ["--otlp-traces-endpoint", spec.tracing.otlp_endpoint,
+                 "--trace-sample-ratio", f"{spec.tracing.sample_ratio:g}"]
     args += render_args({k: v for k, v in spec.engine.args.items() if k != "enable-lora"})
     args += engine_scheduling_args(ep)
     # LoRA adapters: which ones is the ConfigMap's adapters.json, re-read while the engine runs (adapters.py);

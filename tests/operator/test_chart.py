@@ -63,6 +63,7 @@ MODES = {
     "existing-sa": (["serviceAccount.create=false", "serviceAccount.name=ops"], "all", None),
     "no-gateway": (["gateway.enabled=false"], "all", None),
     "gateway-secrets": (["gateway.apiKeys.existingSecret=gw-keys", "gateway.scalerTLS.generate=true",
+                         "gateway.tracing.otlpEndpoint=http://otel-collector.observability:4318",
                          "gateway.scalerTLS.namespaces={team-a}",
                          "networkPolicy.engines.namespaces={team-a,team-b}",
                          "networkPolicy.engines.exceptEndpoints={public}",
@@ -387,7 +388,8 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
         args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",
                  "--scaler-tls-cert", "/etc/sluice/scaler-tls/tls.crt",
                  "--scaler-tls-key", "/etc/sluice/scaler-tls/tls.key",
-                 "--scaler-tls-client-ca", "/etc/sluice/scaler-tls/ca.crt"]
+                 "--scaler-tls-client-ca", "/etc/sluice/scaler-tls/ca.crt",
+                 "--otlp-traces-endpoint", "http://otel-collector.observability:4318", "--trace-sample-ratio", "1"]
     assert container["args"] == args
     assert container["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080, "grpc": 9090, "peers": 9091}

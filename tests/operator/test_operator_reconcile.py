@@ -213,6 +213,20 @@ def test_cpu_example():
     assert service_url(ep, OperatorConfig()) == "http://smollm2.default.svc.cluster.local/v1"
 
 
+def test_tracing_renders_the_engines_otlp_flags():
+    """spec.tracing -> --otlp-traces-endpoint and --trace-sample-ratio (docs/metrics.md, Tracing); unset: none."""
+    _, manifests = rendered("cpu-smollm2.yaml", tracing={"otlpEndpoint": "http://otel.observability:4318",
+                                                         "sampleRatio": 0.25})
+    args = workloads(manifests)[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--otlp-traces-endpoint") + 1] == "http://otel.observability:4318"
+    assert args[args.index("--trace-sample-ratio") + 1] == "0.25"
+    _, plain = rendered("cpu-smollm2.yaml")
+    assert "--otlp-traces-endpoint" not in workloads(plain)[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    for bad in ({"otlpEndpoint": "collector:4318"}, {"otlpEndpoint": "http://c:4318", "sampleRatio": 2}):
+        with pytest.raises(ValueError):
+            rendered("cpu-smollm2.yaml", tracing=bad)
+
+
 def test_single_gpu_example():
     ep, manifests = rendered("gpu-8b.yaml")
     (deployment,) = workloads(manifests)
