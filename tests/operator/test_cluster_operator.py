@@ -16,8 +16,8 @@ HPA would do, through the Deployment's scale subresource.
 
 In file order: every example reconciles with no 403, the KV Secret and NetworkPolicies (issue 39) and a hostPath
 cache the default policy refuses, the multi-node groups as LWS makes them, LWS's webhooks
-admitting what the operator renders, the printer columns and the scale subresource, a spec edit rolls the
-pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, the gateway under
+admitting what the operator renders, a ServedModel's status following its versions (issue 42), the printer
+columns and the scale subresource, a spec edit rolls the pods, scale from zero, garbage collection, NameConflict, a verb removed from the ClusterRole, the gateway under
 its own ServiceAccount finding the serving pods, and last the leader hand-over between two operator processes
 on the real Lease.
 """
@@ -306,6 +306,52 @@ def test_examples_reconcile_under_the_charts_service_account(stack: Stack) -> No
     nodes = {p["spec"]["nodeName"] for p in _serving_pods(stack, "llama-8b", "inference")}
     assert nodes and all(stack.cluster.json("get", "node", n)["metadata"]["labels"]["nvidia.com/gpu.product"]
                          == "NVIDIA-L40S" for n in nodes), nodes
+
+
+# -- ServedModel: model versions by weight (issue 42) ------------------------------------------------------------
+def test_served_model_status_follows_its_versions(stack: Stack) -> None:
+    """examples/model-versions/: two InferenceEndpoints and the ServedModel splitting `chat` 90/10 between them,
+    admitted by the real API server (the CRD's rules) and given a status by the operator under the chart's RBAC:
+    each version ready with its traffic share; a shift to 0/100 shows at once; a version missing is said."""
+    cluster = stack.cluster
+    ns = "versions"
+    cluster.kubectl("create", "namespace", ns, check=False)
+    folder = ROOT / "examples" / "model-versions"
+    for endpoint in ("chat-v1.yaml", "chat-v2.yaml"):
+        doc = load_yaml(folder / endpoint)
+        doc["metadata"]["namespace"] = ns
+        _apply_endpoint(stack, doc)
+    for name in ("chat-v1", "chat-v2"):
+        _wait_phase(stack, name, ns, {"Ready"})
+    model = load_yaml(folder / "servedmodel.yaml")
+    model["metadata"]["namespace"] = ns
+    cluster.apply(model)
+
+    def status(want: dict[str, int], reason: str) -> Any:
+        def probe() -> Any:
+            sm = cluster.get("servedmodel", "chat", "-n", ns) or {}
+            got = {v["endpoint"]: v.get("trafficPercent") for v in (sm.get("status") or {}).get("versions") or []}
+            ready = _condition(sm, "Ready")
+            return sm if got == want and ready.get("reason") == reason else None
+        try:
+            return wait_until(f"ServedModel {ns}/chat at {want} ({reason})", probe, 60)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{json.dumps(cluster.get('servedmodel', 'chat', '-n', ns), indent=1)}"
+                                 f"{stack.logs()}") from None
+
+    sm = status({"chat-v1": 90, "chat-v2": 10}, "VersionsReady")
+    assert all(v["ready"] for v in sm["status"]["versions"]), sm["status"]
+    cluster.kubectl("patch", "servedmodel", "chat", "-n", ns, "--type=merge", "-p", json.dumps(
+        {"spec": {"versions": [{"endpoint": "chat-v1", "weight": 0}, {"endpoint": "chat-v2", "weight": 100}]}}))
+    status({"chat-v1": 0, "chat-v2": 100}, "VersionsReady")
+    # The CRD's own rules: a weightless split is refused with its reason.
+    out = cluster.kubectl("patch", "servedmodel", "chat", "-n", ns, "--type=merge", "-p", json.dumps(
+        {"spec": {"versions": [{"endpoint": "chat-v1", "weight": 0}]}}), check=False)
+    assert out.returncode != 0 and "weight" in out.stderr, out.stderr
+    cluster.kubectl("delete", "inferenceendpoint", "chat-v1", "-n", ns, "--wait=false")
+    wait_until("the missing version in the ServedModel's status", lambda: _condition(
+        cluster.get("servedmodel", "chat", "-n", ns) or {}, "Ready").get("reason") == "EndpointNotFound", 60)
+    assert not _forbidden(stack.logs()), _forbidden(stack.logs())
 
 
 # -- spec.routing.inferencePool: the Gateway API Inference Extension objects -----------------------------------
