@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -38,7 +39,7 @@ from sluice_engine.bench.machine import cpu_name  # noqa: E402
 ROUNDS, PHASE_S = 3, 20.0
 B_WORKERS, B_TOKENS = 4, 32
 A_WORKERS, A_TOKENS, A_PAUSE_S = 4, 16, 0.05
-A_TOKENS_PER_MINUTE = 600
+A_TOKENS_PER_MINUTE = 200
 KEYS = f"""
 tenants:
   team-a:
@@ -94,6 +95,7 @@ async def tenant_a(urls: list[str], until: float, mode: str, base: int) -> dict:
 def tenant_a_process(urls: list[str], until_wall: float, mode: str, base: int, result) -> None:
     until = time.perf_counter() + (until_wall - time.time())
     result.update(asyncio.run(tenant_a(urls, until, mode, base)))
+    result["cpu"] = time.process_time()  # this process's own CPU seconds (user + system)
 
 
 async def phase(gw_urls: list[str], with_a: bool, base: int, mode: str) -> tuple[dict, dict]:
@@ -118,6 +120,20 @@ async def phase(gw_urls: list[str], with_a: bool, base: int, mode: str) -> tuple
     b = {"tok_s": sum(r["tokens"] for r in ok) / elapsed, "ttft_p50": pct([r["ttft"] for r in ok], 50),
          "total_p50": pct([r["total"] for r in ok], 50), "n": len(ok), "errors": len(b_out) - len(ok)}
     return b, a
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and its live descendants (the engine's core process is a child)."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += cpu_seconds(int(child))
+    except (OSError, IndexError, ValueError):
+        pass
+    return total
 
 
 def tenant_tokens(url: str, tenant: str) -> float:
@@ -162,10 +178,18 @@ def main() -> None:
             a_totals = {"ok": 0, "limited": 0, "other": 0}
             a_start = time.monotonic()
             a_tokens_before = sum(tenant_tokens(u, "team-a") for u in urls)
+            cpu: dict[str, dict[str, float]] = {"alone": {}, "with": {}}
             for r in range(ROUNDS):
                 for name in ("alone", "with"):
+                    before = {"engine": cpu_seconds(engine.proc.pid), "gateways": sum(cpu_seconds(g.proc.pid)
+                                                                                      for g in gws)}
                     b, a = asyncio.run(phase(urls, name == "with", 10_000 * (r + 1) + (name == "with") * 5000, mode))
                     results[name].append(b)
+                    spent = cpu[name]
+                    spent["engine"] = spent.get("engine", 0) + cpu_seconds(engine.proc.pid) - before["engine"]
+                    spent["gateways"] = spent.get("gateways", 0) + sum(cpu_seconds(g.proc.pid) for g in gws) \
+                        - before["gateways"]
+                    spent["team-a client"] = spent.get("team-a client", 0) + a.get("cpu", 0.0)
                     for k in a_totals:
                         a_totals[k] += a[k]
                     print(f"  round {r + 1} {name:5s}: team-b {b['tok_s']:.1f} tok/s, TTFT p50 {b['ttft_p50']:.3f}s, "
@@ -194,6 +218,9 @@ def main() -> None:
     print(f"team-a: {a_totals['ok']} answered, {a_totals['limited']} refused with 429, {a_totals['other']} other; "
           f"admitted {a_tokens:.0f} tokens in {a_minutes:.1f} min = {a_tokens / a_minutes:.0f}/min over both replicas "
           f"(limit {A_TOKENS_PER_MINUTE}/min; the warm-up and 'alone' phases are in those minutes)")
+    for name, spent in cpu.items():
+        print(f"CPU seconds over the {name!r} phases ({ROUNDS * PHASE_S:.0f} s): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in spent.items()))
     print(f"tokens counted by the gateways {counted:.0f}, served by the engine {served:.0f} "
           f"({(counted - served) / served * 100:+.2f}%)")
 
