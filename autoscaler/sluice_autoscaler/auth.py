@@ -314,11 +314,13 @@ class ApiKeys:
         return None
 
 
-class ScalerToken:
-    """The shared token of the KEDA external scaler (--scaler-token-file): off when no file is given."""
+class SharedToken:
+    """A shared token in a file (a mounted Secret, re-read when it changes): the KEDA external scaler's
+    (--scaler-token-file), the gateway replicas' peer port's (--peer-token-file). Off when no file is given."""
 
-    def __init__(self, path: str | None):
-        self._file = WatchedFile(path, "--scaler-token-file") if path else None
+    def __init__(self, path: str | None, flag: str = "--scaler-token-file"):
+        self.flag = flag
+        self._file = WatchedFile(path, flag) if path else None
         self._token = ""
         if self._file is not None:
             self._reload(strict=True)
@@ -335,10 +337,17 @@ class ScalerToken:
         token = text.strip()
         if not token:
             if strict:
-                raise ValueError(f"--scaler-token-file {self._file.path} is empty")
-            log.error("--scaler-token-file %s is empty; keeping the previous token", self._file.path)
+                raise ValueError(f"{self.flag} {self._file.path} is empty")
+            log.error("%s %s is empty; keeping the previous token", self.flag, self._file.path)
             return
         self._token = token
+
+    def value(self) -> str | None:
+        """The token to present to a peer (None: off)."""
+        if self._file is None:
+            return None
+        self._reload()
+        return self._token
 
     def accepts(self, candidates: list[str]) -> bool:
         if self._file is None:

@@ -100,6 +100,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                        help="seconds between peers' counts at most (a new hold arrives at once)")
     peers.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                        help="seconds a peer that stopped answering still counts with its last counts")
+    peers.add_argument("--peer-token-file", default=None,
+                       help="a file holding a shared token (a mounted Secret, re-read on change): every replica "
+                            "presents it to the others and refuses peer calls without it")
     epp = p.add_argument_group("endpoint picker (Gateway API Inference Extension: Envoy ext-proc)")
     epp.add_argument("--endpoint-picker", action="store_true",
                      help="also serve Envoy's ext-proc on --picker-port: a GIE InferencePool's endpoint picker")

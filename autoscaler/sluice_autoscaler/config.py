@@ -80,6 +80,7 @@ class GatewayConfig:
     peer_namespace: str | None = None  # its namespace; None: the pod's own
     peer_interval: float = 1.0  # seconds: counts are at most this old (edges arrive at once)
     peer_timeout: float = 10.0  # seconds a silent peer's last counts still count
+    peer_token_file: str | None = None  # a shared token every replica presents and requires on the peer port
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:

@@ -20,7 +20,7 @@ import signal
 import prometheus_client
 from aiohttp import web
 
-from .auth import ApiKeys, ScalerToken
+from .auth import ApiKeys, SharedToken
 from .config import GatewayConfig
 from .demand import DemandBoard
 from .kube import KubeAPI, KubeDiscovery, KubePeerDiscovery, own_namespace
@@ -44,14 +44,16 @@ class Gateway:
         self.demand = DemandBoard(cfg.scaler_max_streams)
         self.metrics = GatewayMetrics(self.registry, self.demand)
         self.keys = ApiKeys(cfg.api_keys_file)
-        self.scaler_token = ScalerToken(cfg.scaler_token_file)
+        self.scaler_token = SharedToken(cfg.scaler_token_file)
+        self.peer_token = SharedToken(cfg.peer_token_file, "--peer-token-file")
         self.scaler_tls = (ScalerTLS(cfg.scaler_tls_cert, cfg.scaler_tls_key, cfg.scaler_tls_client_ca)
                            if cfg.scaler_tls_cert and cfg.scaler_tls_key else None)
         self.usage = UsageBoard()
         self.proxy = Proxy(cfg, self.registry, self.demand, self.metrics, self.keys, self.usage)
         self.replica = replica_id()
         self.peers = PeerSync(self.demand, self.replica, cfg.peer_interval, cfg.peer_timeout, cfg.connect_timeout,
-                              lambda: self.registry.endpoints, self.usage, lambda: self.keys.tenants)
+                              lambda: self.registry.endpoints, self.usage, lambda: self.keys.tenants,
+                              self.peer_token)
         self.discovery: StaticDiscovery | KubeDiscovery
         self.peer_discovery: KubePeerDiscovery | None = None
         self.kube_api: KubeAPI | None = None
@@ -109,7 +111,7 @@ class Gateway:
         await self.proxy.start()
         await self.peers.start()
         # The peer port first: the other replicas may ask before this one has listed anything.
-        self._peer_runner = web.AppRunner(peer_app(self.demand, self.replica, self.usage), access_log=None, shutdown_timeout=1)
+        self._peer_runner = web.AppRunner(peer_app(self.demand, self.replica, self.usage, self.peer_token), access_log=None, shutdown_timeout=1)
         await self._peer_runner.setup()
         await web.TCPSite(self._peer_runner, self.cfg.host, self.cfg.peer_port).start()
         self.peer_port = self._peer_runner.addresses[0][1]

@@ -14,6 +14,9 @@ fresh counts. `usage` is each tenant's last minute on this replica (quota.py): t
 own when they admit a tenant's request, so limits hold across replicas (at most --peer-interval late). A hold on any replica therefore reaches the replica KEDA streams from within one round trip,
 and counts are never older than --peer-interval.
 
+With --peer-token-file every replica presents the shared token (`Authorization: Bearer`) and refuses a caller
+without it (401, before any work): the answers carry tenants' usage, which the quotas trust.
+
 Peers come from discovery: `--peer URL` (static), or the EndpointSlices of the gateway's headless peers
 Service (kube.py). A replica finds itself in that list by its id and skips it. A peer that stops answering
 keeps its last counts for --peer-timeout seconds (a brief partition must not look like demand gone, which
@@ -37,6 +40,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .auth import SharedToken, bearer
 from .demand import DemandBoard, PeerCounts
 from .quota import UsageBoard, parse_snapshot
 
@@ -54,8 +58,15 @@ def replica_id() -> str:
 
 
 # -- serving this replica's counts ------------------------------------------------------------------------------
-def peer_app(board: DemandBoard, replica: str, usage: UsageBoard | None = None) -> web.Application:
+def peer_app(board: DemandBoard, replica: str, usage: UsageBoard | None = None,
+             token: SharedToken | None = None) -> web.Application:
     async def demand(request: web.Request) -> web.Response:
+        if token is not None and token.enabled:
+            presented = bearer(request.headers.get("Authorization"))
+            if not presented or not token.accepts([presented]):
+                log.warning("peer port: refused %s without the peer token", request.remote)
+                return web.json_response({"error": "the peer token is missing or wrong (--peer-token-file)"},
+                                         status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
             since = int(request.query.get("since", "-1"))
             wait = float(request.query.get("wait", "0"))
@@ -96,8 +107,9 @@ class PeerSync:
 
     def __init__(self, board: DemandBoard, replica: str, interval: float, stale_after: float,
                  connect_timeout: float, known: Callable[[], Container[str]], usage: UsageBoard | None = None,
-                 tenants: Callable[[], Iterable[str]] = tuple):
+                 tenants: Callable[[], Iterable[str]] = tuple, token: SharedToken | None = None):
         self.board, self.replica = board, replica
+        self.token = token  # presented to every peer (--peer-token-file)
         self.usage, self.tenants = usage, tenants  # tenants' windows; the tenant names this replica knows
         self.interval, self.stale_after, self.connect_timeout = interval, stale_after, connect_timeout
         self.known = known  # endpoint keys this replica serves: a peer's other keys are not kept
@@ -147,8 +159,10 @@ class PeerSync:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.interval + self.connect_timeout + 5,
                                         sock_connect=self.connect_timeout)
+        secret = self.token.value() if self.token is not None else None
+        headers = {"Authorization": f"Bearer {secret}"} if secret else None
         async with self._session.get(f"{url}{PEER_PATH}", params={"since": str(since), "wait": str(self.interval)},
-                                     timeout=timeout) as r:
+                                     timeout=timeout, headers=headers) as r:
             body = await r.content.read(MAX_ANSWER_BYTES + 1)
             if r.status != 200 or len(body) > MAX_ANSWER_BYTES:
                 raise ValueError(f"answered {r.status} ({len(body)} bytes)")

@@ -42,7 +42,7 @@ from sluice_contract import SCALER_METRIC_NAME
 
 from . import externalscaler_pb2 as pb
 from . import externalscaler_pb2_grpc as pb_grpc
-from .auth import ScalerToken, bearer
+from .auth import SharedToken, bearer
 from .demand import DemandBoard
 from .registry import Registry
 from .scaler_tls import ScalerTLS, add_port
@@ -61,9 +61,9 @@ EXTRA_CALLS = 64  # concurrent unary calls beyond the stream bound
 
 class ExternalScaler(pb_grpc.ExternalScalerServicer):
     def __init__(self, registry: Registry, demand: DemandBoard, default_target: float,
-                 token: ScalerToken | None = None, ready: asyncio.Event | None = None):
+                 token: SharedToken | None = None, ready: asyncio.Event | None = None):
         self.registry, self.demand, self.default_target = registry, demand, default_target
-        self.token = token or ScalerToken(None)
+        self.token = token or SharedToken(None)
         self.ready = ready
 
     async def _admit(self, ref: pb.ScaledObjectRef, context) -> str:

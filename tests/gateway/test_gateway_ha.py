@@ -178,6 +178,37 @@ async def test_a_replica_that_dies_stops_counting_after_the_peer_timeout(tmp_pat
         await backend.stop()
 
 
+@pytest.mark.asyncio
+async def test_the_peer_port_takes_only_callers_with_the_peer_token(tmp_path):
+    """--peer-token-file: the peer port answers 401 to a caller without the token (its answers carry tenants'
+    usage, which quotas trust), and replicas sharing the token follow each other."""
+    backend = await FakeBackend("pod", model="chat").start()
+    backend.ready = False
+    token = tmp_path / "peer-token"
+    token.write_text("s3cret-peer-token\n")
+    own_port = free_port()
+    other = await asyncio.to_thread(GatewayProcess, ["--backend", f"chat={backend.url}", "--peer-token-file",
+                                                     str(token)], tmp_path / "other.log")
+    gw = await start_gateway(backends=[f"chat={backend.url}"], peer_port=own_port, peer_interval=0.2,
+                             peers=[f"http://127.0.0.1:{other.peer_port}"], peer_token_file=str(token))
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = await c.get(f"http://127.0.0.1:{other.peer_port}/peer/demand", headers=headers)
+                assert r.status_code == 401 and "peer token" in r.json()["error"]
+            r = await c.get(f"http://127.0.0.1:{own_port}/peer/demand",
+                            headers={"Authorization": "Bearer s3cret-peer-token"})
+            assert r.status_code == 200 and "demand" in r.json()
+        async with httpx.AsyncClient(base_url=other.url, timeout=30) as c:
+            request = asyncio.create_task(c.post("/v1/chat/completions", json=chat("chat", "hi")))
+            await wait_until(lambda: gw.demand.total("chat") == (True, 1), timeout=5)  # the peer's hold, heard
+            request.cancel()
+    finally:
+        await gw.stop()
+        other.stop()
+        await backend.stop()
+
+
 def test_board_sums_peers_and_pushes_their_holds():
     async def run() -> None:
         board = DemandBoard()

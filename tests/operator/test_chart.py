@@ -7,6 +7,7 @@ scripts/test.sh runs it first. Without helm (no registry access) these tests ski
 
 from __future__ import annotations
 
+import base64
 import io
 import subprocess
 from contextlib import redirect_stdout
@@ -384,6 +385,7 @@ def test_gateway(rendered: dict[str, list[dict[str, Any]]], mode: str) -> None:
     args = ["gateway", "--kubernetes", "--port", "8080", "--scaler-port", "9090", "--peer-port", "9091",
             "--peer-service", f"{GATEWAY}-peers", "--peer-namespace", RELEASE_NS, "--shutdown-timeout", "45"]
     args += [] if scope == "all" else [a for ns in served for a in ("--namespace", ns)]
+    args += ["--peer-token-file", "/etc/sluice/peer-token/token"]  # gateway.peerToken.generate (default)
     if mode == "gateway-secrets":
         args += ["--api-keys-file", "/etc/sluice/api-keys/api-keys.yaml",
                  "--scaler-tls-cert", "/etc/sluice/scaler-tls/tls.crt",
@@ -842,11 +844,37 @@ def test_stock_prometheus_stack_values(helm: tuple[str, dict[str, str]]) -> None
     assert monitor["metadata"]["labels"]["extra"] == "yes"
 
 
+def tls_secrets(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in of_kind(docs, "Secret") if d.get("type") == "kubernetes.io/tls"]
+
+
+def test_peer_token_secret_is_generated_once_and_mounted(helm: tuple[str, dict[str, str]]) -> None:
+    """gateway.peerToken: a generated Opaque Secret (48 random characters) the gateway mounts as a directory and
+    passes as --peer-token-file; an existing Secret instead is mounted by its key, and the chart makes none."""
+    docs = template(helm)
+    (secret,) = [d for d in of_kind(docs, "Secret") if d["metadata"]["name"] == f"{GATEWAY}-peer-token"]
+    kubernetes_validate.validate(secret, K8S_VERSIONS[0], strict=True)
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    (dep,) = component(docs, "Deployment", "gateway")
+    pod = dep["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "peer-token"]
+    assert volume["secret"] == {"secretName": f"{GATEWAY}-peer-token", "defaultMode": 0o440,
+                                "items": [{"key": "token", "path": "token"}]}
+    docs = template(helm, "gateway.peerToken.existingSecret=my-token", "gateway.peerToken.secretKey=t")
+    assert not [d for d in of_kind(docs, "Secret") if "peer-token" in d["metadata"]["name"]]
+    (dep,) = component(docs, "Deployment", "gateway")
+    (volume,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "peer-token"]
+    assert volume["secret"]["secretName"] == "my-token" and volume["secret"]["items"] == [{"key": "t", "path": "token"}]
+    docs = template(helm, "gateway.peerToken.generate=false")
+    (dep,) = component(docs, "Deployment", "gateway")
+    assert "--peer-token-file" not in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_scaler_tls_secret_is_where_keda_reads_it(helm: tuple[str, dict[str, str]]) -> None:
     """One kubernetes.io/tls Secret with ca.crt, in the release namespace (the gateway mounts it) and in each
     endpoint namespace (a TriggerAuthentication reads Secrets of its own namespace)."""
     docs = template(helm, *STOCK_STACK)
-    secrets = {d["metadata"]["namespace"]: d for d in of_kind(docs, "Secret")}
+    secrets = {d["metadata"]["namespace"]: d for d in tls_secrets(docs)}
     assert set(secrets) == {RELEASE_NS, "inference"}
     first, second = secrets.values()
     assert first["type"] == "kubernetes.io/tls" and set(first["data"]) == {"ca.crt", "tls.crt", "tls.key"}
@@ -854,9 +882,9 @@ def test_scaler_tls_secret_is_where_keda_reads_it(helm: tuple[str, dict[str, str
     for secret in secrets.values():
         kubernetes_validate.validate(secret, K8S_VERSIONS[0], strict=True)
     docs = template(helm, "scope=namespace", "watchNamespace=team-a", "gateway.scalerTLS.generate=true")
-    assert {d["metadata"]["namespace"] for d in of_kind(docs, "Secret")} == {RELEASE_NS, "team-a"}
+    assert {d["metadata"]["namespace"] for d in tls_secrets(docs)} == {RELEASE_NS, "team-a"}
     docs = template(helm, "gateway.scalerTLS.existingSecret=from-cert-manager")
-    assert not of_kind(docs, "Secret")  # yours: the chart creates none
+    assert not tls_secrets(docs)  # yours: the chart creates none
     (dep,) = component(docs, "Deployment", "operator")
     assert env_of(dep["spec"]["template"]["spec"]["containers"][0])["SLUICE_GATEWAY_SCALER_TLS_SECRET"] == \
         "from-cert-manager"

@@ -260,6 +260,15 @@ networkPolicy.gateway.clients (empty: from anyone), since clients then call the 
 {{- end -}}
 
 {{/* The Secret of KEDA's client certificate for the gateway's scaler; empty: none (plaintext gRPC). */}}
+{{- /* The Secret holding the gateway replicas' shared peer token (gateway.peerToken); empty: none. */ -}}
+{{- define "sluice.gateway.peerTokenSecret" -}}
+{{- if .Values.gateway.peerToken.existingSecret -}}
+{{- .Values.gateway.peerToken.existingSecret -}}
+{{- else if .Values.gateway.peerToken.generate -}}
+{{- printf "%s-peer-token" (include "sluice.gateway.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "sluice.gateway.scalerTLSSecret" -}}
 {{- if .Values.gateway.scalerTLS.existingSecret -}}
 {{- .Values.gateway.scalerTLS.existingSecret -}}
