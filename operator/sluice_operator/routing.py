@@ -37,7 +37,7 @@ H2C = "kubernetes.io/h2c"  # gRPC without TLS: what a gateway's ext-proc client 
 # What `sluice gateway --kubernetes` reads (the chart's sluice.gateway.rules): the InferenceEndpoint (its served
 # name and scaling), the Services labelled with it, and their EndpointSlices (the ready pods, by role).
 DISCOVERY_RULES = (
-    {"apiGroups": ["sluice.dev"], "resources": ["inferenceendpoints"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["sluice.dev"], "resources": ["inferenceendpoints", "servedmodels"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
 )

@@ -316,42 +316,48 @@ def test_served_model_status_follows_its_versions(stack: Stack) -> None:
     cluster = stack.cluster
     ns = "versions"
     cluster.kubectl("create", "namespace", ns, check=False)
-    folder = ROOT / "examples" / "model-versions"
-    for endpoint in ("chat-v1.yaml", "chat-v2.yaml"):
-        doc = load_yaml(folder / endpoint)
-        doc["metadata"]["namespace"] = ns
-        _apply_endpoint(stack, doc)
-    for name in ("chat-v1", "chat-v2"):
-        _wait_phase(stack, name, ns, {"Ready"})
-    model = load_yaml(folder / "servedmodel.yaml")
-    model["metadata"]["namespace"] = ns
-    cluster.apply(model)
+    try:
+        folder = ROOT / "examples" / "model-versions"
+        for endpoint in ("chat-v1.yaml", "chat-v2.yaml"):
+            doc = load_yaml(folder / endpoint)
+            doc["metadata"]["namespace"] = ns
+            _apply_endpoint(stack, doc)
+        for name in ("chat-v1", "chat-v2"):
+            _wait_phase(stack, name, ns, {"Ready"})
+        model = load_yaml(folder / "servedmodel.yaml")
+        model["metadata"]["namespace"] = ns
+        cluster.apply(model)
 
-    def status(want: dict[str, int], reason: str) -> Any:
-        def probe() -> Any:
-            sm = cluster.get("servedmodel", "chat", "-n", ns) or {}
-            got = {v["endpoint"]: v.get("trafficPercent") for v in (sm.get("status") or {}).get("versions") or []}
-            ready = _condition(sm, "Ready")
-            return sm if got == want and ready.get("reason") == reason else None
-        try:
-            return wait_until(f"ServedModel {ns}/chat at {want} ({reason})", probe, 60)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{json.dumps(cluster.get('servedmodel', 'chat', '-n', ns), indent=1)}"
-                                 f"{stack.logs()}") from None
+        def status(want: dict[str, int], reason: str) -> Any:
+            def probe() -> Any:
+                sm = cluster.get("servedmodel", "chat", "-n", ns) or {}
+                got = {v["endpoint"]: v.get("trafficPercent") for v in (sm.get("status") or {}).get("versions") or []}
+                ready = _condition(sm, "Ready")
+                return sm if got == want and ready.get("reason") == reason else None
+            try:
+                return wait_until(f"ServedModel {ns}/chat at {want} ({reason})", probe, 60)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{json.dumps(cluster.get('servedmodel', 'chat', '-n', ns), indent=1)}"
+                                     f"{stack.logs()}") from None
 
-    sm = status({"chat-v1": 90, "chat-v2": 10}, "VersionsReady")
-    assert all(v["ready"] for v in sm["status"]["versions"]), sm["status"]
-    cluster.kubectl("patch", "servedmodel", "chat", "-n", ns, "--type=merge", "-p", json.dumps(
-        {"spec": {"versions": [{"endpoint": "chat-v1", "weight": 0}, {"endpoint": "chat-v2", "weight": 100}]}}))
-    status({"chat-v1": 0, "chat-v2": 100}, "VersionsReady")
-    # The CRD's own rules: a weightless split is refused with its reason.
-    out = cluster.kubectl("patch", "servedmodel", "chat", "-n", ns, "--type=merge", "-p", json.dumps(
-        {"spec": {"versions": [{"endpoint": "chat-v1", "weight": 0}]}}), check=False)
-    assert out.returncode != 0 and "weight" in out.stderr, out.stderr
-    cluster.kubectl("delete", "inferenceendpoint", "chat-v1", "-n", ns, "--wait=false")
-    wait_until("the missing version in the ServedModel's status", lambda: _condition(
-        cluster.get("servedmodel", "chat", "-n", ns) or {}, "Ready").get("reason") == "EndpointNotFound", 60)
-    assert not _forbidden(stack.logs()), _forbidden(stack.logs())
+        sm = status({"chat-v1": 90, "chat-v2": 10}, "VersionsReady")
+        assert all(v["ready"] for v in sm["status"]["versions"]), sm["status"]
+        cluster.kubectl("patch", "servedmodel", "chat", "-n", ns, "--type=merge", "-p", json.dumps(
+            {"spec": {"versions": [{"endpoint": "chat-v1", "weight": 0}, {"endpoint": "chat-v2", "weight": 100}]}}))
+        status({"chat-v1": 0, "chat-v2": 100}, "VersionsReady")
+        # The CRD's own rules: a weightless split is refused with its reason.
+        out = cluster.kubectl("patch", "servedmodel", "chat", "-n", ns, "--type=merge", "-p", json.dumps(
+            {"spec": {"versions": [{"endpoint": "chat-v1", "weight": 0}]}}), check=False)
+        assert out.returncode != 0 and "weight" in out.stderr, out.stderr
+        cluster.kubectl("delete", "inferenceendpoint", "chat-v1", "-n", ns, "--wait=false")
+        wait_until("the missing version in the ServedModel's status", lambda: _condition(
+            cluster.get("servedmodel", "chat", "-n", ns) or {}, "Ready").get("reason") == "EndpointNotFound", 60)
+        assert not _forbidden(stack.logs()), _forbidden(stack.logs())
+    finally:  # the Prometheus test, later on this cluster, must not find these endpoints' ServiceMonitors
+        cluster.kubectl("delete", "servedmodels,inferenceendpoints", "--all", "-n", ns, "--timeout=60s", check=False,
+                        timeout=90)
+        wait_until("the versions' ServiceMonitors to go", lambda: not cluster.kubectl(
+            "get", "servicemonitors.monitoring.coreos.com", "-n", ns, "-o", "name", check=False).stdout.strip(), 60)
 
 
 # -- spec.routing.inferencePool: the Gateway API Inference Extension objects -----------------------------------

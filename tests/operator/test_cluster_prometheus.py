@@ -86,6 +86,7 @@ MET = {"ttft": 1.75, "tpot": 1.5}
 COST_PER_1M = GPUS * GPU_HOUR_USD / 3600 / (RATES[ENGINE_PROMPT_TOKENS_METRIC]
                                             + RATES[ENGINE_GENERATION_TOKENS_METRIC]) * 1e6  # 3.858 USD
 WINDOW_S, STEP_S = 300, 30  # the rules' rate window; the fake clock's step
+SETTLE_S = 20  # the window `sluice usage` integrates the cost over, once the recorded rate is steady
 # The gateway's tokens per second by tenant: together, the engine's prompt and generation rates.
 TENANT_RATES = {"team-a": {"prompt": 200.0, "completion": 40.0}, "team-b": {"prompt": 100.0, "completion": 20.0}}
 COST_PER_S = GPUS * GPU_HOUR_USD / 3600
@@ -363,20 +364,27 @@ def test_tenant_cost_and_sluice_usage_match_the_tokens_sent(loop: Loop) -> None:
     finally:
         print(f"tenant cost USD/s recorded {seen} vs by hand {TENANT_COST_PER_S}")
     assert abs(sum(TENANT_COST_PER_S.values()) - COST_PER_S) < 1e-12  # the tenants add up to the endpoint's cost
-    out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "usage", "--prometheus", loop.url,
-                          "--tenant", "team-a", "--since", "2m", "--step", "1s", "--output", "json"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    usage = json.loads(out.stdout)["endpoints"][f"{NS}/{NAME}"]
-    # The cost integral covers the seconds the rule has had a value in the window (Prometheus started moments
-    # ago): count them the same way, and each is worth team-a's cost per second.
-    steps = query(loop, 'count_over_time((sluice_endpoint:tenant_cost_usd_per_second:rate5m{tenant="team-a"} '
-                        '< +Inf)[2m:1s])')
+    def usage(since: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "-m", "sluice_engine.entrypoints.cli", "usage", "--prometheus",
+                              loop.url, "--tenant", "team-a", "--since", since, "--step", "1s", "--output", "json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["endpoints"][f"{NS}/{NAME}"]
+
+    tokens = usage("2m")  # the counters are stamped every 30 s (SteppedClock): a window of several samples
+    assert abs(tokens["promptTokens"] - 200 * 120) <= 0.05 * 200 * 120
+    assert abs(tokens["completionTokens"] - 40 * 120) <= 0.05 * 40 * 120
+    # The cost is the recorded rate integrated over the window. Its first values, while the rules' 5-minute
+    # windows were filling, were not yet the steady rate: integrate over a window in which it has been steady
+    # (it matched above; SETTLE_S more seconds pass), where each second is worth team-a's cost per second.
+    time.sleep(SETTLE_S + 1)
+    cost = usage(f"{SETTLE_S}s")
+    steps = query(loop, f'count_over_time((sluice_endpoint:tenant_cost_usd_per_second:rate5m{{tenant="team-a"}} '
+                        f'< +Inf)[{SETTLE_S}s:1s])')
     want_cost = float(steps[0]["value"][1]) * TENANT_COST_PER_S["team-a"]
-    print(f"sluice usage team-a over 2m: {usage}; cost by hand {want_cost:.6f}")
-    assert abs(usage["promptTokens"] - 200 * 120) <= 0.05 * 200 * 120
-    assert abs(usage["completionTokens"] - 40 * 120) <= 0.05 * 40 * 120
-    assert usage["costUSD"] is not None and abs(usage["costUSD"] - want_cost) <= 0.05 * want_cost
+    print(f"sluice usage team-a: tokens over 2m {tokens}; cost over {SETTLE_S}s {cost['costUSD']} "
+          f"(by hand {want_cost:.6f})")
+    assert cost["costUSD"] is not None and abs(cost["costUSD"] - want_cost) <= 0.05 * want_cost
 
 
 def test_sigterm_stops_prometheus_and_the_program(loop: Loop) -> None:
