@@ -34,7 +34,7 @@ from .demand import DemandBoard
 from .metrics import GatewayMetrics
 from .prefix import routing_key
 from .priorities import OBJECTIVE_HEADER, set_engine_priority
-from .quota import Refusal, RequestMeter, UsageBoard, reservation
+from .quota import Refusal, RequestMeter, UsageBoard, prompt_estimate, reservation
 from .registry import STANDBY, Backend, Endpoint, Registry
 from .router import Router
 from .tracing import NO_SPAN, GatewayTracer
@@ -289,7 +289,7 @@ class Proxy:
                auth: str | None) -> RequestMeter | Refusal:
         """A request's meter; a tenant's request reserves its worst case under its limits first (quota.py)."""
         tenant = self.keys.tenant(auth)
-        meter = RequestMeter(self.usage, tenant.name if tenant else NO_TENANT, endpoint, -(-size // 4))
+        meter = RequestMeter(self.usage, tenant.name if tenant else NO_TENANT, endpoint, prompt_estimate(size))
         if tenant is not None:
             ticket = self.usage.admit(tenant.name, tenant.scoped_limits(endpoint, model), reservation(body, size))
             if isinstance(ticket, Refusal):

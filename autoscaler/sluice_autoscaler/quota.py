@@ -223,6 +223,11 @@ def parse_snapshot(payload: object, known_tenants: Iterable[str]) -> dict[tuple[
     return out
 
 
+def prompt_estimate(body_bytes: int) -> int:
+    """A prompt's tokens guessed from its request body's size (settled to the engine's count after)."""
+    return math.ceil(body_bytes / BYTES_PER_PROMPT_TOKEN)
+
+
 def reservation(body: dict, body_bytes: int) -> int:
     """Worst-case tokens of a request: its prompt estimated from the body's size, plus what it may generate."""
     n = body.get("n")
@@ -230,7 +235,7 @@ def reservation(body: dict, body_bytes: int) -> int:
     most = body.get("max_completion_tokens", body.get("max_tokens"))
     if not (isinstance(most, int) and not isinstance(most, bool) and most >= 0):
         most = DEFAULT_RESERVED_COMPLETION
-    return math.ceil(body_bytes / BYTES_PER_PROMPT_TOKEN) + most * n
+    return prompt_estimate(body_bytes) + most * n
 
 
 @dataclass(slots=True)

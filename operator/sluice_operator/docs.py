@@ -68,6 +68,22 @@ def _rows(node: dict[str, Any], path: str, required: bool, rows: list[str], rule
         _rows(child, f"{path}.{name}", name in node.get("required", []), rows, rules)
 
 
+def field_table(schema: dict[str, Any], part: str) -> tuple[list[str], list[str]]:
+    """A reference's `## <part>` section (the table of the fields under `part`, spec or status) and the rule
+    rows (| where | message | CEL |) found on the way, the part's own first."""
+    rows: list[str] = []
+    rules: list[str] = []
+    node = schema["properties"][part]
+    for name, child in node["properties"].items():
+        _rows(child, f"{part}.{name}", name in node.get("required", []), rows, rules)
+    rules[:0] = [f"| `{part}` | {_cell(r['message'])} | `{_cell(r['rule'])}` |"
+                 for r in node.get("x-kubernetes-validations", [])]
+    section = [f"## {part}", "", node.get("description", ""), "",
+               "| field | type | required | default | description | constraints |",
+               "|---|---|---|---|---|---|", *rows, ""]
+    return section, rules
+
+
 def reference() -> str:
     schema = crd.open_api_schema()
     out = [
@@ -87,16 +103,8 @@ def reference() -> str:
         "",
     ]
     for part in ("spec", "status"):
-        rows: list[str] = []
-        rules: list[str] = []
-        node = schema["properties"][part]
-        for name, child in node["properties"].items():
-            _rows(child, f"{part}.{name}", name in node.get("required", []), rows, rules)
-        rules[:0] = [f"| `{part}` | {_cell(r['message'])} | `{_cell(r['rule'])}` |"
-                     for r in node.get("x-kubernetes-validations", [])]
-        out += [f"## {part}", "", node.get("description", ""), "",
-                "| field | type | required | default | description | constraints |",
-                "|---|---|---|---|---|---|", *rows, ""]
+        section, rules = field_table(schema, part)
+        out += section
         if part == "spec":
             root_rules = [f"| `metadata.name` | {_cell(r['message'])} | `{_cell(r['rule'])}` |"
                           for r in schema.get("x-kubernetes-validations", [])]

@@ -281,16 +281,8 @@ def reference() -> str:
         "",
     ]
     for part in ("spec", "status"):
-        rows: list[str] = []
-        rules: list[str] = []
-        node = schema["properties"][part]
-        for name, child in node["properties"].items():
-            docs_gen._rows(child, f"{part}.{name}", name in node.get("required", []), rows, rules)
-        rules[:0] = [f"| `{part}` | {docs_gen._cell(r['message'])} | `{docs_gen._cell(r['rule'])}` |"
-                     for r in node.get("x-kubernetes-validations", [])]
-        out += [f"## {part}", "", node.get("description", ""), "",
-                "| field | type | required | default | description | constraints |",
-                "|---|---|---|---|---|---|", *rows, ""]
+        section, rules = docs_gen.field_table(schema, part)
+        out += section
         if part == "spec":
             out += ["## Rules", "", "Checked by the API server (CEL `x-kubernetes-validations`), with these "
                     "messages; the gateway's backends file `models:` checks the same.", "",
