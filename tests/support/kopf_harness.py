@@ -42,7 +42,10 @@ ENDPOINT = {
 
 # -- the emulator and the operator ------------------------------------------------------------------------
 def serve_kinds(kmock: Any) -> Any:
-    """The emulator serving the built-in kinds, the CRDs the operator uses, and the test namespace."""
+    """The emulator serving the built-in kinds, the CRDs the operator uses, and the test namespace. It forgets the
+    requests it answered (kube_emulator.py: kmock routes each request by scanning all those before it, so a test
+    of a minute spent most of its time there); no test asserts on kmock's history of requests."""
+    kmock.record_requests = False
     kmock.resources.load_bundled()  # built-in kinds (namespaces, deployments, ...) as a k3s server lists them
     verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
     for key, kind in ((EP, "InferenceEndpoint"), (SO, "ScaledObject"), (SM, "ServiceMonitor"), (PR, "PrometheusRule"),
