@@ -21,9 +21,20 @@ def token_id(entry: str) -> int:
     return int(entry.split(":", 1)[1])
 
 
+# HF's answers by model directory, computed once per session: test_distributed_serving.py imports the fixture and
+# compares with the same answers (each module computing them cost ~1 min of HF on the CI box).
+_REFERENCES: dict[str, list[dict]] = {}
+
+
 @pytest.fixture(scope="module")
 def reference(hf_model, model_dir):
     """Per prompt: HF's prompt ids, greedy continuation and teacher-forced logprobs over both."""
+    if str(model_dir) not in _REFERENCES:
+        _REFERENCES[str(model_dir)] = _hf_reference(hf_model, model_dir)
+    return _REFERENCES[str(model_dir)]
+
+
+def _hf_reference(hf_model, model_dir) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
