@@ -135,8 +135,10 @@ def test_greedy_output_is_identical_with_speculation(engines):
     concurrent = [c.token_ids for i in range(0, len(encoded), 8) for c in on.generate(encoded[i : i + 8], params)]
     assert on.engine.stats.spec_accepted_tokens > 0, "speculation never kicked in"
     assert concurrent == want
-    batch1 = [on.generate([e], params)[0].token_ids for e in encoded]
-    assert batch1 == want
+    # Batch 1: one prompt of each passage (its "Repeat exactly" variant, where drafts match most), as
+    # test_draft_model.py does; all 32 one at a time were most of this test's time.
+    batch1 = [on.generate([e], params)[0].token_ids for e in encoded[::4]]
+    assert batch1 == want[::4]
     st = on.engine.stats
     assert st.spec_accepted_tokens <= st.spec_draft_tokens
     assert st.spec_drafted_per_pos[0] >= st.spec_drafted_per_pos[-1]
