@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice_engine.core.request import Request, TokenConstraint
+from sluice_engine.sample.cpu_draw import inverse_cdf_torch
 
 # (logprob of the chosen token, [(token_id, logprob) for the top-k])
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -69,6 +70,20 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
         probs = self._probs(logits, requests, greedy)
+        if dev.type == "cpu":
+            # On CPU the engine draws by the inverse CDF, one float64 uniform per row (sample/cpu_draw.py); its
+            # torch definition is the oracle here. Unseeded rows share the sampler's generator in row order.
+            u = torch.empty(len(requests), dtype=torch.float64)
+            unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+            if unseeded:
+                u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, generator=self.generator)[:, 0]
+            for i, r in enumerate(requests):
+                if r.generator is not None:
+                    u[i] = torch.rand(1, 1, dtype=torch.float64, generator=r.generator)[0, 0]
+            sampled = inverse_cdf_torch(probs, u)
+            if any(greedy):
+                sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+            return sampled
         # Exponential race (argmax p/q with q ~ Exp(1)) samples from p without a host sync; a seeded
         # request draws its noise from its own generator so its tokens do not depend on the batch.
         noise = torch.empty_like(probs)

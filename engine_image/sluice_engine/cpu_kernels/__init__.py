@@ -1,7 +1,7 @@
 """The engine's C++ kernels for CPU (paged attention for short queries, fp32 GEMM for linear layers, GEMM over GGUF
-block-quantized weights, the decoder's norms/rotary/activation, LoRA's low-rank delta), built with the system's
-C++ compiler into one shared object per instruction-set level and loaded with ctypes (which releases the GIL
-during a call).
+block-quantized weights, the decoder's norms/rotary/activation, LoRA's low-rank delta, the sampler's draw), built
+with the system's C++ compiler into one shared object per instruction-set level and loaded with ctypes (which
+releases the GIL during a call).
 
 Levels (ISAS, best first): avx512-vnni, avx512, avx2 (with FMA and F16C), portable (the compiler's baseline for
 this architecture: SSE2 on x86-64, NEON on AArch64). Each is built with explicit -m flags, never -march=native,
@@ -36,7 +36,7 @@ log = logging.getLogger("sluice.engine")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "gemm.cpp", "quant_gemm.cpp",
                                                               "layer_ops.cpp", "ggml_attention.cpp", "lora.cpp",
-                                                              "ggml_decoder.cpp")]
+                                                              "ggml_decoder.cpp", "sampling.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("ggml_expf.h", "libm_expf.h")]  # included by the sources: part of the build's cache key
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 2  # of paged_attention.cpp's entry points
@@ -250,6 +250,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     _bind_ggml_attention(lib)
     lib.sluice_lora_f32.argtypes = [p, i64, i32, p, i32, i32, p, p, p, p, p, i32, p, i64, i32]
     lib.sluice_lora_f32.restype = None
+    lib.sluice_sample_inverse_cdf_f32.argtypes = [p, i64, i32, i32, p, p, i32]
+    lib.sluice_sample_inverse_cdf_f32.restype = None
     return lib
 
 

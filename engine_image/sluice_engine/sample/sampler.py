@@ -19,6 +19,7 @@ import torch
 
 from ..core.request import Request, TokenConstraint
 from ..device_io import fetch
+from .cpu_draw import inverse_cdf
 from .logprobs import DeviceLogprobs, TokenLogprobs, gather_logprobs
 from .penalties import apply_logit_bias, apply_penalties
 from .sampling_batch import SamplingBatch
@@ -121,7 +122,10 @@ class Sampler:
         if batch.all_greedy:
             return argmax, (argmax == draft if batch.any_drafts else None)  # a bonus row's draft, -1, never matches
         probs = sampling_probs(logits, batch)
-        noise, uniform = self._noise(batch)
+        if probs.device.type == "cpu":  # one uniform per row, not a vocabulary of noise (cpu_draw.py)
+            draw_u, uniform = self._uniforms(batch)
+        else:
+            noise, uniform = self._noise(batch)
         accepted = None
         if batch.any_drafts:
             # A draft outside the vocabulary (a draft model's, say) has probability 0.
@@ -133,8 +137,11 @@ class Sampler:
             # The residual, p without the draft (renormalising is not needed for the race below); other
             # rows write back the value that was there.
             probs = probs.scatter(1, safe, torch.where(valid, 0.0, p_draft)[:, None])
-        # Exponential race: argmax p / q with q ~ Exp(1) is a draw from p, with no host sync.
-        tokens = (probs / noise).argmax(dim=-1)
+        if probs.device.type == "cpu":
+            tokens = inverse_cdf(probs, draw_u)
+        else:
+            # Exponential race: argmax p / q with q ~ Exp(1) is a draw from p, with no host sync.
+            tokens = (probs / noise).argmax(dim=-1)
         if argmax is not None:
             greedy = batch.t["greedy"]
             tokens = torch.where(greedy, argmax, tokens)
@@ -162,8 +169,28 @@ class Sampler:
             apply_penalties(logits, batch.t)
         return logits
 
+    def _uniforms(self, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """CPU: per row, the uniform of its draw (float64) and (with drafts) the one of its acceptance test.
+
+        As in _noise, a seeded request's rows draw from its own generator and the other rows share the sampler's,
+        drawn in one call in row order: so a seeded request's tokens do not depend on the batch."""
+        rows, per_row = batch.num_rows, 2 if batch.any_drafts else 1
+        u = torch.empty(rows, per_row, dtype=torch.float64)
+        unseeded = len(batch.unseeded_rows)
+        if unseeded:
+            shared = torch.rand(unseeded, per_row, dtype=torch.float64, generator=self.generator)
+            if unseeded == rows:
+                u = shared
+            else:
+                u.index_copy_(0, batch.t["unseeded_rows"], shared)
+        for r, first, d in zip(batch.requests, batch.firsts, batch.drafts, strict=True):
+            if r.generator is not None:
+                u[first : first + len(d) + 1] = torch.rand(len(d) + 1, per_row, dtype=torch.float64,
+                                                            generator=r.generator)
+        return u[:, 0], (u[:, 1].float() if batch.any_drafts else None)
+
     def _noise(self, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Exp(1) noise per row and vocabulary entry, and (with drafts) one uniform per row.
+        """GPU: Exp(1) noise per row and vocabulary entry, and (with drafts) one uniform per row.
 
         A seeded request draws its rows' noise from its own generator, so its tokens do not depend on
         what else is batched; the other rows share the sampler's generator, drawn in one call in row
