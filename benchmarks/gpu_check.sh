@@ -269,7 +269,8 @@ elif needs_env serve; then
     if ! wait_model; then skip serve "no random model: $MODEL_STATE"
     else
         step serve 150 "$PY" benchmarks/serve_backends.py --preset "$PRESET" --device "$DEVICE" --model-dir "$MODEL_DIR" \
-            --kv-cache-memory "$( ((DRY)) && echo 64M || echo 2G)" --log-dir "$OUT" --json "$OUT/serve.json"
+            --kv-cache-memory "$( ((DRY)) && echo 64M || echo 2G)" --log-dir "$OUT" --json "$OUT/serve.json" \
+            $( ((DRY)) && echo --prompts 2 --max-tokens 8)  # the interpreter: ~10 s a decode step (CI's time)
     fi
 fi
 # -- async: async scheduling vs steps one at a time -------------------------------------------------------------
