@@ -7,11 +7,11 @@ rest (Python: scheduler, batch building, the model's own glue).
     .venv/bin/python benchmarks/cpu_step_profile.py --quantization none   # fp32
     SLUICE_CPU_FUSED_DECODER=off .venv/bin/python benchmarks/cpu_step_profile.py  # GEMM/attention/layer ops apart
 
-B requests of --prompt-len random token ids (seed 0), greedy, ignore_eos. The prefill steps run first, unprofiled
-but timed; then --steps decode steps (every sequence one token) run under cProfile, and each bucket is the
-cumulative time of the Python entry points of its kernels (their ctypes calls release the GIL but run on this
-thread): cProfile's own overhead falls on the Python share, so that share is an upper bound. Also printed: the
-median wall time of the same number of decode steps run without the profiler.
+B requests of --prompt-len random token ids (seed 0), greedy (--temperature to sample), ignore_eos. The prefill steps
+run first, unprofiled but timed; then --steps decode steps (every sequence one token) run under cProfile, and each
+bucket is the cumulative time of the Python entry points of its kernels (their ctypes calls release the GIL but run
+on this thread): cProfile's own overhead falls on the Python share, so that share is an upper bound. Also printed:
+the median wall time of the same number of decode steps run without the profiler.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="of every request (0: greedy; vllm bench serve's requests get the server's default, 1)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from sluice_engine import cpu_kernels
@@ -56,9 +58,10 @@ def main() -> None:
     llm = LLM(device="cpu", quantization=a.quantization)
     eng = llm.engine
     print(f"CPU {cpu_kernels.cpu_name()}, {a.threads} threads, kernel level {cpu_kernels.selected_isa()}, "
-          f"quantization {eng.runner.quantization}, attention {eng.runner.backend.name}, B={a.batch}")
+          f"quantization {eng.runner.quantization}, attention {eng.runner.backend.name}, B={a.batch}, "
+          f"temperature {a.temperature:g}")
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=3 * a.steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3 * a.steps + 8, temperature=a.temperature, ignore_eos=True)
 
     def add_batch(tag: str) -> None:
         for i in range(a.batch):
