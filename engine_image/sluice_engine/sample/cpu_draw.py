@@ -5,8 +5,8 @@ Why: the race needs a vocabulary's worth of Exp(1) noise per row, and torch draw
 its Mersenne Twister, a log per value: ~30-40 ms for 32 rows of 49,152 (AMD EPYC, AVX2), as long as the rest of
 a batch-32 decode step of the bundled model. Every request with a temperature above 0 paid it (`vllm bench serve`
 sends none, so the server's default of 1 applies; issue 44's profile, docs/BENCHMARKS.md). The inverse CDF needs
-one uniform per row and one pass over the probabilities in float64: ~1 ms with the C++ kernel
-(cpu_kernels/sampling.cpp). On CUDA, noise is cheap and the race needs no scan: the GPU keeps it.
+one uniform per row and one pass over the probabilities in float64 (cpu_kernels/sampling.cpp): 8-16 ms against
+the race's 65-72 ms side by side on the same, loaded machine (docs/BENCHMARKS.md). On CUDA, noise is cheap and the race needs no scan: the GPU keeps it.
 
 The distribution is the same (p over its row's sum; rows need not be normalised: min-p and a rejected draft's
 residual are not); the tokens of a seeded request differ from the race's, and are again the same alone or in any

@@ -122,7 +122,8 @@ class Sampler:
         if batch.all_greedy:
             return argmax, (argmax == draft if batch.any_drafts else None)  # a bonus row's draft, -1, never matches
         probs = sampling_probs(logits, batch)
-        if probs.device.type == "cpu":  # one uniform per row, not a vocabulary of noise (cpu_draw.py)
+        on_cpu = probs.device.type == "cpu"
+        if on_cpu:  # one uniform per row, not a vocabulary of noise (cpu_draw.py)
             draw_u, uniform = self._uniforms(batch)
         else:
             noise, uniform = self._noise(batch)
@@ -134,10 +135,10 @@ class Sampler:
             p_draft = probs.gather(1, safe)[:, 0]
             # Rows that verify nothing may hold any value in `uniform`: only valid rows can accept.
             accepted = valid & (uniform < p_draft)
-            # The residual, p without the draft (renormalising is not needed for the race below); other
+            # The residual, p without the draft (renormalising is not needed for the draw below); other
             # rows write back the value that was there.
             probs = probs.scatter(1, safe, torch.where(valid, 0.0, p_draft)[:, None])
-        if probs.device.type == "cpu":
+        if on_cpu:
             tokens = inverse_cdf(probs, draw_u)
         else:
             # Exponential race: argmax p / q with q ~ Exp(1) is a draw from p, with no host sync.
