@@ -47,8 +47,12 @@ start() {  # name, argv...: in its own session, logging to $STATE/logs/<name>.lo
     echo $! >"$STATE/pids/$name"
 }
 
+# The limits below are what each wait takes on an idle machine, times PATIENCE: on a loaded 2-core CI machine
+# the apiserver's CRD establishing controller once took over 30 s to mark LWS's CRDs Established, and a wait
+# that gives up early fails a whole test module, while a generous one costs time only when something is broken.
+PATIENCE=${SLUICE_DEV_CLUSTER_PATIENCE:-4}
 wait_for() {  # what, seconds, command...: polls every 0.2 s; on timeout names the log to read
-    local what=$1 limit=$2 deadline; shift 2
+    local what=$1 limit=$(($2 * PATIENCE)) deadline; shift 2
     deadline=$((SECONDS + limit))
     until "$@" >/dev/null 2>&1; do
         ((SECONDS < deadline)) || die "timed out after ${limit}s waiting for $what (logs: $STATE/logs)"
