@@ -7,12 +7,18 @@ import pytest
 from dev_cluster import cluster  # noqa: F401  (the session's real control plane, for the cluster tests)
 from helm import helm  # noqa: F401  (helm with its own homes, for the chart tests and those that install it)
 from servers import SERVED_NAME, ServerProcess
+from time_report import TimeReport
 
 # Tests live by component (engine/, operator/, gateway/, faults/); what they share is in support/, on the import
 # path through pytest's `pythonpath` (pyproject.toml): `from servers import ServerProcess`, `import kube_emulator`.
 
 # httpx and the model cache's packages are imported where used, so that modules needing neither (the Triton kernel
 # tests run by benchmarks/gpu_check.sh on a bare GPU machine) collect with torch, triton and pytest alone.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Which test files CI's time goes to, and how busy the machine was meanwhile (printed at the end).
+    config.pluginmanager.register(TimeReport(), "sluice-time-report")
 
 
 @pytest.fixture(scope="session")
