@@ -4,10 +4,15 @@
 #   bash benchmarks/gpu_wheels.sh                 # once, on a machine with pip: .whl/ (what the GPU image lacks)
 #   bash benchmarks/gpu_check.sh                  # on the GPU machine, from anywhere; output in $OUT
 #   bash benchmarks/gpu_check.sh --cpu-dry-run    # no GPU: tiny model, Triton's interpreter, the same control flow
+#   bash benchmarks/gpu_check.sh --part features  # the second part (issue 43): the serving features, ~5 minutes
 #
-# Options: --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...] (leave steps out;
-# a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 540, or
-# GPU_CHECK_BUDGET). Environment: OUT (default bench-results/gpu), PYTHON (default the `python` on PATH),
+# Two parts, each within one budget (a lent GPU's 15 minutes hold both, with the machine's start): `main` (the
+# default: the steps below up to triton-tests) and `features` (env, then lora and offload: what was built since
+# the first GPU run, each through its own benchmark on the random model).
+#
+# Options: --part main|features, --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...]
+# (leave steps out; a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 540,
+# or GPU_CHECK_BUDGET). Environment: OUT (default bench-results/gpu), PYTHON (default the `python` on PATH),
 # WHEELS (default .whl), GPU_CHECK_TESTS (the test modules of the last step), CC (the C compiler env checks).
 #
 # Steps, by value, each under its own `timeout` shrunk to what is left of the budget; a failing step does not
@@ -26,6 +31,11 @@
 #   quant-gemm     benchmarks/quant_gpu.py: FP8 and AWQ GEMMs at M 1 and 16
 #   triton-tests   the Triton/CUDA test modules, `pytest -n 8` when pytest-xdist is there, no --maxfail; tests
 #                  needing the bundled model skip (SLUICE_OFFLINE=1)
+# and in the features part:
+#   lora           benchmarks/lora_serving.py: 32 requests x 64 tokens on the base model (LoRA off and on) and
+#                  spread over 1, 4 and 16 rank-16 adapters (random, every projection), and 16 adapters on 4 slots
+#   offload        benchmarks/kv_offload.py: a rotation of 8 prefixes of 4,000 tokens through a KV pool that holds
+#                  3: TTFT with the host offload tier against recomputing, the same first tokens
 # The random model (benchmarks/random_model.py, ~16 GB) is written in the background while env finishes, under
 # /dev/shm when it has room (else /tmp), and removed at the end. Every step is core: a SKIP fails the run unless
 # --allow-skips. $OUT gets each step's log, steps.tsv, and summary.json (step, status, seconds, figures, reason);
@@ -34,14 +44,16 @@ set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
-DRY=0 ALLOW_SKIPS=0 SKIP_STEPS="" BUDGET=${GPU_CHECK_BUDGET:-540}
+DRY=0 ALLOW_SKIPS=0 SKIP_STEPS="" BUDGET=${GPU_CHECK_BUDGET:-540} PART=main
 while (($#)); do
     case "$1" in
         --cpu-dry-run) DRY=1 ;;
         --allow-skips) ALLOW_SKIPS=1 ;;
         --skip) SKIP_STEPS=",${2:?--skip needs a list of steps},"; shift ;;
         --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
-        -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --part) PART=${2:?--part needs main or features}; shift
+                [[ "$PART" == main || "$PART" == features ]] || { echo "gpu_check.sh: --part main or features" >&2; exit 2; } ;;
+        -h|--help) sed -n '2,42p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -223,7 +235,10 @@ ENV_OK=$([[ "$(tail -1 "$OUT/steps.tsv" | cut -f2)" == PASS ]] && echo 1 || echo
 [[ -d "$TMP/site" ]] && grep -q 'on PYTHONPATH' "$OUT/env.log" && export PYTHONPATH="$TMP/site:$PYTHONPATH"
 
 # The random model, in the background (it needs the GPU for a few seconds only).
-if ((ENV_OK)) && ! { skipped_by_user decode-step && skipped_by_user serve; }; then
+if [[ "$PART" == main ]]; then MODEL_STEPS=(decode-step serve async); else MODEL_STEPS=(lora offload); fi
+needs_model=0
+for s in "${MODEL_STEPS[@]}"; do skipped_by_user "$s" || needs_model=1; done
+if ((ENV_OK && needs_model)); then
     "$PY" benchmarks/random_model.py "$MODEL_DIR" --preset "$PRESET" --device "$( ((DRY)) && echo cpu || echo auto)" \
         > "$OUT/random_model.log" 2>&1 &
     GEN_PID=$!
@@ -251,7 +266,8 @@ wait_model() {
 needs_env() { ((ENV_OK)) || { skip "$1" "env failed: $(grep -m1 '^env' "$OUT/steps.tsv" | cut -f4)"; return 1; }; }
 
 # -- decode-step: eager vs CUDA graphs --------------------------------------------------------------------
-if skipped_by_user decode-step; then skip decode-step "--skip"
+if [[ "$PART" != main ]]; then :
+elif skipped_by_user decode-step; then skip decode-step "--skip"
 elif needs_env decode-step; then
     if ! wait_model; then skip decode-step "no random model: $MODEL_STATE"
     elif ((DRY)); then
@@ -264,7 +280,8 @@ elif needs_env decode-step; then
 fi
 
 # -- serve: sluice serve, triton vs torch attention --------------------------------------------------------
-if skipped_by_user serve; then skip serve "--skip"
+if [[ "$PART" != main ]]; then :
+elif skipped_by_user serve; then skip serve "--skip"
 elif needs_env serve; then
     if ! wait_model; then skip serve "no random model: $MODEL_STATE"
     else
@@ -274,7 +291,8 @@ elif needs_env serve; then
     fi
 fi
 # -- async: async scheduling vs steps one at a time -------------------------------------------------------------
-if skipped_by_user async; then skip async "--skip"
+if [[ "$PART" != main ]]; then :
+elif skipped_by_user async; then skip async "--skip"
 elif needs_env async; then
     if ! wait_model; then skip async "no random model: $MODEL_STATE"
     elif ((DRY)); then
@@ -285,24 +303,53 @@ elif needs_env async; then
             --kv-cache-memory 2G --json "$OUT/async.json"
     fi
 fi
+# -- lora: base vs 1, 4 and 16 adapters (features) ------------------------------------------------------------
+if [[ "$PART" != features ]]; then :
+elif skipped_by_user lora; then skip lora "--skip"
+elif needs_env lora; then
+    if ! wait_model; then skip lora "no random model: $MODEL_STATE"
+    elif ((DRY)); then
+        step lora 120 "$PY" benchmarks/lora_serving.py --model "$MODEL_DIR" --token-ids --device cpu --requests 4 \
+            --max-tokens 4 --reps 1 --rank 8 --kv-cache-memory 4M --json "$OUT/lora.json"
+    else  # three 8B engines at once: 48 GB of weights and 2 GB of KV each
+        step lora 180 "$PY" benchmarks/lora_serving.py --model "$MODEL_DIR" --token-ids --requests 32 \
+            --max-tokens 64 --reps 2 --kv-cache-memory 2G --json "$OUT/lora.json"
+    fi
+fi
+# -- offload: a rotation of long prefixes, the host tier vs recomputing (features) -----------------------------
+if [[ "$PART" != features ]]; then :
+elif skipped_by_user offload; then skip offload "--skip"
+elif needs_env offload; then
+    if ! wait_model; then skip offload "no random model: $MODEL_STATE"
+    elif ((DRY)); then
+        step offload 60 "$PY" benchmarks/kv_offload.py --model "$MODEL_DIR" --token-ids --device cpu --prefixes 6 \
+            --prefix-tokens 128 --rounds 2 --kv-cache-memory 512KiB --kv-offload-bytes 8MiB --json "$OUT/kv_offload.json"
+    else  # 8B: 128 KiB of bf16 KV a token, a prefix ~0.5 GB; the pool holds 3, the tier all 8
+        step offload 120 "$PY" benchmarks/kv_offload.py --model "$MODEL_DIR" --token-ids --prefixes 8 \
+            --prefix-tokens 4000 --rounds 3 --kv-cache-memory 1600MiB --kv-offload-bytes 6GiB --json "$OUT/kv_offload.json"
+    fi
+fi
 # the model is not needed past here: free the tmpfs
 [[ -n "$GEN_PID" ]] && kill "$GEN_PID" 2>/dev/null
 GEN_PID=""
 rm -rf "$MODEL_DIR"
 
 # -- kernels -------------------------------------------------------------------------------------------------
-if needs_env attention; then
+if [[ "$PART" != main ]]; then :
+elif needs_env attention; then
     if ((DRY)); then step attention 60 "$PY" benchmarks/attention_kernels.py --cpu-smoke
     else step attention 70 "$PY" benchmarks/attention_kernels.py --decode-batches 1 16 64 \
             --decode-contexts 4096 16384 32768 --json "$OUT/attention.json"
     fi
 fi
-if needs_env fused; then
+if [[ "$PART" != main ]]; then :
+elif needs_env fused; then
     if ((DRY)); then step fused 60 "$PY" benchmarks/fused_kernels.py --cpu-smoke
     else step fused 45 "$PY" benchmarks/fused_kernels.py --batches 1 16 64 --json "$OUT/fused.json"
     fi
 fi
-if needs_env quant-gemm; then
+if [[ "$PART" != main ]]; then :
+elif needs_env quant-gemm; then
     if ((DRY)); then step quant-gemm 60 "$PY" benchmarks/quant_gpu.py --cpu-smoke --ms 1 16
     else step quant-gemm 45 "$PY" benchmarks/quant_gpu.py --ms 1 16 --json "$OUT/quant_gpu.json"
     fi
@@ -317,7 +364,7 @@ else
 tests/engine/test_quant_triton.py tests/engine/test_cuda_graphs.py tests/engine/test_fp8_kv_cache.py tests/engine/test_sampler_syncs.py \
 tests/engine/test_layer_ops_model.py tests/engine/test_quant_model.py tests/engine/test_input_buffers.py tests/engine/test_lora_kernels.py}"
 fi
-if needs_env triton-tests; then
+if [[ "$PART" == main ]] && needs_env triton-tests; then
     PYTEST_ARGS=(-v -p no:cacheprovider --continue-on-collection-errors -rfEs -o addopts="" --durations=10
                  --junitxml "$OUT/triton-tests.xml")
     # xdist spreads the cold Triton compiles over 8 processes (~150 of them: serial, they alone took minutes)
@@ -327,8 +374,8 @@ fi
 
 # -- summary ---------------------------------------------------------------------------------------------------
 echo
-echo "=== GPU check summary ($( ((DRY)) && echo cpu-dry-run || echo gpu), $((SECONDS - START))s of ${BUDGET}s; logs in $OUT)"
-if ! "$PY" benchmarks/gpu_check_summary.py "$OUT" "$( ((DRY)) && echo cpu-dry-run || echo gpu)" "$ALLOW_SKIPS" \
+echo "=== GPU check summary ($( ((DRY)) && echo cpu-dry-run || echo gpu), part $PART, $((SECONDS - START))s of ${BUDGET}s; logs in $OUT)"
+if ! "$PY" benchmarks/gpu_check_summary.py "$OUT" "$( ((DRY)) && echo cpu-dry-run || echo gpu)" "$ALLOW_SKIPS" "$PART" \
         2>"$TMP/summary.err"; then
     # no usable Python: the table from the records, and a summary.json without figures
     cat "$TMP/summary.err"

@@ -1,12 +1,13 @@
 """The end of benchmarks/gpu_check.sh: its steps (steps.tsv) and the figures of each step's JSON, as a table on
 stdout and $OUT/summary.json. Standard library only (it runs wherever the check's Python runs).
 
-    python benchmarks/gpu_check_summary.py OUT MODE ALLOW_SKIPS
+    python benchmarks/gpu_check_summary.py OUT MODE ALLOW_SKIPS [PART]
 
-summary.json: {"mode", "allow_skips", "passed", "steps": [{"step", "status", "seconds", "reason", "figures"}],
+summary.json: {"mode", "part", "allow_skips", "passed", "steps": [{"step", "status", "seconds", "reason", "figures"}],
 "figures": {...}} where figures are the headline numbers docs/BENCHMARKS.md quotes: decode ms/step eager vs
 graphs per batch against the weight-read floor, attention GB/s as a share of HBM, serve tok/s per backend,
-the quantized GEMMs' weight bandwidth, the tests' counts.
+the quantized GEMMs' weight bandwidth, the tests' counts; in the features part, LoRA tok/s against the base model
+and the offload tier's TTFT gain.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def test_counts(xml_path: Path) -> dict | None:
 
 FIGURES = {"decode-step": ("decode_step.json", decode_figures), "serve": ("serve.json", lambda d: d),
            "attention": ("attention.json", attention_figures), "fused": ("fused.json", fused_figures),
-           "quant-gemm": ("quant_gpu.json", quant_figures), "async": ("async.json", lambda d: d)}
+           "quant-gemm": ("quant_gpu.json", quant_figures), "async": ("async.json", lambda d: d),
+           "lora": ("lora.json", lambda d: d), "offload": ("kv_offload.json", lambda d: d)}
 
 
 def headline(figures: dict) -> list[str]:
@@ -96,6 +98,15 @@ def headline(figures: dict) -> list[str]:
         lines.append(f"async scheduling b{b}: {sy['ms_per_step']:.2f} -> {asy['ms_per_step']:.2f} ms/step, host work on the "
                      f"critical path {sy['critical_ms']:.2f} -> {asy['critical_ms']:.2f} ms "
                      f"(tokens {'agree' if v['same_greedy'] else 'DIFFER'})")
+    for r in (figures.get("lora") or {}).get("rows", []):
+        lines.append(f"lora: {r['requests_on']} ({r['engine']}, {r['path']}): {r['tok_per_s']:.0f} tok/s, "
+                     f"{r['vs_base']:.2f}x base")
+    off = figures.get("offload")
+    if off:
+        rows = off["rows"]
+        lines.append(f"offload: TTFT p50 {rows['recompute']['ttft_p50_ms']:.1f} ms recomputed, "
+                     f"{rows['offload tier']['ttft_p50_ms']:.1f} ms from the tier ({off['speedup']:.2f}x; first "
+                     f"tokens {'agree' if off['same_tokens'] else 'DIFFER'})")
     tests = figures.get("triton-tests")
     if tests:
         lines.append(f"tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
@@ -105,6 +116,7 @@ def headline(figures: dict) -> list[str]:
 
 def main(argv: list[str]) -> int:
     out, mode, allow_skips = Path(argv[1]), argv[2], argv[3] == "1"
+    part = argv[4] if len(argv) > 4 else "main"
     steps = []
     for line in (out / "steps.tsv").read_text().splitlines():
         name, status, secs, reason = (line.split("\t") + [""] * 4)[:4]
@@ -121,7 +133,7 @@ def main(argv: list[str]) -> int:
             if counts is not None:
                 figures[s["step"]] = s["figures"] = counts
     passed = all(s["status"] == "PASS" or (s["status"] == "SKIP" and allow_skips) for s in steps)
-    (out / "summary.json").write_text(json.dumps({"mode": mode, "allow_skips": allow_skips, "passed": passed,
+    (out / "summary.json").write_text(json.dumps({"mode": mode, "part": part, "allow_skips": allow_skips, "passed": passed,
                                                   "steps": steps, "figures": figures}, indent=1))
     print(f"{'step':<14} {'status':<8} {'secs':>6}  reason")
     for s in steps:

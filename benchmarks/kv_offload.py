@@ -6,6 +6,12 @@ token (the engine idle otherwise), so it is the prompt's prefill: recomputed, or
 
     .venv/bin/python benchmarks/kv_offload.py                        # the bundled model on CPU, its default path
     .venv/bin/python benchmarks/kv_offload.py --prefix-tokens 2000 --prefixes 8 --rounds 4
+    python benchmarks/kv_offload.py --model /dev/shm/llama8b --token-ids --prefix-tokens 4000 \
+        --kv-cache-memory 1600MiB --kv-offload-bytes 6GiB      # a GPU, a random model (benchmarks/gpu_check.sh)
+
+--token-ids: prompts of random token ids instead of words, for a model whose tokenizer knows no words (the
+random models of benchmarks/random_model.py would read every word as the one unknown token, so every prefix
+would be the same prefix, served from the cache).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +36,12 @@ def prefix(i: int, tokens: int) -> str:
     return f"System prompt {i}. " + " ".join(f"{WORDS[(i * 7 + j) % len(WORDS)]}{j % 13}" for j in range(tokens // 2))
 
 
+def prefix_ids(i: int, tokens: int, vocab: int) -> list[int]:
+    """A distinct prefix of exactly `tokens` random token ids (seeded by i), avoiding the special ids 0-2."""
+    g = random.Random(i)
+    return [g.randrange(3, vocab) for _ in range(tokens)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -37,20 +50,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="rotations over the prefixes; the first is not counted")
     p.add_argument("--kv-cache-memory", default="48MiB", help="the device pool: a few prefixes' worth")
     p.add_argument("--kv-offload-bytes", default="1GiB")
+    p.add_argument("--token-ids", action="store_true", help="prompts of random token ids (a random model)")
+    p.add_argument("--device", default="auto")
     p.add_argument("--json")
     a = p.parse_args()
     from sluice_engine.config import parse_size
 
-    common = dict(kv_cache_memory=parse_size(a.kv_cache_memory), max_model_len=a.prefix_tokens + 256)
+    common = dict(kv_cache_memory=parse_size(a.kv_cache_memory), max_model_len=a.prefix_tokens + 256,
+                  device=a.device)
     engines = {"offload tier": LLM(a.model, kv_offload_bytes=parse_size(a.kv_offload_bytes), **common),
                "recompute": LLM(a.model, **common)}
     params = SamplingParams(max_tokens=1, temperature=0)
-    prefixes = [prefix(i, a.prefix_tokens) for i in range(a.prefixes)]
+    vocab = engines["recompute"].engine.runner.model_config.vocab_size
     ttft: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, list[list[int]]] = {name: [] for name in engines}
     for r in range(a.rounds):
-        for i, pre in enumerate(prefixes):
-            prompt = f"{pre}\nUser {r}-{i}: summarise the above in one word."
+        for i in range(a.prefixes):
+            if a.token_ids:  # the prefix, then a question of its own (16 ids)
+                prompt = prefix_ids(i, a.prefix_tokens, vocab) + prefix_ids(10**6 + 100 * r + i, 16, vocab)
+            else:
+                prompt = f"{prefix(i, a.prefix_tokens)}\nUser {r}-{i}: summarise the above in one word."
             for name, llm in engines.items():
                 t = time.perf_counter()
                 out = llm.generate([prompt], params)[0]

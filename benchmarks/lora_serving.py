@@ -5,6 +5,11 @@ slots: the swapping cost). Every engine is loaded once and run alternately, `--r
 
     .venv/bin/python benchmarks/lora_serving.py                 # the bundled model (fp32 HF weights) on CPU
     .venv/bin/python benchmarks/lora_serving.py --model /tmp/llama8b --requests 64 --max-tokens 64   # a GPU
+    python benchmarks/lora_serving.py --model /dev/shm/llama8b --token-ids --requests 32 --max-tokens 64 \
+        --kv-cache-memory 2G --reps 2        # a GPU, a random model (benchmarks/gpu_check.sh --part features)
+
+On a GPU the CPU paths' variants (the torch path, its product per run) are left out. --token-ids: prompts of
+random token ids, for a model whose tokenizer knows no words (benchmarks/random_model.py's).
 
 The base-only figure is measured on the engine with LoRA on (slots allocated, no request on an adapter) and on
 one without it, so the cost of the LoRA layers themselves shows too.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -59,14 +65,20 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kv-cache-memory", default=None, help="per engine (three are loaded at once), e.g. 2G")
+    p.add_argument("--token-ids", action="store_true", help="prompts of random token ids (a random model)")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args()
+    from sluice_engine.config import parse_size
+
     model = str(a.model or resolve_model(None))
     mc = ModelConfig.from_dir(Path(model))
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     names = [f"a{i}" for i in range(16)]
     mods = [f"{n}={write_adapter(tmp / n, mc, a.rank, i)}" for i, n in enumerate(names)]
-    kw = dict(max_num_seqs=a.requests, max_model_len=512)
+    kw = dict(max_num_seqs=a.requests, max_model_len=512, device=a.device,
+              kv_cache_memory=parse_size(a.kv_cache_memory) if a.kv_cache_memory else None)
     engines = {
         "no LoRA": LLM(model, **kw),
         "LoRA on, 16 slots": LLM(model, enable_lora=True, lora_modules=mods, max_loras=16, max_lora_rank=a.rank, **kw),
@@ -79,11 +91,18 @@ def main() -> None:
              ("1 adapter", "LoRA on, 16 slots", 1, ""), ("4 adapters", "LoRA on, 16 slots", 4, ""),
              ("4 adapters", "LoRA on, 16 slots", 4, "torch"), ("4 adapters", "LoRA on, 16 slots", 4, "per run"),
              ("16 adapters", "LoRA on, 16 slots", 16, ""), ("16 adapters", "LoRA on, 4 slots", 16, "")]
+    on_cpu = engines["no LoRA"].engine.runner.device.type == "cpu"
+    if not on_cpu:
+        cases = [c for c in cases if not c[3]]
     from sluice_engine.worker import model_runner
 
     grouped_above = model_runner.MAX_LORA_RUNS_UNGROUPED
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
-    prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(a.requests)]
+    if a.token_ids:  # 8-24 random ids each, seeded (ids 0-2 are the random models' special tokens)
+        g = random.Random(0)
+        prompts = [[g.randrange(3, mc.vocab_size) for _ in range(8 + i % 17)] for i in range(a.requests)]
+    else:
+        prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(a.requests)]
     times: dict[int, list[float]] = {i: [] for i in range(len(cases))}
     loads0 = {}
     for rep in range(a.reps + 1):  # the first round warms every engine up and is not counted
@@ -103,7 +122,7 @@ def main() -> None:
     print(f"# {cpu_name()}, {os.cpu_count()} cores; {model}; {a.requests} requests at once x {a.max_tokens} tokens, "
           f"rank {a.rank}, median of {a.reps}")
     print(f"{'requests on':<14} {'engine':<20} {'CPU path':<9} {'tok/s':>8} {'vs base':>8}")
-    base = a.requests * a.max_tokens / statistics.median(times[1])
+    base = a.requests * a.max_tokens / statistics.median(times[1])  # base only, LoRA on (case 1 on every device)
     rows = []
     for i, (what, engine, _, path) in enumerate(cases):
         tps = a.requests * a.max_tokens / statistics.median(times[i])
