@@ -126,12 +126,51 @@ def run_client(a, url: str, model: str, input_len: int, stream: bool, out_dir: P
     return result
 
 
+# -- Sluice's step composition, from its /metrics ---------------------------------------------------------
+ENGINE_SERIES = {  # name in the row: (metric family, sample name, label filter)
+    "steps": ("sluice_iteration_tokens", "sluice_iteration_tokens_count", {}),
+    "tokens_computed": ("sluice_iteration_tokens", "sluice_iteration_tokens_sum", {}),
+    "busy_prefill_s": ("sluice_engine_busy_seconds", "sluice_engine_busy_seconds_total", {"phase": "prefill"}),
+    "busy_decode_s": ("sluice_engine_busy_seconds", "sluice_engine_busy_seconds_total", {"phase": "decode"}),
+    "prefix_hit_tokens": ("sluice_prefix_cache_hits", "sluice_prefix_cache_hits_total", {}),
+    "preemptions": ("sluice_num_preemptions", "sluice_num_preemptions_total", {}),
+}
+
+
+def engine_counters(server: Server) -> dict[str, float] | None:
+    """Sluice's engine counters now (None for a server without them: vLLM's are named otherwise). Their difference
+    over a run says how the engine composed its steps: how many, how many tokens each computed on average, and its
+    busy time (split between prefill and decode by tokens computed); two runs of the same tokens that differ in speed differ here
+    if the cause is in the step composition (e.g. arrivals spread over more, smaller steps), not the per-step cost."""
+    if not server.name.startswith("sluice"):
+        return None
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+    out = {}
+    for key, (_, sample, labels) in ENGINE_SERIES.items():
+        out[key] = sum(v for n, lab, v in samples if n == sample and all(lab.get(k) == x for k, x in labels.items()))
+    return out
+
+
+def engine_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    d = {k: round(after[k] - before[k], 2) for k in after}
+    d["tokens_per_step"] = round(d["tokens_computed"] / d["steps"], 1) if d["steps"] else 0.0
+    return d
+
+
 def measure(a, server: Server, model: str, input_len: int, rnd: int, stream: bool, out_dir: Path) -> dict:
     seed = run_seed(a, input_len, rnd, stream)
+    counters0 = engine_counters(server)
     before, idle0, t0 = process_tree_cpu(server.proc.pid), machine_idle_seconds(), time.monotonic()
     r = run_client(a, server.url, model, input_len, stream, out_dir, server.name, seed)
     wall = time.monotonic() - t0
     after, idle1 = process_tree_cpu(server.proc.pid), machine_idle_seconds()
+    counters1 = engine_counters(server)
     row = {
         "server": server.name, "input_len": input_len, "stream": stream, "round": rnd, "seed": seed,
         "output_tok_s": round(r["output_throughput"], 1),
@@ -141,6 +180,7 @@ def measure(a, server: Server, model: str, input_len: int, rnd: int, stream: boo
         "duration_s": round(r["duration"], 1),
         "server_cpu_s": by_role(before, after), "client_cpu_s": r["client_cpu_s"],
         "machine_idle_share": round((idle1 - idle0) / (wall * (os.cpu_count() or 1)), 3),
+        "engine": engine_delta(counters0, counters1),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -292,6 +332,16 @@ def report(rows: list[dict], a) -> None:
                 continue  # a run left out (--skip)
             print(f"input {input_len}: sluice / {name}: output tok/s {s_tok / v_tok:.3f}x, TTFT p50 {s_ttft / v_ttft:.3f}x")
         for name in names:
+            for stream in (True, False):
+                eng = [r["engine"] for r in rows if r["server"] == name and r["input_len"] == input_len
+                       and r["stream"] == stream and r.get("engine")]
+                if eng:
+                    print(f"input {input_len}: {name} {'streamed' if stream else 'non-streamed'}: engine steps "
+                          f"{statistics.median(e['steps'] for e in eng):.0f}, tokens per step "
+                          f"{statistics.median(e['tokens_per_step'] for e in eng):.1f}, busy s (prefill, decode) "
+                          f"{statistics.median(e['busy_prefill_s'] for e in eng):.1f}, "
+                          f"{statistics.median(e['busy_decode_s'] for e in eng):.1f}, prefix-cache hit tokens "
+                          f"{statistics.median(e['prefix_hit_tokens'] for e in eng):.0f} (medians)")
             ns = med(name, input_len, False, "output_tok_s")
             if ns and med(name, input_len, True, "output_tok_s"):
                 print(f"input {input_len}: {name} streamed / non-streamed output tok/s "
