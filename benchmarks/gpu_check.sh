@@ -24,7 +24,7 @@
 #                  CUDA graphs, against the weight-read floor
 #   serve          benchmarks/serve_backends.py: `sluice serve` with the triton and torch attention backends,
 #                  greedy tokens compared, tok/s of each
-#   async          benchmarks/async_scheduling.py: batch 64, steps one at a time vs async scheduling: ms per
+#   async          benchmarks/async_scheduling.py: batch 1 and 64, steps one at a time vs async scheduling: ms per
 #                  step, the host's work left on the critical path, the same tokens
 #   attention      benchmarks/attention_kernels.py: decode bandwidth at 4k-32k context (share of HBM)
 #   fused          benchmarks/fused_kernels.py: the fused layer ops against torch's
@@ -299,7 +299,7 @@ elif needs_env async; then
         step async 120 "$PY" benchmarks/async_scheduling.py --model "$MODEL_DIR" --device cpu --batch 4 --max-tokens 8 \
             --reps 1 --kv-cache-memory 64M --json "$OUT/async.json"
     else
-        step async 100 "$PY" benchmarks/async_scheduling.py --model "$MODEL_DIR" --batch 64 --max-tokens 32 --reps 2 \
+        step async 100 "$PY" benchmarks/async_scheduling.py --model "$MODEL_DIR" --batch 1,64 --max-tokens 32 --reps 2 \
             --kv-cache-memory 2G --json "$OUT/async.json"
     fi
 fi
