@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_check.sh --part features  # the second part (issue 43): the serving features, ~5 minutes
 #
 # Two parts, each within one budget (a lent GPU's 15 minutes hold both, with the machine's start): `main` (the
-# default: the steps below up to triton-tests) and `features` (env, then lora and offload: what was built since
+# default: the steps below up to triton-tests) and `features` (env, lora, offload, kv-transfer: what was built since
 # the first GPU run, each through its own benchmark on the random model).
 #
 # Options: --part main|features, --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...]
@@ -36,6 +36,9 @@
 #                  spread over 1, 4 and 16 rank-16 adapters (random, every projection), and 16 adapters on 4 slots
 #   offload        benchmarks/kv_offload.py: a rotation of 8 prefixes of 4,000 tokens through a KV pool that holds
 #                  3: TTFT with the host offload tier against recomputing, the same first tokens
+#   kv-transfer    benchmarks/kv_transfer_engines.py: a prefill and a decode engine (`sluice serve`) on the one
+#                  GPU, sealed pushes: 6 prompts of 4,000 tokens through the hop, TTFT against computing them,
+#                  every full block loaded from the transfer, the prefill engine's greedy tokens
 # The random model (benchmarks/random_model.py, ~16 GB) is written in the background while env finishes, under
 # /dev/shm when it has room (else /tmp), and removed at the end. Every step is core: a SKIP fails the run unless
 # --allow-skips. $OUT gets each step's log, steps.tsv, and summary.json (step, status, seconds, figures, reason);
@@ -235,7 +238,7 @@ ENV_OK=$([[ "$(tail -1 "$OUT/steps.tsv" | cut -f2)" == PASS ]] && echo 1 || echo
 [[ -d "$TMP/site" ]] && grep -q 'on PYTHONPATH' "$OUT/env.log" && export PYTHONPATH="$TMP/site:$PYTHONPATH"
 
 # The random model, in the background (it needs the GPU for a few seconds only).
-if [[ "$PART" == main ]]; then MODEL_STEPS=(decode-step serve async); else MODEL_STEPS=(lora offload); fi
+if [[ "$PART" == main ]]; then MODEL_STEPS=(decode-step serve async); else MODEL_STEPS=(lora offload kv-transfer); fi
 needs_model=0
 for s in "${MODEL_STEPS[@]}"; do skipped_by_user "$s" || needs_model=1; done
 if ((ENV_OK && needs_model)); then
@@ -327,6 +330,21 @@ elif needs_env offload; then
     else  # 8B: 128 KiB of bf16 KV a token, a prefix ~0.5 GB; the pool holds 3, the tier all 8
         step offload 120 "$PY" benchmarks/kv_offload.py --model "$MODEL_DIR" --token-ids --prefixes 8 \
             --prefix-tokens 4000 --rounds 3 --kv-cache-memory 1600MiB --kv-offload-bytes 6GiB --json "$OUT/kv_offload.json"
+    fi
+fi
+# -- kv-transfer: prefill engine -> decode engine on the one device (features) ---------------------------------
+if [[ "$PART" != features ]]; then :
+elif skipped_by_user kv-transfer; then skip kv-transfer "--skip"
+elif needs_env kv-transfer; then
+    if ! wait_model; then skip kv-transfer "no random model: $MODEL_STATE"
+    elif ((DRY)); then
+        step kv-transfer 90 "$PY" benchmarks/kv_transfer_engines.py --model "$MODEL_DIR" --device cpu --prompts 3 \
+            --prompt-tokens 300 --kv-cache-memory 4M --kv-offload-bytes 16MiB --log-dir "$OUT/kv-transfer-logs" \
+            --json "$OUT/kv_transfer.json"
+    else  # two 8B engines: 32 GB of weights, 4 GB of KV each; 6 x 0.5 GB of prompt blocks through the decode tier
+        step kv-transfer 180 "$PY" benchmarks/kv_transfer_engines.py --model "$MODEL_DIR" --prompts 6 \
+            --prompt-tokens 4000 --kv-cache-memory 4G --kv-offload-bytes 8GiB --log-dir "$OUT/kv-transfer-logs" \
+            --json "$OUT/kv_transfer.json"
     fi
 fi
 # the model is not needed past here: free the tmpfs

@@ -7,7 +7,7 @@ summary.json: {"mode", "part", "allow_skips", "passed", "steps": [{"step", "stat
 "figures": {...}} where figures are the headline numbers docs/BENCHMARKS.md quotes: decode ms/step eager vs
 graphs per batch against the weight-read floor, attention GB/s as a share of HBM, serve tok/s per backend,
 the quantized GEMMs' weight bandwidth, the tests' counts; in the features part, LoRA tok/s against the base model
-and the offload tier's TTFT gain.
+the offload tier's TTFT gain, and the KV hop's TTFT against computing the prompt.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def test_counts(xml_path: Path) -> dict | None:
 FIGURES = {"decode-step": ("decode_step.json", decode_figures), "serve": ("serve.json", lambda d: d),
            "attention": ("attention.json", attention_figures), "fused": ("fused.json", fused_figures),
            "quant-gemm": ("quant_gpu.json", quant_figures), "async": ("async.json", lambda d: d),
-           "lora": ("lora.json", lambda d: d), "offload": ("kv_offload.json", lambda d: d)}
+           "lora": ("lora.json", lambda d: d), "offload": ("kv_offload.json", lambda d: d),
+           "kv-transfer": ("kv_transfer.json", lambda d: d)}
 
 
 def headline(figures: dict) -> list[str]:
@@ -107,6 +108,11 @@ def headline(figures: dict) -> list[str]:
         lines.append(f"offload: TTFT p50 {rows['recompute']['ttft_p50_ms']:.1f} ms recomputed, "
                      f"{rows['offload tier']['ttft_p50_ms']:.1f} ms from the tier ({off['speedup']:.2f}x; first "
                      f"tokens {'agree' if off['same_tokens'] else 'DIFFER'})")
+    kvt = figures.get("kv-transfer")
+    if kvt:
+        lines.append(f"kv-transfer: {kvt['prompts']} prompts of {kvt['prompt_tokens']} tokens, TTFT p50 through the hop "
+                     f"{kvt['hop_ttft_p50_ms']:.1f} ms, computed directly {kvt['local_ttft_p50_ms']:.1f} ms "
+                     f"(tokens {'agree' if kvt['same_tokens'] else 'DIFFER'})")
     tests = figures.get("triton-tests")
     if tests:
         lines.append(f"tests: {tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "

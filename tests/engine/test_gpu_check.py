@@ -51,13 +51,14 @@ def test_dry_run_passes_with_the_wheels_installed(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_features_part_runs_lora_and_offload_on_the_random_model(tmp_path):
-    """`--part features` (issue 43): env, then the LoRA and offload-tier benchmarks on the tiny random model, the same
-    control flow a GPU runs with the 8B one; their figures reach the summary (adapters against the base model; the
-    tier served prefixes and gave the recomputed first tokens)."""
+def test_the_features_part_runs_lora_offload_and_kv_transfer_on_the_random_model(tmp_path):
+    """`--part features` (issue 43): env, then the LoRA, offload-tier and KV-transfer benchmarks on the tiny random
+    model, the same control flow a GPU runs with the 8B one; their figures reach the summary (adapters against the
+    base model; the tier served prefixes and gave the recomputed first tokens; every full block of the hop's prompts
+    came from the prefill engine, whose tokens the decode engine gave)."""
     rc, summary, log = run_check(tmp_path, "--cpu-dry-run", "--part", "features", timeout=300)
     assert rc == 0, log[-4000:]
-    assert statuses(summary) == dict.fromkeys(["env", "lora", "offload"], "PASS"), summary
+    assert statuses(summary) == dict.fromkeys(["env", "lora", "offload", "kv-transfer"], "PASS"), summary
     assert summary["part"] == "features" and summary["passed"]
     lora = {(r["requests_on"], r["engine"], r["path"]): r for r in summary["figures"]["lora"]["rows"]}
     assert lora[("base only", "LoRA on, 16 slots", "default")]["vs_base"] == 1.0
@@ -65,7 +66,9 @@ def test_the_features_part_runs_lora_and_offload_on_the_random_model(tmp_path):
     offload = summary["figures"]["offload"]
     assert offload["same_tokens"] is True
     assert offload["rows"]["offload tier"]["prefix_hits"] > 0 and offload["rows"]["recompute"]["prefix_hits"] == 0
-    assert "offload: TTFT p50" in log and "GPU CHECK PASSED" in log
+    kvt = summary["figures"]["kv-transfer"]
+    assert kvt["same_tokens"] is True and kvt["decode_tier_hit_tokens"] == 3 * (299 // 16) * 16
+    assert "offload: TTFT p50" in log and "kv-transfer: 3 prompts" in log and "GPU CHECK PASSED" in log
 
 
 def test_no_torch_fails_and_skips_every_other_step(tmp_path):
