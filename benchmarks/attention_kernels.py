@@ -5,6 +5,7 @@ torch SDPA on the same shapes. One command, a few minutes; prints markdown table
     .venv/bin/python benchmarks/attention_kernels.py --json out.json
     .venv/bin/python benchmarks/attention_kernels.py --cpu-smoke     # no GPU: tiny correctness run in
                                                                      # Triton's interpreter (~10 s)
+    .venv/bin/python benchmarks/attention_kernels.py --prefill-sweep # CUDA: prefill tiles, warps and stages
 
 Workload (fixed seed 0): a Llama-3-8B-like attention layer by default (32 query heads over 8 KV heads,
 head_dim 128, bf16, KV block size 16). K/V are random, written once into a paged cache whose blocks are
@@ -22,6 +23,11 @@ also kept dense ([B, Hkv, L, D]) for SDPA.
   head if this torch's SDPA takes no enable_gqa with that mask).
 - Every row also checks the Triton output against SDPA's (max abs error), so a wrong kernel cannot post a
   number.
+- `--prefill-sweep` (issue 43: prefill tuned for Hopper): instead of the above, the prefill shapes of SWEEP_SHAPES
+  under each of PREFILL_CONFIGS (query rows per tile, warps, pipeline stages; the keys per tile are the launch
+  set's one BLOCK_N), the engine's default first: TFLOP/s of each, the best per shape and its gain over the
+  default, beside SDPA. What it finds goes into the engine's defaults (or a per-device table); with
+  `--cpu-smoke`, each config's tile once in the interpreter against the torch reference.
 
 Timing: `triton.testing.do_bench` (CUDA events, median over ~100 ms of repetitions, L2 flushed between).
 Decode rows are also timed replayed from a CUDA graph (`graph_us`), as the engine runs decode: eager, a small
@@ -50,6 +56,10 @@ DECODE_CONTEXTS = [1024, 4096, 16384]
 # (batch, new tokens, cached tokens)
 PREFILL_SHAPES = [(1, 1024, 0), (1, 4096, 0), (4, 2048, 0), (16, 512, 0), (8, 512, 3584), (32, 128, 1920)]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# (query rows per tile, num_warps, num_stages); None: the engine's default launch (PREFILL_BLOCK_M, its warps and
+# stages). A Hopper wants 128-row tiles, 8 warps and 3-4 stages (FlashAttention-3's and Triton's tutorial choices).
+PREFILL_CONFIGS = [None, (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3), (128, 8, 4), (128, 4, 3)]
+SWEEP_SHAPES = [(1, 4096, 0), (4, 2048, 0), (1, 16384, 0), (8, 512, 3584)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,6 +75,8 @@ def parse_args() -> argparse.Namespace:
                    help="context lengths of the decode grid (default: %(default)s)")
     p.add_argument("--decode-only", action="store_true")
     p.add_argument("--prefill-only", action="store_true")
+    p.add_argument("--prefill-sweep", action="store_true",
+                   help="only the prefill tile / warps / stages sweep (PREFILL_CONFIGS over SWEEP_SHAPES)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: a tiny decode + prefill in Triton's interpreter against the torch reference")
@@ -100,10 +112,10 @@ class PagedBatch:
         self.scale = d**-0.5
         self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None  # K/V repeated per query head
 
-    def triton(self, tk, launch=None) -> torch.Tensor:
-        """launch: a kernel_buckets.AttentionLaunch (None: the wrapper's unsplit default)."""
+    def triton(self, tk, launch=None, **kw) -> torch.Tensor:
+        """launch: a kernel_buckets.AttentionLaunch (None: the wrapper's unsplit default); kw: num_warps, num_stages."""
         out = tk.paged_attention(self.q_flat, self.cache[0], self.cache[1], self.query_start_loc, self.seq_lens,
-                                 self.block_tables, self.new, self.scale, launch=launch)
+                                 self.block_tables, self.new, self.scale, launch=launch, **kw)
         return out.view(self.b, self.new, *out.shape[1:]).transpose(1, 2)  # [B, Hq, new, D]
 
     def sdpa(self) -> torch.Tensor:
@@ -194,6 +206,61 @@ def run_prefill(args, tk, device) -> list[dict]:
     return rows
 
 
+def config_kwargs(cfg, group: int) -> dict:
+    """paged_attention's keywords for one of PREFILL_CONFIGS (None: the defaults)."""
+    from sluice_engine.attention.kernel_buckets import AttentionLaunch
+
+    if cfg is None:
+        return {}
+    block_m, warps, stages = cfg
+    return {"launch": AttentionLaunch(1, max(block_m, group)), "num_warps": warps, "num_stages": stages}
+
+
+def config_name(cfg) -> str:
+    return "default" if cfg is None else f"m{cfg[0]} w{cfg[1]} s{cfg[2]}"
+
+
+def run_prefill_sweep(args, tk, device) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+    rows = []
+    for b, new, cached in SWEEP_SHAPES:
+        batch = PagedBatch(b, new, cached, hq, hkv, d, args.block_size, dtype, device)
+        ref = batch.sdpa().float()
+        flops = 4 * hq * d * batch.causal_pairs()
+        t_sdpa = bench_ms(lambda batch=batch: batch.sdpa())
+        for cfg in PREFILL_CONFIGS:
+            kw = config_kwargs(cfg, hq // hkv)
+            err = (batch.triton(tk, **kw).float() - ref).abs().max().item()
+            t = bench_ms(lambda batch=batch, kw=kw: batch.triton(tk, **kw))
+            rows.append(dict(batch=b, new=new, cached=cached, config=config_name(cfg), triton_ms=t,
+                             triton_tflops=flops / t / 1e9, sdpa_tflops=flops / t_sdpa / 1e9, max_abs_err=err))
+            print(f"prefill sweep B={b} new={new} cached={cached} {config_name(cfg)}: {rows[-1]['triton_tflops']:.1f} "
+                  f"TFLOP/s (SDPA {rows[-1]['sdpa_tflops']:.1f})", file=sys.stderr, flush=True)
+        del batch, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> dict:
+    """The sweep's table, and per shape the best config and its gain over the default (returned for the JSON)."""
+    print("\nPrefill tiles (rows per tile, warps, stages): TFLOP/s per config; the best per shape against the "
+          "default\n")
+    configs = [config_name(c) for c in PREFILL_CONFIGS]
+    print("| batch | new | cached | " + " | ".join(configs) + " | best | best / default | best / SDPA |")
+    print("|---:|---:|---:|" + "---:|" * len(configs) + "---|---:|---:|")
+    best = {}
+    for shape in dict.fromkeys((r["batch"], r["new"], r["cached"]) for r in rows):
+        rs = {r["config"]: r for r in rows if (r["batch"], r["new"], r["cached"]) == shape}
+        top = max(rs.values(), key=lambda r: r["triton_tflops"])
+        gain = top["triton_tflops"] / rs["default"]["triton_tflops"]
+        best["x".join(map(str, shape))] = {"config": top["config"], "gain_over_default": gain,
+                                            "share_of_sdpa": top["triton_tflops"] / top["sdpa_tflops"]}
+        print(f"| {shape[0]} | {shape[1]} | {shape[2]} | " + " | ".join(f"{rs[c]['triton_tflops']:.0f}" for c in configs)
+              + f" | {top['config']} | {gain:.2f}x | {top['triton_tflops'] / top['sdpa_tflops']:.2f}x |")
+    return best
+
+
 def print_tables(decode: list[dict], prefill: list[dict], peak: float | None) -> None:
     if decode:
         print(f"\nDecode (one query per sequence; kernel time replayed from a CUDA graph, L2 flushed; eager: the same "
@@ -216,7 +283,7 @@ def print_tables(decode: list[dict], prefill: list[dict], peak: float | None) ->
 
 
 # -- no GPU: a smoke run in the interpreter ---------------------------------------------------------
-def cpu_smoke() -> None:
+def cpu_smoke(sweep: bool) -> None:
     from sluice_engine.attention import triton_kernels as tk
     from sluice_engine.attention.kernel_buckets import AttentionLaunch, block_m_for
     from sluice_engine.attention.torch_paged import TorchPagedAttention
@@ -224,15 +291,19 @@ def cpu_smoke() -> None:
 
     t0 = time.perf_counter()
     cpu = torch.device("cpu")
-    for b, new, cached, splits in [(3, 1, 40, 2), (2, 9, 20, 1)]:
+    cases = [(3, 1, 40, {"launch": AttentionLaunch(2, block_m_for(1, 3))}),
+             (2, 9, 20, {"launch": AttentionLaunch(1, block_m_for(9, 3))})]
+    if sweep:  # each config's tile (the interpreter ignores warps and stages) over a prompt of several key tiles
+        cases = [(2, 150, 30, config_kwargs(cfg, 3)) for cfg in PREFILL_CONFIGS]
+    for b, new, cached, kw in cases:
         batch = PagedBatch(b, new, cached, 6, 2, 64, 16, torch.float32, cpu)
-        got = batch.triton(tk, AttentionLaunch(splits, block_m_for(new, 6 // 2)))
+        got = batch.triton(tk, **kw)
         tables = batch.block_tables
         meta = AttentionMetadata(batch.query_start_loc, batch.seq_lens, tables, torch.empty(0, dtype=torch.long),
                                  new, batch.seq_len, [new] * b, [batch.seq_len] * b, 16)
         ref = TorchPagedAttention().attend(batch.q_flat, None, None, batch.cache, meta, batch.scale)
         err = (got - ref.view(b, new, *ref.shape[1:]).transpose(1, 2)).abs().max().item()
-        print(f"interpreter: B={b} new={new} cached={cached} splits={splits}: max abs err vs torch {err:.1e}")
+        print(f"interpreter: B={b} new={new} cached={cached} {kw}: max abs err vs torch {err:.1e}")
         if err > 1e-5:
             sys.exit("FAILED: the kernel disagrees with the torch reference")
     print(f"cpu smoke ok in {time.perf_counter() - t0:.1f}s (no timing: the interpreter is not a GPU)")
@@ -243,7 +314,7 @@ def main() -> None:
     if args.cpu_smoke:
         # Triton reads this when triton is first imported and when kernels are decorated.
         os.environ["TRITON_INTERPRET"] = "1"
-        cpu_smoke()
+        cpu_smoke(args.prefill_sweep)
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention_kernels.py measures GPU kernels and needs a CUDA device; none is "
@@ -256,6 +327,14 @@ def main() -> None:
           f"{args.dtype}, Hq={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
           f"block={args.block_size}", flush=True)
     t0 = time.perf_counter()
+    if args.prefill_sweep:
+        rows = run_prefill_sweep(args, tk, device)
+        best = print_sweep(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "sweep": rows, "best": best}, f,
+                          indent=2)
+        return
     decode = [] if args.prefill_only else run_decode(args, tk, device)
     prefill = [] if args.decode_only else run_prefill(args, tk, device)
     print_tables(decode, prefill, peak_tbps(args))

@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_check.sh --part features  # the second part (issue 43): the serving features, ~5 minutes
 #
 # Two parts, each within one budget (a lent GPU's 15 minutes hold both, with the machine's start): `main` (the
-# default: the steps below up to triton-tests) and `features` (env, lora, offload, kv-transfer: what was built since
-# the first GPU run, each through its own benchmark on the random model).
+# default: the steps below up to triton-tests) and `features` (env, prefill-tiles, lora, offload, kv-transfer: what
+# was built since the first GPU run, each through its own benchmark, on the random model where it needs one).
 #
 # Options: --part main|features, --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...]
 # (leave steps out; a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 540,
@@ -32,6 +32,8 @@
 #   triton-tests   the Triton/CUDA test modules, `pytest -n 8` when pytest-xdist is there, no --maxfail; tests
 #                  needing the bundled model skip (SLUICE_OFFLINE=1)
 # and in the features part:
+#   prefill-tiles  benchmarks/attention_kernels.py --prefill-sweep: prefill at 2k-16k tokens under each of a few
+#                  tile / warps / stages configs (128-row tiles, 3-4 stages: what a Hopper wants), the best per shape
 #   lora           benchmarks/lora_serving.py: 32 requests x 64 tokens on the base model (LoRA off and on) and
 #                  spread over 1, 4 and 16 rank-16 adapters (random, every projection), and 16 adapters on 4 slots
 #   offload        benchmarks/kv_offload.py: a rotation of 8 prefixes of 4,000 tokens through a KV pool that holds
@@ -56,7 +58,7 @@ while (($#)); do
         --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
         --part) PART=${2:?--part needs main or features}; shift
                 [[ "$PART" == main || "$PART" == features ]] || { echo "gpu_check.sh: --part main or features" >&2; exit 2; } ;;
-        -h|--help) sed -n '2,42p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,47p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -304,6 +306,13 @@ elif needs_env async; then
     else
         step async 100 "$PY" benchmarks/async_scheduling.py --model "$MODEL_DIR" --batch 1,64 --max-tokens 32 --reps 2 \
             --kv-cache-memory 2G --json "$OUT/async.json"
+    fi
+fi
+# -- prefill-tiles: the prefill kernel's tile, warps and stages (features; no model: runs while it is written) ---
+if [[ "$PART" != features ]]; then :
+elif needs_env prefill-tiles; then
+    if ((DRY)); then step prefill-tiles 60 "$PY" benchmarks/attention_kernels.py --cpu-smoke --prefill-sweep
+    else step prefill-tiles 120 "$PY" benchmarks/attention_kernels.py --prefill-sweep --json "$OUT/prefill_tiles.json"
     fi
 fi
 # -- lora: base vs 1, 4 and 16 adapters (features) ------------------------------------------------------------

@@ -73,7 +73,7 @@ FIGURES = {"decode-step": ("decode_step.json", decode_figures), "serve": ("serve
            "attention": ("attention.json", attention_figures), "fused": ("fused.json", fused_figures),
            "quant-gemm": ("quant_gpu.json", quant_figures), "async": ("async.json", lambda d: d),
            "lora": ("lora.json", lambda d: d), "offload": ("kv_offload.json", lambda d: d),
-           "kv-transfer": ("kv_transfer.json", lambda d: d)}
+           "kv-transfer": ("kv_transfer.json", lambda d: d), "prefill-tiles": ("prefill_tiles.json", lambda d: d)}
 
 
 def headline(figures: dict) -> list[str]:
@@ -99,6 +99,9 @@ def headline(figures: dict) -> list[str]:
         lines.append(f"async scheduling b{b}: {sy['ms_per_step']:.2f} -> {asy['ms_per_step']:.2f} ms/step, host work on the "
                      f"critical path {sy['critical_ms']:.2f} -> {asy['critical_ms']:.2f} ms "
                      f"(tokens {'agree' if v['same_greedy'] else 'DIFFER'})")
+    for shape, v in ((figures.get("prefill-tiles") or {}).get("best") or {}).items():
+        lines.append(f"prefill {shape} (batch x new x cached): best {v['config']}, {v['gain_over_default']:.2f}x the "
+                     f"default, {v['share_of_sdpa']:.2f}x SDPA")
     for r in (figures.get("lora") or {}).get("rows", []):
         lines.append(f"lora: {r['requests_on']} ({r['engine']}, {r['path']}): {r['tok_per_s']:.0f} tok/s, "
                      f"{r['vs_base']:.2f}x base")

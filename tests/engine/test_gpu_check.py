@@ -58,7 +58,7 @@ def test_the_features_part_runs_lora_offload_and_kv_transfer_on_the_random_model
     came from the prefill engine, whose tokens the decode engine gave)."""
     rc, summary, log = run_check(tmp_path, "--cpu-dry-run", "--part", "features", timeout=300)
     assert rc == 0, log[-4000:]
-    assert statuses(summary) == dict.fromkeys(["env", "lora", "offload", "kv-transfer"], "PASS"), summary
+    assert statuses(summary) == dict.fromkeys(["env", "prefill-tiles", "lora", "offload", "kv-transfer"], "PASS"), summary
     assert summary["part"] == "features" and summary["passed"]
     lora = {(r["requests_on"], r["engine"], r["path"]): r for r in summary["figures"]["lora"]["rows"]}
     assert lora[("base only", "LoRA on, 16 slots", "default")]["vs_base"] == 1.0

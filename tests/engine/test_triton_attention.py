@@ -172,6 +172,15 @@ def test_prefill_and_extend_match_reference(hq, hkv, block_size, d, dtype, block
     assert max_err(batch.triton(block_m=block_m), batch.reference()) <= TOL[dtype] * batch.v_max
 
 
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+def test_long_prompts_mix_unmasked_and_diagonal_key_tiles(block_m):
+    """Prompts longer than a few key tiles: each query tile reads its keys before its first row unmasked, whole
+    BLOCK_N tiles at a time, and the causal diagonal and the ragged end masked; tile starts fall on, before and after
+    BLOCK_N boundaries (5, 21 and 42 tokens per tile with 3 heads per KV head), with and without a cached prefix."""
+    batch = Batch([(0, 200), (50, 151), (64, 64), (0, 129)], 6, 2, 64, 16, torch.float32, seed=block_m)
+    assert max_err(batch.triton(block_m=block_m), batch.reference()) <= 1e-5 * batch.v_max
+
+
 def test_splits_also_merge_multi_token_queries():
     """Speculative verification splits too: rows of one tile see different key ranges per split (the
     first sequence's 205 keys make four 64-key chunks, the last one partly beyond some rows' limit)."""

@@ -85,6 +85,52 @@ def _store_kv_kernel(
 
 # NOTE: stride_bt is the width of the batch's widest block table: specializing on it (== 1, % 16 == 0)
 # would add variants as contexts grow, compiled on the serving path. Reading a row offset gains nothing from it.
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_hi, row_limit, kv_head, qk_scale,
+                 stride_cb, stride_co, stride_ch, n, d, d_ok,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 KV_FP8: tl.constexpr, E4M3_BITS: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of keys (positions start + n) into the running softmax (m_i, l_i, acc). MASKED: the tile may run past
+    kv_hi or hold keys some rows may not see (the causal diagonal); unmasked tiles lie wholly before both, so they
+    skip the bounds and causal masks: the comparisons and selects over a BLOCK_M x BLOCK_N tile of scores, and the
+    masked block-table and K/V loads."""
+    pos = start + n
+    if MASKED:
+        pos_ok = pos < kv_hi
+        page = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    kv_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    # Masked lanes read 0 (an FP8 cache's bytes: e4m3 zero); garbage there could be NaN, which a zero
+    # weight in the dots would not cancel.
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0)
+    if KV_FP8:
+        if E4M3_BITS:
+            k = _e4m3_bits_to_f32(k)
+            v = _e4m3_bits_to_f32(v)
+        else:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    elif UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = pos_ok[None, :] & (pos[None, :] <= row_limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
@@ -159,37 +205,20 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + n
-        pos_ok = pos < kv_hi
-        page = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        kv_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        # Masked lanes read 0 (an FP8 cache's bytes: e4m3 zero); garbage there could be NaN, which a zero
-        # weight in the dots would not cancel.
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0)
-        if KV_FP8:
-            if E4M3_BITS:
-                k = _e4m3_bits_to_f32(k)
-                v = _e4m3_bits_to_f32(v)
-            else:
-                k = k.to(tl.float8e4nv, bitcast=True)
-                v = v.to(tl.float8e4nv, bitcast=True)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        elif UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = pos_ok[None, :] & (pos[None, :] <= row_limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys before both kv_hi and the tile's first row's own position (prefix + tile * TOKENS_PER_TILE) are visible
+    # to every row: whole BLOCK_N tiles of them go unmasked, the rest (the causal diagonal, the ragged end) masked.
+    # A prompt's long tile loop is all but its last tile or two unmasked; a decode row's (one token) is all
+    # unmasked but the last.
+    full_hi = kv_lo + (tl.minimum(kv_hi, prefix + tile * TOKENS_PER_TILE + 1) - kv_lo) // BLOCK_N * BLOCK_N
+    full_hi = tl.maximum(full_hi, kv_lo)
+    for start in range(kv_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_hi, row_limit,
+                                     kv_head, qk_scale, stride_cb, stride_co, stride_ch, n, d, d_ok, BLOCK_SIZE,
+                                     UPCAST, DOT_PRECISION, KV_FP8, E4M3_BITS, MASKED=False)
+    for start in range(full_hi, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, start, kv_hi, row_limit,
+                                     kv_head, qk_scale, stride_cb, stride_co, stride_ch, n, d, d_ok, BLOCK_SIZE,
+                                     UPCAST, DOT_PRECISION, KV_FP8, E4M3_BITS, MASKED=True)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if KV_FP8:
@@ -300,6 +329,7 @@ def paged_attention(
     max_query_len: int, scale: float, launch: AttentionLaunch | None = None,
     out: torch.Tensor | None = None, mid: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_scale: torch.Tensor | None = None, bits: bool | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of query rows over each sequence's paged context.
 
@@ -311,7 +341,8 @@ def paged_attention(
     that nothing is allocated here (inside a CUDA graph); by default they are allocated.
     An FP8 (float8_e4m3fn) cache holds K / k_scale and V / v_scale: kv_scale = [k_scale, v_scale] (float32, on
     the device, read by the kernel: capturable). bits: decode e4m3 with integer arithmetic (None: where
-    `e4m3_bits` says).
+    `e4m3_bits` says). num_warps, num_stages: Triton's (None: 4 warps for tiles up to 64 x 64, else 8; 2 stages);
+    benchmarks/attention_kernels.py --prefill-sweep times the alternatives on a GPU.
     """
     t, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
@@ -361,7 +392,7 @@ def paged_attention(
         NUM_SPLITS=num_splits, GROUP=group, TOKENS_PER_TILE=tokens_per_tile,
         HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", KV_FP8=fp8, E4M3_BITS=bits,
-        num_warps=4 if block_m * block_d <= 64 * 64 else 8, num_stages=2,
+        num_warps=num_warps or (4 if block_m * block_d <= 64 * 64 else 8), num_stages=num_stages or 2,
     )
     if num_splits > 1:
         block_s = triton.next_power_of_2(num_splits)
