@@ -37,21 +37,31 @@ def key_args(tmp_path_factory) -> tuple[str, ...]:
 def test_a_receiver_dying_mid_transfer_fails_the_push_alone(start_server, probe, assert_settled, key_args):
     prefill = start_server("--max-model-len", "512", "--kv-role", "prefill", *key_args)
     before = probe(prefill)
-    # A receiver that reads the start of a batch and dies (its pod killed mid-transfer).
+    # A receiver that takes the start of a batch and dies (its pod killed mid-transfer). It speaks the protocol up to
+    # there: the receiver speaks first (a hello), so one that only read waited in vain for the sender to say anything
+    # and the push failed after 30 s on "the peer sent nothing in time" (a silent peer, not this case).
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
+    died: list[str] = []
 
     def die_mid_batch() -> None:
         conn, _ = lsock.accept()
-        conn.recv(4096)
-        conn.close()
-        lsock.close()
+        try:
+            ch = Channel(conn, KEY, sender=False, deadline=time.monotonic() + 60)
+            ch.accept()
+            ch.recv(4096)  # the batch's header
+            ch.send(b'{"ready": true}')
+            died.append(f"after {len(conn.recv(4096))} payload bytes")
+        finally:
+            conn.close()
+            lsock.close()
 
     threading.Thread(target=die_mid_batch, daemon=True).start()
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=120, json={
         "model": prefill.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"push_to": f"127.0.0.1:{port}", "hop_token": KEY.hop_token(f"127.0.0.1:{port}")}})
     assert r.status_code == 200, r.text  # the request itself is served, once its push has failed
+    assert died, "the push never reached the payload"
     text = httpx.get(f"{prefill.url}/metrics", timeout=10).text
     assert 'result="failed"} 1.0' in text
     assert_settled(prefill, before)
