@@ -231,20 +231,27 @@ class ReplayByRerun:
 
 def steps() -> list[SchedulerOutput]:
     """Prompts (eager), then decodes of 3 requests (replayed at size 4: one padding row), a request
-    finishing (2 rows, replayed at size 2), and a new prompt beside a decode (eager again). Blocks of 16."""
-    a, b, c = list(range(3, 23)), list(range(30, 47)), [5, 6, 7, 8, 9]
+    finishing (2 rows, replayed at size 2), and a new prompt beside a decode (eager again). Blocks of 16.
+    Six 3-row decodes: each split count the stand-in chooser cycles through is replayed twice (a graph rerun
+    over inputs another graph's replay changed in between); a 26-token prompt, so that a crosses into its third
+    block (a new block id mid-decode) at the 2-row step."""
+    a, b, c = list(range(3, 29)), list(range(30, 47)), [5, 6, 7, 8, 9]
     out = [SchedulerOutput([ScheduledRequest("a", a, 0, [4, 9]), ScheduledRequest("b", b, 0, [2, 7]),
                             ScheduledRequest("c", c, 0, [11, 12])])]
-    for k in range(12):  # a crosses into its third block: a new block id mid-decode
-        blocks_a = [4, 9] if 20 + k < 32 else [4, 9, 13]
-        out.append(SchedulerOutput([ScheduledRequest("a", [40 + k], 20 + k, blocks_a),
-                                    ScheduledRequest("b", [50 + k], 17 + k, [2, 7]),
-                                    ScheduledRequest("c", [60 + k], 5 + k, [11, 12])]))
+    decodes = 6
+    for k in range(decodes):
+        out.append(SchedulerOutput([ScheduledRequest("a", [40 + k], len(a) + k, [4, 9]),
+                                    ScheduledRequest("b", [50 + k], len(b) + k, [2, 7]),
+                                    ScheduledRequest("c", [60 + k], len(c) + k, [11, 12])]))
+    assert len(a) + decodes == 32  # a's 33rd token: the first of its third block
     out.append(SchedulerOutput([ScheduledRequest("a", [70], 32, [4, 9, 13]),
-                                ScheduledRequest("b", [71], 29, [2, 7])], freed_req_ids=["c"]))
+                                ScheduledRequest("b", [71], len(b) + decodes, [2, 7])], freed_req_ids=["c"]))
     out.append(SchedulerOutput([ScheduledRequest("d", list(range(60, 80)), 0, [11, 3]),
                                 ScheduledRequest("a", [72], 33, [4, 9, 13])]))
     return out
+
+
+REPLAYED_STEPS = 7  # steps(): the six 3-row decodes and the 2-row one
 
 
 def _runner(model_dir, device: str = "cpu", **kw):
@@ -271,7 +278,7 @@ def _assert_same_steps(graphed, eager, replays: Callable[[], int], sizes: list[i
         assert got.shape == want.shape
         # Split-KV (the graph's fixed count against the eager path's choice) sums in another order.
         _close(got, want, f"step {i}")
-    assert replays() == 13
+    assert replays() == REPLAYED_STEPS
     # The requests' KV is the same on both runners: padding rows wrote only to the scratch block.
     for c_graphed, c_eager in zip(graphed.kv_caches, eager.kv_caches, strict=True):
         for block in (2, 3, 4, 7, 9, 11, 12, 13):
@@ -315,7 +322,7 @@ def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama, kv_
     assert any(c[:, 16].float().abs().sum() > 0 for c in graphed.kv_caches)
 
     _assert_same_steps(graphed, eager, lambda: api.replays, sizes)
-    assert set(replayed) == {(4, 4), (4, 2), (4, 1), (2, 4)}  # 12 steps of 3 rows (size 4), then one of 2
+    assert set(replayed) == {(4, 4), (4, 2), (4, 1), (2, 4)}  # 6 steps of 3 rows (size 4), then one of 2
     # Attention wrote its outputs and split partials where the graphs were captured to (no allocation).
     for key in ((4, 4), (4, 2), (2, 4)):
         ws = workspaces[key]
@@ -502,7 +509,7 @@ def test_decode_graphs_replay_lora_rows_by_their_slot_input(tiny_llama, tmp_path
             plain = base.execute_model(steps()[0]) is not None and base.execute_model(steps()[1])
             assert (got[1] - plain[1]).abs().max() < 1e-4  # b, on the base, with a padding row on slot 0 beside
             assert (got[0] - plain[0]).abs().max() > 1e-2 and (got[2] - plain[2]).abs().max() > 1e-2
-    assert api.replays == 13
+    assert api.replays == REPLAYED_STEPS
 
 
 @needs_gpu
