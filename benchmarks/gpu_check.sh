@@ -28,7 +28,7 @@
 #                  step, the host's work left on the critical path, the same tokens
 #   attention      benchmarks/attention_kernels.py: decode bandwidth at 4k-32k context (share of HBM)
 #   fused          benchmarks/fused_kernels.py: the fused layer ops against torch's
-#   quant-gemm     benchmarks/quant_gpu.py: FP8 and AWQ GEMMs at M 1 and 16
+#   quant-gemm     benchmarks/quant_gpu.py: FP8 (Triton, and FP8 x FP8 on sm90) and AWQ (Triton, dequant) at M 1-64
 #   triton-tests   the Triton/CUDA test modules, `pytest -n 8` when pytest-xdist is there, no --maxfail; tests
 #                  needing the bundled model skip (SLUICE_OFFLINE=1)
 # and in the features part:
@@ -378,7 +378,7 @@ fi
 if [[ "$PART" != main ]]; then :
 elif needs_env quant-gemm; then
     if ((DRY)); then step quant-gemm 60 "$PY" benchmarks/quant_gpu.py --cpu-smoke --ms 1 16
-    else step quant-gemm 45 "$PY" benchmarks/quant_gpu.py --ms 1 16 --json "$OUT/quant_gpu.json"
+    else step quant-gemm 60 "$PY" benchmarks/quant_gpu.py --ms 1 16 64 --json "$OUT/quant_gpu.json"
     fi
 fi
 

@@ -13,6 +13,10 @@ M = 1, 16 (decode batches), 256 and 4096 (prefill). Activations bf16, random wei
 - fp8: weights e4m3 [N, K] with one fp32 scale per output channel, bf16 activations (W8A16).
 - awq: AWQ GEMM layout (qweight [K, N/8], scales [K/G, N] fp16, qzeros [K/G, N/8]), G = 128; the kernel casts
   the dequantized tile to the activation dtype, so the activations here are fp16 (AWQ checkpoints' dtype).
+- fp8-scaled-mm (sm90+): the same FP8 weights on cuBLASLt's FP8 tensor cores, activations quantized per token
+  (quant/gemm_paths.py: W8A8, checked against the quantized activations' exact product).
+- awq-dequant: the AWQ weights dequantized (the reference's torch ops) then a cuBLAS GEMM, per call.
+The engine picks among its paths per shape at start-up (quant/gemm_paths.py); these rows show the same choice.
 
 Reported per row: median kernel time (replayed from a CUDA graph, L2 flushed: gpu_timing.py), TFLOP/s
 (2 M N K / time), the weight bytes read per call, effective weight bandwidth (weight bytes / time: the number
@@ -34,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import graph_us  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 6144)]  # (K, N)
-MS = [1, 16, 256, 4096]
+MS = [1, 16, 64, 256, 4096]
 GROUP = 128
 
 
@@ -65,10 +69,11 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_shape(k: int, n: int, ms: list[int], gen: torch.Generator) -> list[dict]:
-    from sluice_engine.quant import awq, fp8
+    from sluice_engine.quant import awq, fp8, gemm_paths
     from sluice_engine.quant.triton_gemm import awq_linear, fp8_linear
 
     dev = torch.device("cuda")
+    scaled_mm = torch.cuda.get_device_capability(dev) >= (9, 0)
     w = torch.randn(n, k, generator=gen) * 0.02
     w_bf16 = w.to(dev, torch.bfloat16)
     wq, scale = fp8.quantize_fp8(w, per_channel=True)
@@ -81,18 +86,26 @@ def run_shape(k: int, n: int, ms: list[int], gen: torch.Generator) -> list[dict]
     w_awq_dense = aw.dequantize()  # [K, N] fp32
     weight_bytes = {"bf16": n * k * 2, "fp8": n * k + n * 4,
                     "awq": aw.qweight.numel() * 4 + aw.scales.numel() * 2 + aw.qzeros.numel() * 4}
+    weight_bytes["fp8-scaled-mm"], weight_bytes["awq-dequant"] = weight_bytes["fp8"], weight_bytes["awq"]
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
         xh = x.half()
         checks = {"fp8": _rel_err(fp8_linear(x, wq, scale), x.float() @ w_fp8_dense.T),
                   "awq": _rel_err(awq_linear(xh, aw.qweight, aw.scales, aw.qzeros), xh.float() @ w_awq_dense)}
+        if scaled_mm:  # against the product of the per-token quantized activations it computes
+            xq, sa = gemm_paths.quantize_rows_e4m3(x)
+            checks["fp8-scaled-mm"] = _rel_err(gemm_paths.fp8_scaled_mm(x, wq, scale), (xq.float() * sa) @ w_fp8_dense.T)
+        checks["awq-dequant"] = _rel_err(gemm_paths.dequant_linear(aw, xh), xh.float() @ w_awq_dense)
         for name, err in checks.items():
             if err > 3e-2:
                 raise SystemExit(f"{name} kernel is wrong at M={m} K={k} N={n}: relative error {err:.3g}")
         times = {"bf16": _bench(lambda x=x: torch.matmul(x, w_bf16.T)),
                  "fp8": _bench(lambda x=x: fp8_linear(x, wq, scale)),
-                 "awq": _bench(lambda xh=xh: awq_linear(xh, aw.qweight, aw.scales, aw.qzeros))}
+                 "awq": _bench(lambda xh=xh: awq_linear(xh, aw.qweight, aw.scales, aw.qzeros)),
+                 "awq-dequant": _bench(lambda xh=xh: gemm_paths.dequant_linear(aw, xh))}
+        if scaled_mm:
+            times["fp8-scaled-mm"] = _bench(lambda x=x: gemm_paths.fp8_scaled_mm(x, wq, scale))
         eager = {"fp8": _bench_eager(lambda x=x: fp8_linear(x, wq, scale))} if m == ms[0] else {}
         for name, ms_ in times.items():
             rows.append({"M": m, "K": k, "N": n, "kernel": name, "ms": ms_, "eager_ms": eager.get(name),
@@ -106,7 +119,7 @@ def cpu_smoke(ms: list[int]) -> int:
     """The FP8 and AWQ kernels once per M on K=256, N=128 in Triton's interpreter, fp16 activations (its bf16
     arithmetic is wrong), against dequantize-then-matmul: the script's control flow, no timing."""
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-    from sluice_engine.quant import awq, fp8
+    from sluice_engine.quant import awq, fp8, gemm_paths
     from sluice_engine.quant.triton_gemm import awq_linear, fp8_linear
 
     gen = torch.Generator().manual_seed(0)
@@ -119,12 +132,19 @@ def cpu_smoke(ms: list[int]) -> int:
     for m in ms:
         x = torch.randn(m, k, generator=gen).half()
         errs = {"fp8": _rel_err(fp8_linear(x, wq, scale), x.float() @ fp8.dequantize_fp8(wq, scale).T),
-                "awq": _rel_err(awq_linear(x, aw.qweight, aw.scales, aw.qzeros), x.float() @ aw.dequantize())}
+                "awq": _rel_err(awq_linear(x, aw.qweight, aw.scales, aw.qzeros), x.float() @ aw.dequantize()),
+                "awq-dequant": _rel_err(gemm_paths.dequant_linear(aw, x), x.float() @ aw.dequantize())}
+        xb = x.to(torch.bfloat16)  # torch._scaled_mm runs on CPU too (bf16 out)
+        xq, sa = gemm_paths.quantize_rows_e4m3(xb)
+        errs["fp8-scaled-mm"] = _rel_err(gemm_paths.fp8_scaled_mm(xb, wq, scale),
+                                         (xq.float() * sa) @ fp8.dequantize_fp8(wq, scale).T)
         for name, err in errs.items():
-            worst = max(worst, err)
-            print(f"interpreter: {name} M={m} K={k} N={n} fp16: rel err {err:.1e}")
-    print("OK" if worst <= 3e-3 else "FAILED")
-    return 0 if worst <= 3e-3 else 1
+            # bf16 output for the FP8 x FP8 path (~2^-8 relative), fp16 for the rest
+            worst = max(worst, err / (1e-2 if name == "fp8-scaled-mm" else 3e-3))
+            print(f"interpreter: {name} M={m} K={k} N={n} {'bf16' if name == 'fp8-scaled-mm' else 'fp16'}: "
+                  f"rel err {err:.1e}")
+    print("OK" if worst <= 1 else "FAILED")
+    return 0 if worst <= 1 else 1
 
 
 def main() -> int:

@@ -114,6 +114,10 @@ class AwqWeights:
         return dequantize_awq(self.qweight, self.scales, self.qzeros)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from . import gemm_paths
         from .triton_gemm import awq_linear
 
+        n, k = self.shape
+        if gemm_paths.TABLE.pick("awq", x, n, k) == "dequant":  # measured per shape at start-up on CUDA
+            return gemm_paths.dequant_linear(self, x, bias)
         return awq_linear(x, self.qweight, self.scales, self.qzeros, bias)

@@ -90,6 +90,13 @@ class Fp8Weights:
         return dequantize_fp8(self.weight, self.weight_scale)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from . import gemm_paths
         from .triton_gemm import fp8_linear
 
+        n, k = self.shape
+        path = gemm_paths.TABLE.pick("fp8", x, n, k)  # measured per shape at start-up on CUDA (gemm_paths.py)
+        if path == "scaled_mm":
+            return gemm_paths.fp8_scaled_mm(x, self.weight, self.weight_scale, bias)
+        if path == "dequant":
+            return gemm_paths.dequant_linear(self, x, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)

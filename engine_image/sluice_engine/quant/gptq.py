@@ -151,6 +151,10 @@ class GptqWeights:
         return dequantize_gptq(self.qweight, self.scales, self.qzeros, self.g_idx)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from . import gemm_paths
         from .triton_gemm import gptq_linear
 
+        n, k = self.shape
+        if gemm_paths.TABLE.pick("gptq", x, n, k) == "dequant":  # measured per shape at start-up on CUDA
+            return gemm_paths.dequant_linear(self, x, bias)
         return gptq_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx, bias)

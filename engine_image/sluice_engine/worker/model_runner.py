@@ -28,7 +28,7 @@ from ..models.loader import (
     resolve_dtype,
     resolve_quantization,
 )
-from ..quant.formats import CPU_FORMATS, check_kv_cache_dtype
+from ..quant.formats import CPU_FORMATS, GPU_FORMATS, check_kv_cache_dtype
 from ..sample.step_sampler import SampledTokens
 from ..step_timeline import StepTimeline, span
 from .cuda_graphs import (
@@ -101,6 +101,12 @@ class ModelRunner:
                                 gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)
         if cfg.kv_cache_dtype == "fp8":
             self._log_kv_scales()
+        if self.device.type == "cuda" and self.quantization in GPU_FORMATS:
+            # Which GEMM each quantized layer's shape takes at each M bucket, timed here once (quant/gemm_paths.py)
+            # before warm-up compiles and captures the paths chosen.
+            from ..quant.gemm_paths import measure_model
+
+            measure_model(self.model, cfg.max_num_batched_tokens, self.dtype, self.device)
         self.lora = None  # the LoRA layers and adapters (lora/model.py), with --enable-lora
         if cfg.enable_lora:
             from ..lora.model import LoRAModel
