@@ -1,8 +1,8 @@
 """Issue 42's acceptance, against real engines: `sluice gateway` (the CLI) in front of two `sluice serve` processes
 of SmolLM2, each the one backend of its own endpoint (version), split by a backends file's `models:`.
 
-- 90/10: 1,000 requests (one-token completions) send 10% ± 2% to the new version (smooth weighted round-robin:
-  exactly 100).
+- 90/10: 500 requests (one-token completions) send 10% ± 2% to the new version (smooth weighted round-robin:
+  exactly 50). The issue said 1,000: 33 s of the test on a busy 2-core box, for the same split.
 - 0/100 while 16 clients keep sending: every request is answered 200; the old version gets none after the shift.
 - A version whose /ready fails (its endpoint's one backend is a port nobody listens on) gets none.
 """
@@ -54,7 +54,7 @@ async def test_rollout_90_10_then_0_100_under_load(model_dir, tmp_path):
             while (await one(0))[0] != 200:  # the gateway's first health polls
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.2)
-            # 90/10 over 1,000 requests, 16 at a time.
+            # 90/10 over 500 requests, 16 at a time.
             sem = asyncio.Semaphore(16)
 
             async def bounded(i: int) -> tuple[int, str]:
@@ -62,11 +62,11 @@ async def test_rollout_90_10_then_0_100_under_load(model_dir, tmp_path):
                     return await one(i)
 
             t0 = time.monotonic()
-            results = await asyncio.gather(*(bounded(i) for i in range(1000)))
+            results = await asyncio.gather(*(bounded(i) for i in range(500)))
             assert all(s == 200 for s, _ in results), collections.Counter(s for s, _ in results)
             got = collections.Counter(v for _, v in results)
-            print(f"1,000 requests at 90/10 in {time.monotonic() - t0:.1f}s: {dict(got)}")
-            assert 80 <= got["v2"] <= 120 and got["v1"] + got["v2"] == 1000, got
+            print(f"500 requests at 90/10 in {time.monotonic() - t0:.1f}s: {dict(got)}")
+            assert 40 <= got["v2"] <= 60 and got["v1"] + got["v2"] == 500, got
             assert (await one(1, "chat-canary")) == (200, "v2")
             # 0/100 while 16 clients keep sending: none fails.
             stop = asyncio.Event()
@@ -80,7 +80,7 @@ async def test_rollout_90_10_then_0_100_under_load(model_dir, tmp_path):
                     i += 1
 
             clients = [asyncio.create_task(client(n)) for n in range(16)]
-            await asyncio.sleep(2)
+            await asyncio.sleep(1)  # the 16 under way (~30 answers a second)
             write_models(path, urls, {"v1": 0, "v2": 100})
             shifted = time.monotonic()
             await asyncio.sleep(4)
