@@ -7,8 +7,9 @@
 #   bash benchmarks/gpu_check.sh --part features  # the second part (issue 43): the serving features, ~5 minutes
 #
 # Two parts, each within one budget (a lent GPU's 15 minutes hold both, with the machine's start): `main` (the
-# default: the steps below up to triton-tests) and `features` (env, prefill-tiles, lora, offload, kv-transfer: what
-# was built since the first GPU run, each through its own benchmark, on the random model where it needs one).
+# default: the steps below up to triton-tests) and `features` (env, prefill-tiles, lora, offload, structured,
+# kv-transfer: what was built since the first GPU run, each through its own benchmark, on the random model where
+# it needs one).
 #
 # Options: --part main|features, --allow-skips (a skipped core step does not fail the run), --skip STEP[,STEP...]
 # (leave steps out; a skipped core step still fails the run unless --allow-skips), --budget SECONDS (default 540,
@@ -38,6 +39,8 @@
 #                  spread over 1, 4 and 16 rank-16 adapters (random, every projection), and 16 adapters on 4 slots
 #   offload        benchmarks/kv_offload.py: a rotation of 8 prefixes of 4,000 tokens through a KV pool that holds
 #                  3: TTFT with the host offload tier against recomputing, the same first tokens
+#   structured     benchmarks/structured_overhead.py: TPOT with and without a JSON schema at batch 1 and 32 (the
+#                  grammar's mask applied on the GPU), the random model with a byte-level tokenizer
 #   kv-transfer    benchmarks/kv_transfer_engines.py: a prefill and a decode engine (`sluice serve`) on the one
 #                  GPU, sealed pushes: 6 prompts of 4,000 tokens through the hop, TTFT against computing them,
 #                  every full block loaded from the transfer, the prefill engine's greedy tokens
@@ -58,7 +61,7 @@ while (($#)); do
         --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
         --part) PART=${2:?--part needs main or features}; shift
                 [[ "$PART" == main || "$PART" == features ]] || { echo "gpu_check.sh: --part main or features" >&2; exit 2; } ;;
-        -h|--help) sed -n '2,47p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,50p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -240,11 +243,13 @@ ENV_OK=$([[ "$(tail -1 "$OUT/steps.tsv" | cut -f2)" == PASS ]] && echo 1 || echo
 [[ -d "$TMP/site" ]] && grep -q 'on PYTHONPATH' "$OUT/env.log" && export PYTHONPATH="$TMP/site:$PYTHONPATH"
 
 # The random model, in the background (it needs the GPU for a few seconds only).
-if [[ "$PART" == main ]]; then MODEL_STEPS=(decode-step serve async); else MODEL_STEPS=(lora offload kv-transfer); fi
+if [[ "$PART" == main ]]; then MODEL_STEPS=(decode-step serve async); else MODEL_STEPS=(lora offload structured kv-transfer); fi
 needs_model=0
 for s in "${MODEL_STEPS[@]}"; do skipped_by_user "$s" || needs_model=1; done
 if ((ENV_OK && needs_model)); then
+    # features: a byte-level tokenizer, so the structured step's grammar can spell JSON (the others send token ids)
     "$PY" benchmarks/random_model.py "$MODEL_DIR" --preset "$PRESET" --device "$( ((DRY)) && echo cpu || echo auto)" \
+        --tokenizer "$( [[ "$PART" == features ]] && echo bytes || echo words)" \
         > "$OUT/random_model.log" 2>&1 &
     GEN_PID=$!
 fi
@@ -339,6 +344,19 @@ elif needs_env offload; then
     else  # 8B: 128 KiB of bf16 KV a token, a prefix ~0.5 GB; the pool holds 3, the tier all 8
         step offload 120 "$PY" benchmarks/kv_offload.py --model "$MODEL_DIR" --token-ids --prefixes 8 \
             --prefix-tokens 4000 --rounds 3 --kv-cache-memory 1600MiB --kv-offload-bytes 6GiB --json "$OUT/kv_offload.json"
+    fi
+fi
+# -- structured: a JSON schema's cost per token, its mask applied on the device (features) ---------------------
+if [[ "$PART" != features ]]; then :
+elif skipped_by_user structured; then skip structured "--skip"
+elif needs_env structured; then
+    if ! wait_model; then skip structured "no random model: $MODEL_STATE"
+    elif ((DRY)); then
+        step structured 60 "$PY" benchmarks/structured_overhead.py --model "$MODEL_DIR" --device cpu --batch-sizes 1 \
+            --rounds 1 --kv-cache-memory 8MiB --json "$OUT/structured.json"
+    else
+        step structured 120 "$PY" benchmarks/structured_overhead.py --model "$MODEL_DIR" --batch-sizes 1 32 --rounds 3 \
+            --kv-cache-memory 2G --json "$OUT/structured.json"
     fi
 fi
 # -- kv-transfer: prefill engine -> decode engine on the one device (features) ---------------------------------

@@ -73,7 +73,8 @@ FIGURES = {"decode-step": ("decode_step.json", decode_figures), "serve": ("serve
            "attention": ("attention.json", attention_figures), "fused": ("fused.json", fused_figures),
            "quant-gemm": ("quant_gpu.json", quant_figures), "async": ("async.json", lambda d: d),
            "lora": ("lora.json", lambda d: d), "offload": ("kv_offload.json", lambda d: d),
-           "kv-transfer": ("kv_transfer.json", lambda d: d), "prefill-tiles": ("prefill_tiles.json", lambda d: d)}
+           "kv-transfer": ("kv_transfer.json", lambda d: d), "prefill-tiles": ("prefill_tiles.json", lambda d: d),
+           "structured": ("structured.json", lambda d: d)}
 
 
 def headline(figures: dict) -> list[str]:
@@ -111,6 +112,9 @@ def headline(figures: dict) -> list[str]:
         lines.append(f"offload: TTFT p50 {rows['recompute']['ttft_p50_ms']:.1f} ms recomputed, "
                      f"{rows['offload tier']['ttft_p50_ms']:.1f} ms from the tier ({off['speedup']:.2f}x; first "
                      f"tokens {'agree' if off['same_tokens'] else 'DIFFER'})")
+    for r in (figures.get("structured") or {}).get("rows", []):
+        lines.append(f"structured b{r['batch']}: TPOT {r['tpot_plain_ms']:.2f} ms plain, {r['tpot_json_ms']:.2f} ms with a "
+                     f"JSON schema (mask {r['mask_ms_per_step']:.3f} ms a step)")
     kvt = figures.get("kv-transfer")
     if kvt:
         lines.append(f"kv-transfer: {kvt['prompts']} prompts of {kvt['prompt_tokens']} tokens, TTFT p50 through the hop "

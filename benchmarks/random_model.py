@@ -7,7 +7,9 @@ cannot download a real checkpoint (issue 15's GPU check runs with no network).
 The directory holds what the engine reads (model_config.py, models/loader.py, tokenizer.py):
 config.json, model.safetensors (bf16 by default, normal(0, 0.02) so activations stay finite; norms are 1),
 tokenizer.json (a WordLevel vocabulary "t0", "t1", ... padded to the config's vocab, three special tokens
-<unk> <s> </s> as ids 0-2, whitespace split), tokenizer_config.json (eos </s>, a plain chat template) and
+<unk> <s> </s> as ids 0-2, whitespace split; or with --tokenizer bytes a byte-level BPE without merges: the 256
+bytes as ids 3-258, then "t259", ... to the vocab, so any text, JSON included, can be spelled and a grammar can
+constrain the output), tokenizer_config.json (eos </s>, a plain chat template) and
 generation_config.json. Weights are generated on the GPU when there is one (CPU generation of 8B normals
 takes minutes) and written with a small safetensors writer of our own, tensor by tensor, so neither the
 `safetensors` package nor a second copy of the model in host memory is needed. Only torch, and the
@@ -104,6 +106,22 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dt
                 f.write(t.cpu().view(torch.uint8).numpy().data)  # the host copy's buffer, not a second copy
 
 
+def byte_tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE with no merges: every text is its UTF-8 bytes, one token each (GPT-2's byte alphabet)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab |= {ch: len(SPECIALS) + i for i, ch in enumerate(alphabet)}
+    vocab |= {f"t{i}": i for i in range(len(vocab), vocab_size)}
+    tok = Tokenizer(BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    return tok.to_str()
+
+
 def tokenizer_json(vocab_size: int) -> str:
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     vocab |= {f"t{i}": i for i in range(len(SPECIALS), vocab_size)}
@@ -125,12 +143,14 @@ def tokenizer_json(vocab_size: int) -> str:
 
 
 def create(out_dir: str | Path, preset: str = "tiny", device: str = "auto", dtype: torch.dtype = torch.bfloat16,
-           seed: int = 0, std: float = 0.02) -> Path:
-    """Write the model directory and return it. Reuses one already complete for the same config."""
+           seed: int = 0, std: float = 0.02, tokenizer: str = "words") -> Path:
+    """Write the model directory and return it. Reuses one already complete for the same config. tokenizer: words
+    (WordLevel "t<i>") or bytes (byte-level BPE)."""
     out = Path(out_dir)
     cfg = model_config(preset)
     marker = out / ".random-model-complete"
-    if marker.is_file() and json.loads(marker.read_text()) == {"config": cfg, "dtype": str(dtype), "seed": seed}:
+    done = {"config": cfg, "dtype": str(dtype), "seed": seed, "tokenizer": tokenizer}
+    if marker.is_file() and json.loads(marker.read_text()) == done:
         return out
     out.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
@@ -146,12 +166,12 @@ def create(out_dir: str | Path, preset: str = "tiny", device: str = "auto", dtyp
 
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     write_safetensors(out / "model.safetensors", list(tensor_shapes(cfg)), dtype, make)
-    (out / "tokenizer.json").write_text(tokenizer_json(cfg["vocab_size"]))
+    (out / "tokenizer.json").write_text((byte_tokenizer_json if tokenizer == "bytes" else tokenizer_json)(cfg["vocab_size"]))
     (out / "tokenizer_config.json").write_text(json.dumps(dict(
         bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=CHAT_TEMPLATE,
         add_bos_token=False, model_max_length=cfg["max_position_embeddings"], tokenizer_class="PreTrainedTokenizerFast")))
     (out / "generation_config.json").write_text(json.dumps(dict(bos_token_id=1, eos_token_id=EOS_ID)))
-    marker.write_text(json.dumps({"config": cfg, "dtype": str(dtype), "seed": seed}))
+    marker.write_text(json.dumps(done))
     return out
 
 
@@ -162,9 +182,11 @@ def main() -> None:
     p.add_argument("--device", default="auto", help="where the weights are generated: auto (CUDA if any), cpu, cuda")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", choices=["words", "bytes"], default="words",
+                   help="bytes: a byte-level BPE (spells any text: structured output)")
     args = p.parse_args()
     t0 = time.perf_counter()
-    out = create(args.out_dir, args.preset, args.device, getattr(torch, args.dtype), args.seed)
+    out = create(args.out_dir, args.preset, args.device, getattr(torch, args.dtype), args.seed, tokenizer=args.tokenizer)
     total, _ = weight_bytes(model_config(args.preset), torch.empty((), dtype=getattr(torch, args.dtype)).element_size())
     print(f"{out}: {args.preset}, {total / 1e9:.3f} GB of {args.dtype} weights, {time.perf_counter() - t0:.1f}s")
 

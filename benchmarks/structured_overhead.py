@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/structured_overhead.py                    # batch 1 and 4, 9 rounds
     .venv/bin/python benchmarks/structured_overhead.py --rounds 3 --batch-sizes 1   # quick
+    python benchmarks/structured_overhead.py --model /dev/shm/llama8b-bytes --batch-sizes 1 32 --rounds 3 \
+        --kv-cache-memory 2G --json out.json      # a GPU: a random model with a byte-level tokenizer
+        # (benchmarks/random_model.py --tokenizer bytes; the GPU check's features part)
 
 Workload (fixed, spelled out here): the bundled SmolLM2-135M-Instruct, offline engine (no HTTP), greedy,
 `ignore_eos`, `max_tokens` OUTPUT_TOKENS, so every request generates exactly that many tokens. The same
@@ -75,8 +78,9 @@ class _Timer:
 
 
 def run_batch(llm: LLM, structured: StructuredOutputs, compiled, batch: int,
-              timer: _Timer) -> tuple[float, float, float]:
-    """One batch of `batch` requests; returns (mean TPOT, median ITL, grammar time per step), in ms."""
+              timer: _Timer, tokens: dict[str, list[int]] | None = None) -> tuple[float, float, float]:
+    """One batch of `batch` requests; returns (mean TPOT, median ITL, grammar time per step), in ms. tokens: filled
+    with each request's output ids."""
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
     stamps: dict[str, list[float]] = {}
     for i in range(batch):
@@ -93,6 +97,8 @@ def run_batch(llm: LLM, structured: StructuredOutputs, compiled, batch: int,
         now = time.perf_counter()
         for o in outs:
             stamps[o.request_id].extend([now] * len(o.new_token_ids))
+            if tokens is not None:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     tpots = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps.values()]
     gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)]
     assert all(len(s) == OUTPUT_TOKENS for s in stamps.values())
@@ -104,10 +110,17 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--model", default=None, help="an HF directory (default: the bundled model); its tokenizer must "
+                                                   "spell JSON (random_model.py --tokenizer bytes does)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--json", help="write the medians here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from sluice_engine.config import parse_size
 
-    llm = LLM(None, kv_cache_memory=256 << 20, seed=0)
+    llm = LLM(args.model, kv_cache_memory=parse_size(args.kv_cache_memory), seed=0, device=args.device,
+              max_num_seqs=max(args.batch_sizes))
     eng = llm.engine
     structured = StructuredOutputs(eng.tokenizer, eng.runner.model_config.vocab_size, eng.eos_token_ids)
 
@@ -116,8 +129,13 @@ def main() -> None:
 
     compiled = structured.compile_sync(grammar_spec(_Req()))
     timer = _Timer()
-    run_batch(llm, structured, compiled, 1, timer)  # warm-up: allocator, first-step costs
+    constrained: dict[str, list[int]] = {}
+    run_batch(llm, structured, compiled, 1, timer, constrained)  # warm-up: allocator, first-step costs
     run_batch(llm, structured, None, 1, timer)
+    # The constraint held (on a GPU the mask is applied there): the output opens the schema's object.
+    text = llm.tokenizer.decode(next(iter(constrained.values())))
+    if not text.lstrip().startswith("{"):
+        raise SystemExit(f"the constrained output does not open a JSON object: {text[:80]!r}")
 
     rows = []
     for batch in args.batch_sizes:
@@ -139,6 +157,11 @@ def main() -> None:
     for batch, (tp, ip, _), (tc, ic, mask) in rows:
         print(f"| {batch} | {tp:.1f} ms | {tc:.1f} ms | {(tc / tp - 1) * 100:+.1f}% | {ip:.1f} ms | {ic:.1f} ms "
               f"| {(ic / ip - 1) * 100:+.1f}% | {mask:.3f} | {mask / tc * 100:.2f}% |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [{"batch": b, "tpot_plain_ms": tp, "tpot_json_ms": tc, "itl_plain_ms": ip,
+                                 "itl_json_ms": ic, "mask_ms_per_step": mask} for b, (tp, ip, _), (tc, ic, mask) in rows]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

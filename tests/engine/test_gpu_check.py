@@ -51,14 +51,17 @@ def test_dry_run_passes_with_the_wheels_installed(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_features_part_runs_lora_offload_and_kv_transfer_on_the_random_model(tmp_path):
-    """`--part features` (issue 43): env, then the LoRA, offload-tier and KV-transfer benchmarks on the tiny random
-    model, the same control flow a GPU runs with the 8B one; their figures reach the summary (adapters against the
-    base model; the tier served prefixes and gave the recomputed first tokens; every full block of the hop's prompts
-    came from the prefill engine, whose tokens the decode engine gave)."""
+def test_the_features_part_runs_every_step_on_the_random_model(tmp_path):
+    """`--part features` (issue 43): env, the prefill tile sweep (interpreter), then the LoRA, offload-tier,
+    structured-output and KV-transfer benchmarks on the tiny random model (byte-level tokenizer), the same control
+    flow a GPU runs with the 8B one; their figures reach the summary (adapters against the base model; the tier
+    served prefixes and gave the recomputed first tokens; the schema's output opened a JSON object; every full block
+    of the hop's prompts came from the prefill engine, whose tokens the decode engine gave)."""
     rc, summary, log = run_check(tmp_path, "--cpu-dry-run", "--part", "features", timeout=300)
     assert rc == 0, log[-4000:]
-    assert statuses(summary) == dict.fromkeys(["env", "prefill-tiles", "lora", "offload", "kv-transfer"], "PASS"), summary
+    assert statuses(summary) == dict.fromkeys(["env", "prefill-tiles", "lora", "offload", "structured", "kv-transfer"],
+                                              "PASS"), summary
+    assert summary["figures"]["structured"]["rows"][0]["batch"] == 1
     assert summary["part"] == "features" and summary["passed"]
     lora = {(r["requests_on"], r["engine"], r["path"]): r for r in summary["figures"]["lora"]["rows"]}
     assert lora[("base only", "LoRA on, 16 slots", "default")]["vs_base"] == 1.0
