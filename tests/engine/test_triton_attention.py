@@ -224,6 +224,36 @@ def test_backend_writes_then_attends_like_the_torch_backend():
     assert max_err(out.cpu(), batch.reference()) <= 1e-5 * batch.v_max
 
 
+def test_prefill_tuning_keeps_the_fastest_launch_and_prompts_take_it(monkeypatch):
+    """tune_prefill (CUDA start-up) runs every candidate launch (here in the interpreter, on a 32-token prompt),
+    keeps the fastest (made-up times: 128-row tiles, 8 warps, 3 stages), and the backend then launches prompt chunks
+    with it, still equal to the reference; short-query batches keep the chooser's launch and Triton's defaults."""
+    from sluice_engine.attention import triton_paged
+
+    backend = TritonPagedAttention(DEVICE)
+    made_up = iter([5.0, 4.0, 3.0, 1.0, 2.0])  # in PREFILL_CANDIDATES' order
+
+    def timer(fn):
+        fn()  # each candidate runs
+        return next(made_up)
+
+    times = backend.tune_prefill(6, 2, 64, torch.float32, 16, DEVICE, max_tokens=32, timer=timer)
+    assert len(times) == len(triton_paged.PREFILL_CANDIDATES)
+    assert backend.prefill_config == (128, 8, 3)
+    seen = []
+    real = tk.paged_attention
+    monkeypatch.setattr(triton_paged.tk, "paged_attention",
+                        lambda *a, **kw: seen.append((kw["launch"], kw.get("num_warps"), kw.get("num_stages")))
+                        or real(*a, **kw))
+    for seqs in ([(0, 40), (20, 30), (5, 1)], [(30, 1), (7, 2)]):
+        batch = Batch(seqs, 6, 2, 64, 16, torch.float32)
+        q, cache, meta = batch.on(DEVICE)
+        out = backend.attend(q, batch.k.to(DEVICE), batch.v.to(DEVICE), cache, meta, batch.scale)
+        assert max_err(out.cpu(), batch.reference()) <= 1e-5 * batch.v_max
+    assert seen[0] == (AttentionLaunch(1, 128), 8, 3)
+    assert seen[1][0].block_m == block_m_for(2, 3) and seen[1][1:] == (None, None)
+
+
 def test_auto_is_never_triton_on_cpu():
     """Off CUDA, auto picks the C++ CPU kernels when they build, else the torch reference."""
     from sluice_engine import cpu_kernels

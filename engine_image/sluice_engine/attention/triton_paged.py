@@ -9,13 +9,22 @@ warm-up reports that set rather than a prediction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..forward_context import AttentionMetadata
 from . import triton_kernels as tk
 from .kernel_buckets import SPLIT_MAX_QUERY_LEN, AttentionLaunch, block_m_for, choose_attention_launch
+
+log = logging.getLogger(__name__)
+
+# Prefill launches the engine times at start-up on CUDA (tune_prefill): (query rows per tile, warps, pipeline
+# stages); None is the kernel's default (kernel_buckets.PREFILL_BLOCK_M rows, its warps, 2 stages). What a Hopper
+# wants (128-row tiles, 8 warps, 3-4 stages) is among them; the fastest on the card serves every prompt.
+PREFILL_CANDIDATES: tuple[tuple[int, int, int] | None, ...] = (None, (64, 8, 3), (128, 8, 2), (128, 8, 3), (128, 8, 4))
+TUNE_PROMPT_TOKENS = 2048
 
 
 class TritonPagedAttention:
@@ -36,6 +45,44 @@ class TritonPagedAttention:
         # Every launch attend() has issued, eager or while a CUDA graph captured it: the variants compiled.
         # Written by the thread that runs the forward; read after warm-up.
         self.issued: set[AttentionLaunch] = set()
+        self.prefill_config: tuple[int, int, int] | None = None  # tune_prefill's choice; None: the default
+
+    def tune_prefill(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                     device: torch.device, max_tokens: int, timer: Callable[[Callable[[], object]], float] | None = None,
+                     ) -> dict[str, float]:
+        """Times each of PREFILL_CANDIDATES on one prompt of min(TUNE_PROMPT_TOKENS, max_tokens) tokens with this
+        rank's heads (random K/V in a shuffled paged cache) and keeps the fastest for every prefill launch; logs
+        the times. timer: fn -> ms (default: CUDA events). Returns the times by config."""
+        from ..quant.gemm_paths import cuda_ms
+
+        timer = timer or cuda_ms
+        group = num_heads // num_kv_heads
+        t = max(SPLIT_MAX_QUERY_LEN + 1, min(TUNE_PROMPT_TOKENS, max_tokens))
+        blocks = -(-t // block_size)
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(t, num_heads, head_dim, generator=g, device=device).to(dtype)
+        cache = torch.randn(2, blocks, block_size, num_kv_heads, head_dim, generator=g, device=device).to(dtype)
+        table = torch.randperm(blocks, generator=g, device=device).to(torch.int32)[None, :]
+        starts = torch.tensor([0, t], dtype=torch.int32, device=device)
+        lens = torch.tensor([t], dtype=torch.int32, device=device)
+        times = {}
+        for cfg in PREFILL_CANDIDATES:
+            kw = self._prefill_kwargs(cfg, group)
+            launch = kw.pop("launch", AttentionLaunch(1, block_m_for(t, group)))
+            times[cfg] = timer(lambda launch=launch, kw=kw: tk.paged_attention(
+                q, cache[0], cache[1], starts, lens, table, t, head_dim**-0.5, launch=launch, **kw))
+        self.prefill_config = min(times, key=times.get)
+        log.info("prefill attention launch: %s, the fastest of %s on one %d-token prompt (ms)",
+                 self.prefill_config or "the default",
+                 ", ".join(f"{c or 'default'}: {ms:.3f}" for c, ms in times.items()), t)
+        return {str(c or "default"): ms for c, ms in times.items()}
+
+    @staticmethod
+    def _prefill_kwargs(cfg: tuple[int, int, int] | None, group: int) -> dict:
+        if cfg is None:
+            return {}
+        block_m, warps, stages = cfg
+        return {"launch": AttentionLaunch(1, max(block_m, group)), "num_warps": warps, "num_stages": stages}
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                  kv_scale: torch.Tensor | None = None) -> None:
@@ -71,8 +118,12 @@ class TritonPagedAttention:
                 kv_scale=kv_scale,
             )
         launch = self.launch(meta, group, hkv)
+        kw = {}
+        if self.prefill_config is not None and launch.num_splits == 1 and meta.max_query_len > SPLIT_MAX_QUERY_LEN:
+            kw = self._prefill_kwargs(self.prefill_config, group)  # tune_prefill's launch for every prompt chunk
+            launch = kw.pop("launch")
         self.issued.add(launch)
         return tk.paged_attention(
             q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale, launch=launch, kv_scale=kv_scale,
+            meta.max_query_len, scale, launch=launch, kv_scale=kv_scale, **kw,
         )

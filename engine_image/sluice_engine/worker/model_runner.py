@@ -101,6 +101,11 @@ class ModelRunner:
                                 gguf_path=gguf if self.quantization in (*CPU_FORMATS, "auto") else None)
         if cfg.kv_cache_dtype == "fp8":
             self._log_kv_scales()
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            # The prefill launch (tile rows, warps, stages) that is fastest on this card, timed once here
+            # (attention/triton_paged.py) before warm-up compiles it.
+            self.backend.tune_prefill(self.shard.num_heads, self.shard.num_kv_heads, mc.head_dim, self.dtype,
+                                      cfg.block_size, self.device, cfg.max_num_batched_tokens)
         if self.device.type == "cuda" and self.quantization in GPU_FORMATS:
             # Which GEMM each quantized layer's shape takes at each M bucket, timed here once (quant/gemm_paths.py)
             # before warm-up compiles and captures the paths chosen.
