@@ -57,13 +57,15 @@ def test_scaled_mm_is_the_product_of_the_per_token_quantized_activations(per_cha
 def test_the_table_picks_by_m_bucket_and_only_paths_that_apply(table):
     weights, _ = fp8_weights(64, 48, True)
     table.choice[("fp8", 16, 48, 64)] = "scaled_mm"
-    table.choice[("fp8", 64, 48, 64)] = "dequant"
+    table.choice[("fp8", 1024, 48, 64)] = "dequant"
+    table.choice[("fp8", 256, 48, 64)] = "dequant"  # not offered below DEQUANT_MIN_M: ignored
     bf16 = lambda m: torch.zeros(m, 64, dtype=torch.bfloat16)  # noqa: E731
     assert [gemm_paths.m_bucket(m) for m in (1, 2, 16, 17, 64, 65, 5000)] == [1, 16, 16, 64, 64, 256, 4096]
     assert table.pick("fp8", bf16(1), 48, 64) == "triton"  # not measured
     assert table.pick("fp8", bf16(9), 48, 64) == "scaled_mm"
     assert table.pick("fp8", torch.zeros(9, 64), 48, 64) == "triton"  # fp32 activations: no FP8 GEMM writes them
-    assert table.pick("fp8", bf16(33), 48, 64) == "dequant"
+    assert table.pick("fp8", bf16(300), 48, 64) == "dequant"
+    assert table.pick("fp8", bf16(200), 48, 64) == "triton"
     assert table.pick("fp8", bf16(9), 40, 64) == "triton"  # another shape
 
 
@@ -107,7 +109,7 @@ def test_measuring_fills_the_table_with_the_fastest_path_and_the_layers_take_it(
         rows = gemm_paths.measure_model(model, 64, torch.bfloat16, torch.device("cpu"), timer=timer, table=table)
     assert {(r["n"], r["k"]) for r in rows} == {(48, 64), (32, 48)}
     assert [r["m"] for r in rows if (r["n"], r["k"]) == (48, 64)] == [1, 16, 64]
-    assert len(timed) == 2 * 3 * 3  # shapes x buckets x paths (each distinct shape once)
+    assert len(timed) == 2 * 3 * 2  # shapes x buckets x paths (each distinct shape once; dequant: prompts only)
     assert table.choice[("fp8", 16, 48, 64)] == "triton" and table.choice[("fp8", 64, 48, 64)] == "scaled_mm"
     assert table.forced is None
     assert "quantized GEMM paths by shape" in caplog.text and "scaled_mm" in caplog.text

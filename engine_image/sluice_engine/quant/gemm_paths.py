@@ -32,6 +32,10 @@ E4M3_MAX = 448.0
 M_BUCKETS = (1, 16, 64, 256, 1024, 4096)
 PATHS = {"fp8": ("triton", "scaled_mm", "dequant"), "awq": ("triton", "dequant"), "gptq": ("triton", "dequant")}
 FORMAT_OF = {"Fp8Weights": "fp8", "AwqWeights": "awq", "GptqWeights": "gptq"}
+# The dequant path is offered to prompt-sized M only: its torch dequantization copies small index tensors to the
+# device (not capturable), and a decode batch's M (up to the largest CUDA graph) must take the same path eager and
+# replayed. Where dequantizing pays (a GEMM's cost well above one pass over the weights) M is large anyway.
+DEQUANT_MIN_M = 257
 
 
 def m_bucket(m: int) -> int:
@@ -49,6 +53,9 @@ class GemmTable:
     def pick(self, fmt: str, x: torch.Tensor, n: int, k: int) -> str:
         path = self.forced or self.choice.get((fmt, m_bucket(x.numel() // k), n, k), "triton")
         if path == "scaled_mm" and not scaled_mm_applies(fmt, x, n, k):
+            return "triton"
+        if path == "dequant" and (x.numel() // k < DEQUANT_MIN_M and not self.forced
+                                  or x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return "triton"
         return path
 
@@ -130,6 +137,8 @@ def measure_model(model: torch.nn.Module, max_m: int, dtype: torch.dtype, device
             times = {}
             try:
                 for path in PATHS[fmt]:
+                    if path == "dequant" and m < DEQUANT_MIN_M:
+                        continue
                     table.forced = path
                     if table.pick(fmt, x, n, k) != path:
                         continue  # does not apply here (scaled_mm off Hopper, or not bf16)
