@@ -22,10 +22,14 @@ def layer_draft(model_dir, tmp_path_factory):
     return write_layer_draft(model_dir, tmp_path_factory.mktemp("draft") / "smollm2-8l", 8)
 
 
+# Every passage, each asked two ways ("Repeat ... exactly": a draft's tokens mostly right; "Summarise": mostly not).
+GREEDY_PROMPTS = PROMPTS[::2]
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     llm = LLM(str(model_dir), kv_cache_memory=64 << 20)
-    encoded = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    encoded = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in GREEDY_PROMPTS]
     want = [c.token_ids for c in llm.generate(encoded, SamplingParams(max_tokens=16, temperature=0))]
     return encoded, want
 
@@ -37,9 +41,9 @@ def test_greedy_output_is_identical_with_a_draft_model(model_dir, layer_draft, r
     draft_dir = layer_draft if draft == "layers-8" else model_dir
     llm = LLM(str(model_dir), kv_cache_memory=64 << 20, draft_model=str(draft_dir), num_speculative_tokens=4)
     params = SamplingParams(max_tokens=16, temperature=0)
-    assert len(encoded) >= 32
+    assert len(encoded) == 16
     # Concurrent, in groups of 8 (the default --speculative-disable-batch-size): drafts batched.
-    assert [c.token_ids for i in range(0, 32, 8) for c in llm.generate(encoded[i : i + 8], params)] == want
+    assert [c.token_ids for i in range(0, 16, 8) for c in llm.generate(encoded[i : i + 8], params)] == want
     assert [llm.generate([e], params)[0].token_ids for e in encoded[::4]] == want[::4]  # batch 1
     st = llm.engine.stats
     assert st.spec_draft_tokens > 0
@@ -68,8 +72,11 @@ def test_sampled_output_distribution_matches_with_a_draft_model(model_dir):
     on = LLM(str(model_dir), draft_model=str(model_dir), num_speculative_tokens=2, **base)
     prompt = off.tokenizer.encode_chat([{"role": "user", "content": "Pick a random fruit and name it."}])
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=8)
-    samples = {name: [tuple(c.token_ids[1:3]) for _ in range(12)
-                      for c in llm.generate([prompt] * 8, params) if len(c.token_ids) == 3]
+    # With the draft in groups of 8 (the default --speculative-disable-batch-size: drafts batched); without one
+    # nothing speculates, and the reference draws come in one batch.
+    batches = {"off": [96], "on": [8] * 12}
+    samples = {name: [tuple(c.token_ids[1:3]) for n in batches[name]
+                      for c in llm.generate([prompt] * n, params) if len(c.token_ids) == 3]
                for name, llm in (("off", off), ("on", on))}
     assert on.engine.stats.spec_accepted_tokens > 0
     for pos in (0, 1):
