@@ -116,14 +116,18 @@ BODIES = [
 
 @pytest.mark.slow
 def test_the_core_process_serves_what_the_engine_thread_serves(start_server) -> None:
-    in_process = start_server("--no-engine-process")
-    core = start_server()  # the default: an engine-core process
-    for body in BODIES:
-        a, b = _complete(in_process.url, body), _complete(core.url, body)
-        assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]], body
-        assert [c["finish_reason"] for c in a["choices"]] == [c["finish_reason"] for c in b["choices"]]
-        assert [c["logprobs"] for c in a["choices"]] == [c["logprobs"] for c in b["choices"]]
-        assert a["usage"] == b["usage"]
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The two servers start side by side, and each body goes to both at once (one request at a time per server).
+    # The second has the default flags: an engine-core process.
+    with ThreadPoolExecutor(2) as pool:
+        in_process, core = pool.map(lambda flags: start_server(*flags), [("--no-engine-process",), ()])
+        for body in BODIES:
+            a, b = pool.map(lambda url, body=body: _complete(url, body), [in_process.url, core.url])
+            assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]], body
+            assert [c["finish_reason"] for c in a["choices"]] == [c["finish_reason"] for c in b["choices"]]
+            assert [c["logprobs"] for c in a["choices"]] == [c["logprobs"] for c in b["choices"]]
+            assert a["usage"] == b["usage"]
     # The refusals keep their field: a prompt past the window is refused by the API, a bad seed by the core's
     # request checks (it needs the device's generator).
     r = httpx.post(f"{core.url}/v1/completions", timeout=30,
