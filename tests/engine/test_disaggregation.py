@@ -8,6 +8,8 @@ are sealed with it, and push_to is honoured only with a hop token made with it. 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from openai import BadRequestError, OpenAI
 from parity_prompts import PROMPTS as PARITY_PROMPTS
@@ -37,14 +39,23 @@ def kv_params(push_to: str) -> dict:
     return {"kv_transfer_params": {"push_to": push_to, "hop_token": KVKey(SECRET.encode()).hop_token(push_to)}}
 
 
+def start_together(start_server, *flag_sets: tuple[str, ...]) -> list:
+    """Servers that need nothing of each other, started side by side (each start is mostly one process's imports
+    and model load: on a 2-core box two of them overlap)."""
+    with ThreadPoolExecutor(len(flag_sets)) as pool:
+        return list(pool.map(lambda flags: start_server(*flags), flag_sets))
+
+
 @pytest.fixture(scope="module")
 def pools(start_server, key_args):
     kv_port = free_port()
-    decode = start_server(*COMMON, *key_args, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
-                          "--kv-offload-bytes", "256MiB")
-    # Chunked prefill on the prefill side (a 64-token budget): the blocks it pushes were computed in chunks.
-    prefill = start_server(*COMMON, *key_args, "--kv-role", "prefill", "--max-num-batched-tokens", "64")
-    alone = start_server(*COMMON)
+    decode, prefill, alone = start_together(
+        start_server,
+        (*COMMON, *key_args, "--kv-role", "decode", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
+         "--kv-offload-bytes", "256MiB"),
+        # Chunked prefill on the prefill side (a 64-token budget): the blocks it pushes were computed in chunks.
+        (*COMMON, *key_args, "--kv-role", "prefill", "--max-num-batched-tokens", "64"),
+        COMMON)
     return prefill, decode, alone, kv_port
 
 
@@ -74,6 +85,13 @@ def _client(server) -> OpenAI:
     return OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
+def side_by_side(*calls):
+    """The calls' results, made at once: requests to different servers (the path under test and the colocated
+    reference) overlap instead of waiting for each other."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def test_a_request_prefilled_on_one_engine_is_decoded_on_another_as_if_computed_there(pools):
     prefill, decode, alone, kv_port = pools
     for k, prompt in enumerate(PROMPTS):
@@ -84,8 +102,8 @@ def test_a_request_prefilled_on_one_engine_is_decoded_on_another_as_if_computed_
         # The answer of a pushing request comes once its push has ended: the blocks are at the decode engine now.
         assert prefill.metrics()["sluice_kv_pushes_total"] == k + 1
         kw = dict(prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
-        got = _client(decode).completions.create(model=decode.model, **kw)
-        want = _client(alone).completions.create(model=alone.model, **kw)
+        got, want = side_by_side(lambda kw=kw: _client(decode).completions.create(model=decode.model, **kw),
+                                 lambda kw=kw: _client(alone).completions.create(model=alone.model, **kw))
         assert got.usage.prompt_tokens_details.cached_tokens == min(blocks, (got.usage.prompt_tokens - 1) // 16) * 16
         assert want.usage.prompt_tokens_details.cached_tokens == 0
         assert got.choices[0].text == want.choices[0].text
@@ -137,8 +155,9 @@ def test_completions_through_the_prefill_hop_equal_one_engine_and_hf(pools, rout
     pushes = prefill.metrics()["sluice_kv_pushes_total"]
     kw = dict(max_tokens=8, temperature=0, logprobs=1)
     for prompt in PROMPTS:
-        got = _client(routed).completions.create(model=routed.model, prompt=prompt + " once", **kw)
-        want = _client(alone).completions.create(model=alone.model, prompt=prompt + " once", **kw)
+        got, want = side_by_side(
+            lambda prompt=prompt: _client(routed).completions.create(model=routed.model, prompt=prompt + " once", **kw),
+            lambda prompt=prompt: _client(alone).completions.create(model=alone.model, prompt=prompt + " once", **kw))
         _same(got, want)
         # The prompt's full blocks came from the prefill engine (the last token is always computed here).
         assert got.usage.prompt_tokens_details.cached_tokens == (got.usage.prompt_tokens - 1) // 16 * 16
@@ -161,8 +180,8 @@ def test_the_parity_set_through_the_prefill_hop_equals_one_engine(pools, routed)
     before = hops(routed)
     kw = dict(max_tokens=16, temperature=0, logprobs=1)
     for prompt in PARITY_PROMPTS:
-        got = _client(routed).completions.create(model=routed.model, prompt=prompt, **kw)
-        _same(got, _client(alone).completions.create(model=alone.model, prompt=prompt, **kw))
+        _same(*side_by_side(lambda prompt=prompt: _client(routed).completions.create(model=routed.model, prompt=prompt, **kw),
+                            lambda prompt=prompt: _client(alone).completions.create(model=alone.model, prompt=prompt, **kw)))
     after = hops(routed)
     assert after["ok"] - before.get("ok", 0) >= 4 and after["skipped"] - before.get("skipped", 0) >= 4
     assert after["ok"] + after["skipped"] - before.get("ok", 0) - before.get("skipped", 0) == len(PARITY_PROMPTS)
