@@ -6,6 +6,7 @@ more adapters than slots are swapped in and out."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -41,7 +42,20 @@ def adapters(hf_model, tmp_path_factory):
     return out
 
 
+# HF's answers by model (the base or a PEFT model) and prompt: several tests hold the engine to the same ones (one
+# batch, the server, each sharded layout), computed once. Weak keys: an answer lives no longer than its model.
+_HF_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(model, tokenizer, prompt: str) -> tuple[list[int], list[float]]:
+    """HF's greedy continuation of `prompt` and its logprobs (every caller passes the bundled model's tokenizer)."""
+    answers = _HF_GREEDY.setdefault(model, {})
+    if prompt not in answers:
+        answers[prompt] = _hf_greedy(model, tokenizer, prompt)
+    return answers[prompt]
+
+
+def _hf_greedy(model, tokenizer, prompt: str) -> tuple[list[int], list[float]]:
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
         seq = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
