@@ -291,8 +291,9 @@ KV_CACHE_DTYPES = ["auto", pytest.param("fp8", marks=pytest.mark.slow)]
 
 @needs_interpreter
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
-def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama, kv_cache_dtype):
-    torch.set_num_threads(1)  # the interpreter runs numpy on tiny tiles: threads only add overhead
+def test_decode_steps_replay_padded_graphs_with_the_eager_logits(tiny_llama, kv_cache_dtype, one_thread):
+    # one_thread: the interpreter runs numpy on tiny tiles, where threads only add overhead (restored after the
+    # module: a bare torch.set_num_threads(1) here left every later test of the session on one thread)
     graphed = _runner(tiny_llama, kv_cache_dtype=kv_cache_dtype)
     eager = _runner(tiny_llama, kv_cache_dtype=kv_cache_dtype)
     assert graphed.graphs is None  # on CPU the runner does not capture; this test does, with a stand-in
@@ -399,7 +400,7 @@ def tiny_llama_4k(tiny_llama, tmp_path_factory):
 
 
 @needs_interpreter
-def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monkeypatch):
+def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monkeypatch, one_thread):
     """The runner captures each size at every split count its batches can get, and a decode step replays the
     graph whose count is the backend's choice for the step's contexts: short contexts unsplit, a long one split
     as far as it needs (an eager step of the same batch launches the same), never the count of the longest
@@ -411,7 +412,6 @@ def test_the_replayed_split_count_follows_the_live_contexts(tiny_llama_4k, monke
     )
     from sluice_engine.worker import model_runner
 
-    torch.set_num_threads(1)
     monkeypatch.setattr(model_runner, "graphs_off_reason", lambda *a: None)  # as on a GPU
     monkeypatch.setattr(model_runner.ModelRunner, "_graph_api", lambda self: ReplayByRerun())
 
@@ -487,8 +487,7 @@ def lora_steps(refs) -> list[SchedulerOutput]:
 
 
 @needs_interpreter
-def test_decode_graphs_replay_lora_rows_by_their_slot_input(tiny_llama, tmp_path, monkeypatch):
-    torch.set_num_threads(1)
+def test_decode_graphs_replay_lora_rows_by_their_slot_input(tiny_llama, tmp_path, monkeypatch, one_thread):
     refs = [_tiny_adapter(tmp_path / "one", 1), _tiny_adapter(tmp_path / "two", 2)]
     graphed = _runner(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=8)
     eager = _runner(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=8)
