@@ -70,6 +70,20 @@ def _replicas(loop: Loop, name: str) -> int | None:
     return None if deploy is None else deploy["spec"].get("replicas")
 
 
+def _scaling_state(loop: Loop, name: str) -> str:
+    """What a failed scaling wait saw, for its message: the serving Deployment's replicas, each pod of the endpoint
+    (role, phase, Ready, being deleted), the ScaledObject's conditions, and the tails of the loop's logs (operator,
+    gateway, KEDA, pod runner, Prometheus). A scale-to-zero wait once timed out in a full CI run (145 s; ~24 s
+    alone) with nothing else to go on."""
+    pods = [(p["metadata"]["labels"].get(ROLE_LABEL), p["status"].get("phase"), _ready(p),
+             bool(p["metadata"].get("deletionTimestamp"))) for p in _pods(loop, name)]
+    scaled = loop.cluster.json("get", "scaledobjects.keda.sh", "-n", NAMESPACE)["items"]
+    conditions = {o["metadata"]["name"]: [(c["type"], c["status"], c.get("reason"), c.get("message"))
+                                          for c in o.get("status", {}).get("conditions") or []] for o in scaled}
+    return (f"\nserving replicas: {_replicas(loop, name)}\npods (role, phase, ready, deleting): {pods}\n"
+            f"ScaledObjects: {conditions}\n{loop.logs()}")
+
+
 def _metric(loop: Loop, name: str, **labels: str) -> float:
     """The sum of the gateway's samples of `name` that carry `labels`."""
     want = [f'{k}="{v}"' for k, v in labels.items()]
@@ -106,9 +120,12 @@ def test_the_warm_pool_answers_the_first_request_and_keda_still_scales_up(loop: 
                           60)
         assert warm["spec"]["replicas"] == 1, warm["spec"]
         started = time.monotonic()
-        wait_until("the serving Deployment at zero, its pods gone, the standby Ready", lambda: (
-            _replicas(loop, name) == 0 and not _pods(loop, name, SERVING)
-            and [p for p in _pods(loop, name, STANDBY) if _ready(p)]), 10 + COOLDOWN_S + 120, interval=1)
+        try:
+            wait_until("the serving Deployment at zero, its pods gone, the standby Ready", lambda: (
+                _replicas(loop, name) == 0 and not _pods(loop, name, SERVING)
+                and [p for p in _pods(loop, name, STANDBY) if _ready(p)]), 10 + COOLDOWN_S + 120, interval=1)
+        except AssertionError as e:
+            raise AssertionError(f"{e}{_scaling_state(loop, name)}") from None
         print(f"\nserving at zero, standby Ready: {time.monotonic() - started:.0f} s after the warm Deployment")
         wait_until("the gateway to see the standby ready", lambda: _metric(
             loop, "sluice_gateway_backends", endpoint=model, role=STANDBY, state="ready") >= 1, 30)
