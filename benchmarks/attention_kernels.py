@@ -207,13 +207,10 @@ def run_prefill(args, tk, device) -> list[dict]:
 
 
 def config_kwargs(cfg, group: int) -> dict:
-    """paged_attention's keywords for one of PREFILL_CONFIGS (None: the defaults)."""
-    from sluice_engine.attention.kernel_buckets import AttentionLaunch
+    """paged_attention's keywords for one of PREFILL_CONFIGS (None: the defaults): the engine's own mapping."""
+    from sluice_engine.attention.triton_paged import prefill_launch_kwargs
 
-    if cfg is None:
-        return {}
-    block_m, warps, stages = cfg
-    return {"launch": AttentionLaunch(1, max(block_m, group)), "num_warps": warps, "num_stages": stages}
+    return prefill_launch_kwargs(cfg, group)
 
 
 def config_name(cfg) -> str:

@@ -27,6 +27,15 @@ PREFILL_CANDIDATES: tuple[tuple[int, int, int] | None, ...] = (None, (64, 8, 3),
 TUNE_PROMPT_TOKENS = 2048
 
 
+def prefill_launch_kwargs(cfg: tuple[int, int, int] | None, group: int) -> dict:
+    """paged_attention's keywords (launch, num_warps, num_stages) for one of PREFILL_CANDIDATES-style configs (rows
+    per tile, warps, stages); None: {} (the defaults). Also benchmarks/attention_kernels.py --prefill-sweep's."""
+    if cfg is None:
+        return {}
+    block_m, warps, stages = cfg
+    return {"launch": AttentionLaunch(1, max(block_m, group)), "num_warps": warps, "num_stages": stages}
+
+
 class TritonPagedAttention:
     name = "triton"
 
@@ -67,7 +76,7 @@ class TritonPagedAttention:
         lens = torch.tensor([t], dtype=torch.int32, device=device)
         times = {}
         for cfg in PREFILL_CANDIDATES:
-            kw = self._prefill_kwargs(cfg, group)
+            kw = prefill_launch_kwargs(cfg, group)
             launch = kw.pop("launch", AttentionLaunch(1, block_m_for(t, group)))
             times[cfg] = timer(lambda launch=launch, kw=kw: tk.paged_attention(
                 q, cache[0], cache[1], starts, lens, table, t, head_dim**-0.5, launch=launch, **kw))
@@ -76,13 +85,6 @@ class TritonPagedAttention:
                  self.prefill_config or "the default",
                  ", ".join(f"{c or 'default'}: {ms:.3f}" for c, ms in times.items()), t)
         return {str(c or "default"): ms for c, ms in times.items()}
-
-    @staticmethod
-    def _prefill_kwargs(cfg: tuple[int, int, int] | None, group: int) -> dict:
-        if cfg is None:
-            return {}
-        block_m, warps, stages = cfg
-        return {"launch": AttentionLaunch(1, max(block_m, group)), "num_warps": warps, "num_stages": stages}
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                  kv_scale: torch.Tensor | None = None) -> None:
@@ -120,7 +122,7 @@ class TritonPagedAttention:
         launch = self.launch(meta, group, hkv)
         kw = {}
         if self.prefill_config is not None and launch.num_splits == 1 and meta.max_query_len > SPLIT_MAX_QUERY_LEN:
-            kw = self._prefill_kwargs(self.prefill_config, group)  # tune_prefill's launch for every prompt chunk
+            kw = prefill_launch_kwargs(self.prefill_config, group)  # tune_prefill's launch for every prompt chunk
             launch = kw.pop("launch")
         self.issued.add(launch)
         return tk.paged_attention(
