@@ -100,16 +100,16 @@ def machine_idle_seconds() -> float:
 
 
 # -- the client -----------------------------------------------------------------------------------------
-def run_seed(a, input_len: int, rnd: int, stream: bool) -> int:
-    """The client's --seed for one run: the same for every server at a point, round and mode, different between
+def run_seed(a, input_len: int, rnd: int) -> int:
+    """The client's --seed for one run: the same for every server at a point and round, different between
     them. vLLM's random dataset makes prompt i of consecutive token ids from an offset drawn from the seed, so one
     seed for everything would hand a server the prompts (or, at a longer input, their prefixes) it has already
     cached: its second run would be served from the prefix cache."""
-    return a.seed + 1000 * input_len + 10 * rnd + (0 if stream else 1)
+    return a.seed + 1000 * input_len + 10 * rnd
 
 
-def run_client(a, url: str, model: str, input_len: int, stream: bool, out_dir: Path, name: str, seed: int) -> dict:
-    fname = f"{name}-in{input_len}-{'stream' if stream else 'nostream'}-{time.monotonic_ns()}.json"
+def run_client(a, url: str, model: str, input_len: int, out_dir: Path, name: str, seed: int) -> dict:
+    fname = f"{name}-in{input_len}-{time.monotonic_ns()}.json"
     cmd = [str(Path(a.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url,
            "--model", model, "--tokenizer", a.hf_dir, "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(a.output_len), "--ignore-eos",
@@ -164,16 +164,16 @@ def engine_delta(before: dict[str, float] | None, after: dict[str, float] | None
     return d
 
 
-def measure(a, server: Server, model: str, input_len: int, rnd: int, stream: bool, out_dir: Path) -> dict:
-    seed = run_seed(a, input_len, rnd, stream)
+def measure(a, server: Server, model: str, input_len: int, rnd: int, out_dir: Path) -> dict:
+    seed = run_seed(a, input_len, rnd)
     counters0 = engine_counters(server)
     before, idle0, t0 = process_tree_cpu(server.proc.pid), machine_idle_seconds(), time.monotonic()
-    r = run_client(a, server.url, model, input_len, stream, out_dir, server.name, seed)
+    r = run_client(a, server.url, model, input_len, out_dir, server.name, seed)
     wall = time.monotonic() - t0
     after, idle1 = process_tree_cpu(server.proc.pid), machine_idle_seconds()
     counters1 = engine_counters(server)
     row = {
-        "server": server.name, "input_len": input_len, "stream": stream, "round": rnd, "seed": seed,
+        "server": server.name, "input_len": input_len, "round": rnd, "seed": seed,
         "output_tok_s": round(r["output_throughput"], 1),
         "ttft_p50_ms": round(r["median_ttft_ms"], 1), "ttft_p99_ms": round(r["p99_ttft_ms"], 1),
         "tpot_p50_ms": round(r["median_tpot_ms"], 1), "itl_p50_ms": round(r["median_itl_ms"], 1),
@@ -289,7 +289,7 @@ def main() -> None:
                 longest = max(n for n in (int(x) for x in a.input_lens.split(","))
                               if f"{srv.name}@{n}" not in a.skip.split(","))
                 print(f"warm-up of {srv.name}: {a.num_prompts} prompts of {longest} tokens", flush=True)
-                run_client(a, srv.url, model, longest, True, out_dir, f"warmup-{srv.name}", a.seed + 7)
+                run_client(a, srv.url, model, longest, out_dir, f"warmup-{srv.name}", a.seed + 7)
         rows = []
         for input_len in [int(x) for x in a.input_lens.split(",")]:
             for rnd in range(a.rounds):
@@ -297,7 +297,7 @@ def main() -> None:
                 for srv, model in order:
                     if f"{srv.name}@{input_len}" in a.skip.split(","):
                         continue
-                    rows.append(measure(a, srv, model, input_len, rnd, True, out_dir))
+                    rows.append(measure(a, srv, model, input_len, rnd, out_dir))
     finally:
         for srv, _ in servers:
             stop_tree(srv)
@@ -307,46 +307,37 @@ def main() -> None:
 
 
 def report(rows: list[dict], a) -> None:
-    """Medians over the rounds, one line per server and point, then Sluice's ratios."""
-    def med(name, input_len, stream, key):
-        vals = [r[key] for r in rows if r["server"] == name and r["input_len"] == input_len and r["stream"] == stream]
+    """Medians over the rounds, one line per server and point, then Sluice's ratios and engine counters."""
+    def med(name, input_len, key):
+        vals = [r[key] for r in rows if r["server"] == name and r["input_len"] == input_len]
         return statistics.median(vals) if vals else None
 
     names = list(dict.fromkeys(r["server"] for r in rows))
     print(f"\nmedians of {a.rounds} round(s); {a.num_prompts} prompts, c{a.max_concurrency}, "
-          f"{a.output_len} output tokens, --ignore-eos")
-    print("| input | server | stream | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms |")
-    print("|---:|---|---|---:|---:|---:|---:|")
+          f"{a.output_len} output tokens, --ignore-eos, streamed")
+    print("| input | server | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms |")
+    print("|---:|---|---:|---:|---:|---:|")
     for input_len in dict.fromkeys(r["input_len"] for r in rows):
         for name in names:
-            for stream in (True, False):
-                tok = med(name, input_len, stream, "output_tok_s")
-                if tok is None:
-                    continue
-                print(f"| {input_len} | {name} | {'yes' if stream else 'no'} | {tok:.1f} | "
-                      f"{med(name, input_len, stream, 'ttft_p50_ms'):.0f} | {med(name, input_len, stream, 'tpot_p50_ms'):.1f} | "
-                      f"{med(name, input_len, stream, 'itl_p50_ms'):.1f} |")
-        s_tok, s_ttft = med("sluice", input_len, True, "output_tok_s"), med("sluice", input_len, True, "ttft_p50_ms")
+            tok = med(name, input_len, "output_tok_s")
+            if tok is None:
+                continue
+            print(f"| {input_len} | {name} | {tok:.1f} | {med(name, input_len, 'ttft_p50_ms'):.0f} | "
+                  f"{med(name, input_len, 'tpot_p50_ms'):.1f} | {med(name, input_len, 'itl_p50_ms'):.1f} |")
+        s_tok, s_ttft = med("sluice", input_len, "output_tok_s"), med("sluice", input_len, "ttft_p50_ms")
         for name in names[1:]:
-            v_tok, v_ttft = med(name, input_len, True, "output_tok_s"), med(name, input_len, True, "ttft_p50_ms")
+            v_tok, v_ttft = med(name, input_len, "output_tok_s"), med(name, input_len, "ttft_p50_ms")
             if v_tok is None or s_tok is None:
                 continue  # a run left out (--skip)
             print(f"input {input_len}: sluice / {name}: output tok/s {s_tok / v_tok:.3f}x, TTFT p50 {s_ttft / v_ttft:.3f}x")
         for name in names:
-            for stream in (True, False):
-                eng = [r["engine"] for r in rows if r["server"] == name and r["input_len"] == input_len
-                       and r["stream"] == stream and r.get("engine")]
-                if eng:
-                    print(f"input {input_len}: {name} {'streamed' if stream else 'non-streamed'}: engine steps "
-                          f"{statistics.median(e['steps'] for e in eng):.0f}, tokens per step "
-                          f"{statistics.median(e['tokens_per_step'] for e in eng):.1f}, busy s (prefill, decode) "
-                          f"{statistics.median(e['busy_prefill_s'] for e in eng):.1f}, "
-                          f"{statistics.median(e['busy_decode_s'] for e in eng):.1f}, prefix-cache hit tokens "
-                          f"{statistics.median(e['prefix_hit_tokens'] for e in eng):.0f} (medians)")
-            ns = med(name, input_len, False, "output_tok_s")
-            if ns and med(name, input_len, True, "output_tok_s"):
-                print(f"input {input_len}: {name} streamed / non-streamed output tok/s "
-                      f"{med(name, input_len, True, 'output_tok_s') / ns:.3f}")
+            eng = [r["engine"] for r in rows if r["server"] == name and r["input_len"] == input_len and r.get("engine")]
+            if eng:
+                print(f"input {input_len}: {name}: engine steps {statistics.median(e['steps'] for e in eng):.0f}, "
+                      f"tokens per step {statistics.median(e['tokens_per_step'] for e in eng):.1f}, busy s (prefill, "
+                      f"decode) {statistics.median(e['busy_prefill_s'] for e in eng):.1f}, "
+                      f"{statistics.median(e['busy_decode_s'] for e in eng):.1f}, prefix-cache hit tokens "
+                      f"{statistics.median(e['prefix_hit_tokens'] for e in eng):.0f} (medians)")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,8 @@ class ModelRunner:
         would serve the GGUF's own blocks: 5x fewer bytes per step and llama.cpp's numbers. Said at start-up
         because the two look alike from outside (benchmarks/vllm_bench_serve.py measured the fp32 path as
         Sluice's default until 2026-12-08)."""
-        if cfg.quantization != "auto" or self.quantization != "none" or gguf is not None or self.device.type != "cpu":
+        if (cfg.quantization != "auto" or self.quantization != "none" or gguf is not None or self.device.type != "cpu"
+                or self.shard.tp * self.shard.pp != 1):  # sharded, even the .gguf file is served dense
             return
         from ..models.gguf_checkpoint import gguf_checkpoint
 
